@@ -1,0 +1,139 @@
+"""`pp-runtime` command line (DESIGN.md §3.1); ``python -m launch.cli`` is the same.
+
+    pp-runtime generate --prompt "What is the capital of France?" --chat
+    pp-runtime generate --model llama-tiny --input in.jsonl --output out.jsonl --pp 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pp_runtime.config import DTYPES, SCHEDULER_POLICIES
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse's default prints usage too)
+        print(f"pp-runtime: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF folder, .gguf file or preset (default smollm2-135m)")
+    p.add_argument("--pp", type=_positive_int, default=1, help="pipeline stages")
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--partition", default=None, help="layers per stage, comma separated (e.g. 16,14)")
+    p.add_argument("--launcher", choices=("local", "ray", "torchrun"), default=None)
+    p.add_argument("--scheduler", choices=SCHEDULER_POLICIES, default="sarathi")
+    p.add_argument("--chunk-size", type=_positive_int, default=256)
+    p.add_argument("--max-batch-size", type=_positive_int, default=None,
+                   help="default: the paper's B from the memory budget, capped at 64")
+    p.add_argument("--tile-align", action="store_true", help="chunk = C − decodes: every batch is C tokens")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--attention", choices=("torch", "xformers", "auto"), default="auto")
+    p.add_argument("--memory-budget-gb", type=float, default=None, help="M_G per worker (CPU default 4)")
+    p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("--max-model-len", type=_positive_int, default=None)
+    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--run-dir", default=None)
+    p.add_argument("--quiet", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pp-runtime", description="pipeline-parallel LLM inference (SARATHI)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    g = sub.add_parser("generate", help="generate for JSONL requests or --prompt texts")
+    add_engine_args(g)
+    g.add_argument("--input", help="JSONL requests (DESIGN.md §3.3)")
+    g.add_argument("--output", help="JSONL results (default: stdout)")
+    g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template to --prompt")
+    g.add_argument("--max-tokens", type=_positive_int, default=64, help="default max_tokens")
+    g.add_argument("--temperature", type=float, default=0.0, help="default temperature")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    return parser
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    partition = None
+    if a.partition:
+        try:
+            partition = [int(x) for x in a.partition.split(",")]
+        except ValueError:
+            raise ValueError(f"--partition must be comma-separated integers, got {a.partition!r}") from None
+    return dict(model=a.model, pp=a.pp, tp=a.tp, launcher=a.launcher, scheduler=a.scheduler,
+                chunk_size=a.chunk_size, max_batch_size=a.max_batch_size, tile_align=a.tile_align,
+                dtype=a.dtype, device=a.device, attention=a.attention, seed=a.seed, block_size=a.block_size,
+                memory_budget_gb=a.memory_budget_gb, max_model_len=a.max_model_len, partition=partition,
+                threads=a.threads, verbose=not a.quiet)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from pp_runtime import LLM, SamplingParams
+    from pp_runtime.jsonl import read_requests, write_results
+    if bool(a.input) == bool(a.prompt):
+        raise ValueError("give either --input FILE or --prompt TEXT")
+    if a.input and not Path(a.input).is_file():
+        raise ValueError(f"--input {a.input}: no such file")
+    if a.chat and not a.prompt:
+        raise ValueError("--chat applies to --prompt texts")
+    defaults = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+    lines = read_requests(a.input, defaults) if a.input else None
+    with LLM(**engine_kwargs(a)) as llm:
+        if lines is None:
+            reqs = [llm.make_request(f"prompt{i}", _chat(llm, t) if a.chat else t, defaults)
+                    for i, t in enumerate(a.prompt)]
+        else:
+            reqs = [llm.make_request(x.request_id, x.prompt, x.params, x.error) for x in lines]
+        outs = llm.run(reqs, progress=not a.quiet)
+        if a.run_dir:
+            Path(a.run_dir).mkdir(parents=True, exist_ok=True)
+            write_results(str(Path(a.run_dir) / "results.jsonl"), [o.to_json() for o in outs])
+            (Path(a.run_dir) / "workers.json").write_text(json.dumps(
+                [{k: w[k] for k in ("stage", "tp_rank", "pid", "node", "device")} for w in llm.workers_info()],
+                indent=1))
+        if lines is None:
+            for o in outs:
+                print(llm.tokenizer.decode(o.token_ids) if o.finish_reason != "error" else f"error: {o.error}")
+            return 0
+        rows = [o.to_json() for o in outs]
+        if a.output:
+            write_results(a.output, rows)
+        else:
+            for r in rows:
+                print(json.dumps(r))
+    return 0
+
+
+def _chat(llm: object, text: str) -> list[int]:
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"generate": cmd_generate}[args.command](args)
+    except (ValueError, FileNotFoundError) as e:  # user-caused: one line, no traceback
+        print(f"pp-runtime: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pp-runtime: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""MicroBatch: the plan of one pipeline step, as every worker of every stage receives it.
+
+A plan lists sequence chunks: prefill chunks first, then single-token decodes. Each chunk
+says where its tokens start in the sequence (= tokens already in the KV cache), which
+cache blocks the sequence owns, and whether the last stage samples after it. The plan
+is plain Python (no tensors, no engine objects); ``to_wire`` packs it into a tuple of
+flat lists so that Ray calls and torch.distributed broadcasts stay small.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """Sampling for one sampled sequence; ``seed`` already mixes engine and request seeds."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    seq_id: int
+    start: int  # position of the first token of this chunk (tokens already cached before it)
+    token_ids: tuple[int, ...]
+    block_table: tuple[int, ...]
+    is_prefill: bool
+    sample: SampleSpec | None  # None: a non-final prefill chunk, nothing to sample
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens this chunk attends over: the cached ones plus itself."""
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    mb_id: int
+    chunks: tuple[SeqChunk, ...]
+    request_ids: tuple[str, ...] = field(default=(), compare=False)  # for timing logs only
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks if c.is_prefill)
+
+    @property
+    def decode_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks if not c.is_prefill)
+
+    @property
+    def kv_tokens(self) -> int:
+        return sum(c.context_len for c in self.chunks)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(1 for c in self.chunks if c.sample is not None)
+
+    def to_wire(self) -> tuple:
+        """Flat lists: (mb_id, seq_ids, starts, lens, is_prefill, tokens, table_lens, tables, samples)."""
+        samples = [(i, s.temperature, s.top_p, s.top_k, s.seed)
+                   for i, c in enumerate(self.chunks) if (s := c.sample) is not None]
+        return (self.mb_id,
+                [c.seq_id for c in self.chunks],
+                [c.start for c in self.chunks],
+                [c.num_tokens for c in self.chunks],
+                [c.is_prefill for c in self.chunks],
+                [t for c in self.chunks for t in c.token_ids],
+                [len(c.block_table) for c in self.chunks],
+                [b for c in self.chunks for b in c.block_table],
+                samples)
+
+    @classmethod
+    def from_wire(cls, wire: tuple) -> "MicroBatch":
+        mb_id, seq_ids, starts, lens, prefill, tokens, table_lens, tables, samples = wire
+        specs = {i: SampleSpec(t, p, k, s) for i, t, p, k, s in samples}
+        chunks, tok_off, tab_off = [], 0, 0
+        for i, seq_id in enumerate(seq_ids):
+            chunks.append(SeqChunk(seq_id, starts[i], tuple(tokens[tok_off:tok_off + lens[i]]),
+                                   tuple(tables[tab_off:tab_off + table_lens[i]]), prefill[i],
+                                   specs.get(i)))
+            tok_off += lens[i]
+            tab_off += table_lens[i]
+        return cls(mb_id, tuple(chunks))

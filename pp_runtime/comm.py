@@ -1,0 +1,106 @@
+"""Process-group topology and point-to-point activation transfer between stages.
+
+world = pp × tp workers, rank = stage · tp + tp_rank. TP rank r of stage s sends its output
+to TP rank r of stage s + 1 (every TP rank holds the full hidden state after the row-parallel
+all-reduce, so each pair moves one copy). Every rank creates every TP group in the same
+order, as torch.distributed requires.
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    pp: int
+    tp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp
+
+    def rank(self, stage: int, tp_rank: int) -> int:
+        return stage * self.tp + tp_rank
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        return divmod(rank, self.tp)
+
+    def tp_ranks(self, stage: int) -> list[int]:
+        return [self.rank(stage, r) for r in range(self.tp)]
+
+
+def init_distributed(topo: Topology, rank: int, backend: str, init_method: str,
+                     timeout_s: float = 120.0) -> object | None:
+    """Join the world and build the TP groups; returns this rank's TP group (None when tp=1)."""
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=topo.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    mine = None
+    stage, _ = topo.coords(rank)
+    for s in range(topo.pp):  # same order on every rank
+        group = dist.new_group(topo.tp_ranks(s)) if topo.tp > 1 else None
+        if s == stage:
+            mine = group
+    return mine
+
+
+class P2P:
+    """Activation transfer over torch.distributed: recv from the previous stage, send to the next.
+
+    Sends are asynchronous; a stage runs micro-batches in issue order, so its receiver posts
+    matching receives in the same order. Handles are kept until the next send so the tensor
+    stays alive while in transit.
+    """
+
+    def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device) -> None:
+        self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
+        self._pending: collections.deque = collections.deque()
+
+    def recv_forward(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(buf, src=self.prev_rank)
+        return buf
+
+    def send_forward(self, tensor: torch.Tensor) -> None:
+        while self._pending and self._pending[0][0].is_completed():
+            self._pending.popleft()
+        t = tensor.contiguous()
+        self._pending.append((dist.isend(t, dst=self.next_rank), t))
+
+    def flush(self) -> None:
+        while self._pending:
+            self._pending.popleft()[0].wait()
+
+
+class LocalLink:
+    """In-process stand-in for P2P: stages of one process hand hidden states through queues.
+
+    ``links = LocalLink.chain(pp)`` gives stage s a link that receives from stage s − 1's
+    queue and sends into its own.
+    """
+
+    def __init__(self, inbox: collections.deque | None, outbox: collections.deque | None) -> None:
+        self.inbox, self.outbox = inbox, outbox
+
+    @staticmethod
+    def chain(pp: int) -> list["LocalLink"]:
+        queues: list[collections.deque] = [collections.deque() for _ in range(pp - 1)]
+        return [LocalLink(queues[s - 1] if s > 0 else None, queues[s] if s < pp - 1 else None)
+                for s in range(pp)]
+
+    def send_forward(self, tensor: torch.Tensor) -> None:
+        self.outbox.append(tensor)
+
+    def recv_forward(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        t = self.inbox.popleft()
+        if tuple(t.shape) != tuple(shape):
+            raise RuntimeError(f"pipeline plan/shape mismatch: expected {shape}, got {tuple(t.shape)}")
+        return t
+
+    def flush(self) -> None:
+        pass

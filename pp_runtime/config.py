@@ -1,0 +1,189 @@
+"""Frozen, validated configuration dataclasses.
+
+Each config is a small frozen dataclass checked in ``__post_init__``; a bad value
+raises ``ValueError`` naming the field. Values derived at run time (number of KV
+blocks, the paper's B, layer partitions) live in the objects that compute them,
+never written back here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULER_POLICIES = ("sarathi", "orca", "prefill_first", "request_level")
+DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{type(obj).__name__}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a LLaMA-family decoder (LLaMA 2/3, Mistral, Qwen2, SmolLM)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"
+
+    def __post_init__(self) -> None:
+        _positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                  "num_heads", "num_kv_heads", "max_position_embeddings")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelConfig.num_kv_heads={self.num_kv_heads} must divide "
+                             f"num_heads={self.num_heads}")
+        if self.head_dim < 0 or (self.head_dim == 0 and self.hidden_size % self.num_heads):
+            raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be given (> 0) when "
+                             f"num_heads does not divide hidden_size")
+        if self.rope_theta <= 0:
+            raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta}")
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_size
+
+    def params_per_token_flops(self) -> int:
+        """Parameters touched per token by the linear layers (FLOPs/token = 2 × this)."""
+        h, i = self.hidden_size, self.intermediate_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
+        return self.num_layers * per_layer + h * self.vocab_size
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """pp stages × tp ranks; ``partition`` optionally gives the layer count of each stage."""
+
+    pp: int = 1
+    tp: int = 1
+    partition: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _positive(self, "pp", "tp")
+        if self.partition is not None:
+            if len(self.partition) != self.pp:
+                raise ValueError(f"ParallelConfig.partition has {len(self.partition)} entries, pp={self.pp}")
+            if any(n <= 0 for n in self.partition):
+                raise ValueError("ParallelConfig.partition entries must be positive")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp
+
+    def check_model(self, model: ModelConfig) -> None:
+        """Raise ValueError when this split does not fit ``model``."""
+        if self.pp > model.num_layers:
+            raise ValueError(f"pp={self.pp} exceeds the model's num_layers={model.num_layers}")
+        if self.partition is not None and sum(self.partition) != model.num_layers:
+            raise ValueError(f"partition {list(self.partition)} sums to {sum(self.partition)}, "
+                             f"model has {model.num_layers} layers")
+        for name in ("num_heads", "num_kv_heads"):
+            if getattr(model, name) % self.tp:
+                raise ValueError(f"tp={self.tp} does not divide the model's {name}={getattr(model, name)}")
+
+    def layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:
+        """[start, end) per stage: even split, remainder spread over the first stages."""
+        if self.partition is not None:
+            sizes = list(self.partition)
+        else:
+            base, extra = divmod(num_layers, self.pp)
+            sizes = [base + (1 if s < extra else 0) for s in range(self.pp)]
+        ranges, start = [], 0
+        for n in sizes:
+            ranges.append((start, start + n))
+            start += n
+        return ranges
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What goes into each micro-batch.
+
+    chunk_size: the prefill chunk C (sarathi) and the token cap of prefill-only batches.
+    max_batch_size: most sequences in one micro-batch, and most requests running at once.
+    tile_align: sarathi chunk = C − num_decodes, so each batch holds exactly C tokens.
+    """
+
+    policy: str = "sarathi"
+    chunk_size: int = 256
+    max_batch_size: int = 32
+    tile_align: bool = False
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULER_POLICIES:
+            raise ValueError(f"SchedulerConfig.policy must be one of {', '.join(SCHEDULER_POLICIES)}, "
+                             f"got {self.policy!r}")
+        _positive(self, "chunk_size", "max_batch_size", "max_model_len")
+        if self.policy == "sarathi" and self.tile_align and self.chunk_size < self.max_batch_size:
+            raise ValueError(f"SchedulerConfig.chunk_size={self.chunk_size} must be ≥ max_batch_size="
+                             f"{self.max_batch_size} with tile_align (decodes alone would exceed C)")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: ``block_size`` tokens per block.
+
+    memory_budget_bytes is the paper's M_G per worker: weights (M_S) come out of it and the
+    rest holds KV blocks. On CUDA, None means 90% of the device's memory.
+    """
+
+    block_size: int = 16
+    memory_budget_bytes: int | None = 4 << 30
+
+    def __post_init__(self) -> None:
+        _positive(self, "block_size")
+        if self.memory_budget_bytes is not None:
+            _positive(self, "memory_budget_bytes")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    attention: str = "auto"
+    threads: int = 0  # torch threads per worker; 0 leaves torch's default
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"DeviceConfig.device must be cpu or cuda, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"DeviceConfig.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention not in ("torch", "xformers", "auto"):
+            raise ValueError(f"DeviceConfig.attention must be torch, xformers or auto, got {self.attention!r}")
+        if self.threads < 0:
+            raise ValueError(f"DeviceConfig.threads must be ≥ 0, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything a run needs, grouped; ``model_path`` is resolved by stages.weights."""
+
+    model_path: str
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    seed: int = 0

@@ -1,0 +1,57 @@
+"""The driver loop: keep up to ``max_in_flight`` micro-batches in the pipeline.
+
+One engine step is three named calls — schedule (fill the pipeline with plans), run
+(collect the oldest micro-batch's sampled tokens from the executor), postprocess (append
+tokens, finish requests, free their blocks). The engine never touches a tensor.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from pp_runtime.batch import MicroBatch
+from pp_runtime.executor import Executor
+from pp_runtime.request import Request
+from pp_runtime.scheduler import Scheduler
+
+
+class Engine:
+    def __init__(self, scheduler: Scheduler, executor: Executor, max_in_flight: int) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.max_in_flight = max_in_flight
+        self.in_flight: deque[MicroBatch] = deque()
+        self.history: list[MicroBatch] = []  # every plan issued, in issue order
+        self.in_flight_log: list[tuple[int, ...]] = []  # mb ids in flight after each schedule call
+
+    def schedule(self) -> None:
+        while len(self.in_flight) < self.max_in_flight:
+            mb = self.scheduler.schedule()
+            if mb is None:
+                break
+            self.executor.submit(mb)
+            self.in_flight.append(mb)
+            self.history.append(mb)
+        self.in_flight_log.append(tuple(mb.mb_id for mb in self.in_flight))
+
+    def run(self) -> tuple[MicroBatch, list[int]]:
+        mb = self.in_flight.popleft()
+        return mb, self.executor.collect()
+
+    def postprocess(self, mb: MicroBatch, tokens: list[int]) -> list[Request]:
+        return self.scheduler.postprocess(mb, tokens)
+
+    def step(self) -> list[Request]:
+        self.schedule()
+        if not self.in_flight:
+            if self.scheduler.has_unfinished():
+                stuck = [r.request_id for r in list(self.scheduler.running) + list(self.scheduler.waiting)]
+                raise RuntimeError(f"scheduler made no progress with requests {stuck[:8]} unfinished")
+            return []
+        return self.postprocess(*self.run())
+
+    def run_until_done(self, on_finish: Callable[[Request], None] | None = None) -> None:
+        while self.scheduler.has_unfinished() or self.in_flight:
+            for req in self.step():
+                if on_finish:
+                    on_finish(req)

@@ -1,0 +1,60 @@
+"""The interface the engine drives, and its in-process implementation.
+
+An executor owns the workers: ``submit(mb)`` hands a plan to every worker of every stage,
+``collect()`` returns the sampled token ids of the oldest micro-batch still in flight.
+Ray and torchrun implementations live in launch/; this one runs every stage (tp=1) in the
+calling process, handing hidden states from stage to stage through in-process queues.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from pp_runtime.batch import MicroBatch
+from pp_runtime.comm import LocalLink
+from pp_runtime.config import EngineConfig
+
+
+class Executor(Protocol):
+    def memory_profiles(self) -> list: ...
+    def allocate_cache(self, num_blocks: int) -> int: ...
+    def workers_info(self) -> list[dict]: ...
+    def submit(self, mb: MicroBatch) -> None: ...
+    def collect(self) -> list[int]: ...
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    """pp stages (tp=1) in this process; a submitted plan runs when its tokens are collected."""
+
+    def __init__(self, cfg: EngineConfig, source: object) -> None:
+        from stages.layers import TPContext
+        from stages.worker import StageWorker, WorkerSpec
+        if cfg.parallel.tp != 1:
+            raise ValueError("the local launcher runs tp=1 only; use --launcher ray or torchrun for tp > 1")
+        links = LocalLink.chain(cfg.parallel.pp)
+        self.workers = [StageWorker(WorkerSpec(source, s, 0, cfg.parallel, cfg.cache, cfg.device),
+                                    TPContext(), links[s]) for s in range(cfg.parallel.pp)]
+        self._queue: deque[tuple] = deque()
+
+    def memory_profiles(self) -> list:
+        return [w.memory_profile() for w in self.workers]
+
+    def allocate_cache(self, num_blocks: int) -> int:
+        return sum(w.allocate_cache(num_blocks) for w in self.workers)
+
+    def workers_info(self) -> list[dict]:
+        return [w.info() for w in self.workers]
+
+    def submit(self, mb: MicroBatch) -> None:
+        self._queue.append(mb.to_wire())
+
+    def collect(self) -> list[int]:
+        wire = self._queue.popleft()
+        tokens = None
+        for w in self.workers:  # stages in order: each one's output is the next one's input
+            tokens = w.execute(wire)
+        return tokens
+
+    def shutdown(self) -> None:
+        self.workers = []

@@ -1,0 +1,187 @@
+"""The user-facing Python API (DESIGN.md §3.2).
+
+    from pp_runtime import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m", pp=1, scheduler="sarathi", chunk_size=256)
+    outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=16))
+    llm.shutdown()
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+from pp_runtime.config import (CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig)
+from pp_runtime.engine import Engine
+from pp_runtime.kv_cache import BlockManager
+from pp_runtime.request import Request, RequestOutput, SamplingParams
+from pp_runtime.scheduler import Scheduler
+
+DEFAULT_MAX_BATCH = 64
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Derived from the workers' memory profiles (the paper's §3: B = ⌊(M_G − M_S)/(L·m_kv)⌋)."""
+
+    num_blocks: int
+    max_batch_b: int
+    budget_bytes: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    max_model_len: int
+
+    def describe(self) -> str:
+        gib = 1 << 30
+        return (f"B = ⌊(M_G − M_S)/(L·m_kv)⌋ = ⌊({self.budget_bytes / gib:.2f} GiB − "
+                f"{self.weight_bytes / gib:.3f} GiB) / ({self.max_model_len} × {self.kv_bytes_per_token} B)⌋ "
+                f"= {self.max_batch_b}; KV cache: {self.num_blocks} blocks")
+
+
+def plan_memory(profiles: list, block_size: int, max_model_len: int) -> MemoryPlan:
+    """Every stage holds the same block pool, so the tightest worker sets its size."""
+    tight = min(profiles, key=lambda p: (p.budget_bytes - p.weight_bytes) / p.kv_bytes_per_token)
+    free = tight.budget_bytes - tight.weight_bytes
+    num_blocks = max(0, free // (block_size * tight.kv_bytes_per_token))
+    return MemoryPlan(num_blocks, max(0, free // (max_model_len * tight.kv_bytes_per_token)),
+                      tight.budget_bytes, tight.weight_bytes, tight.kv_bytes_per_token, max_model_len)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, pp: int = 1, tp: int = 1, launcher: str | None = None,
+                 scheduler: str = "sarathi", chunk_size: int = 256, max_batch_size: int | None = None,
+                 tile_align: bool = False, dtype: str = "float32", device: str = "cpu",
+                 attention: str = "auto", seed: int = 0, block_size: int = 16,
+                 memory_budget_gb: float | None = None, max_model_len: int | None = None,
+                 partition: Sequence[int] | None = None, threads: int = 0, verbose: bool = False) -> None:
+        from stages.weights import resolve_model
+        self.source = resolve_model(model)
+        mcfg = self.source.config
+        parallel = ParallelConfig(pp, tp, tuple(partition) if partition else None)
+        parallel.check_model(mcfg)
+        if device == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda requested but no CUDA GPU is available")
+        budget = None if memory_budget_gb is None and device == "cuda" else \
+            int((memory_budget_gb or 4.0) * (1 << 30))
+        max_len = min(max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        self.config = EngineConfig(
+            model_path=self.source.path, parallel=parallel,
+            scheduler=SchedulerConfig(scheduler, chunk_size, max_batch_size or 1, tile_align, max_len),
+            cache=CacheConfig(block_size, budget), device=DeviceConfig(device, dtype, attention, threads),
+            seed=seed)
+        self.launcher = launcher or ("local" if parallel.world_size == 1 else "ray")
+        self.executor = _make_executor(self.launcher, self.config, self.source)
+        try:
+            self.memory = plan_memory(self.executor.memory_profiles(), block_size, max_len)
+            if self.memory.num_blocks * block_size < max_len:
+                raise ValueError(f"memory budget too small: {self.memory.num_blocks} KV blocks hold "
+                                 f"{self.memory.num_blocks * block_size} tokens, one request of max length "
+                                 f"{max_len} needs {max_len}")
+            mbs = max_batch_size or max(1, min(self.memory.max_batch_b, DEFAULT_MAX_BATCH))
+            self.sched_config = SchedulerConfig(scheduler, chunk_size, mbs, tile_align, max_len)
+            self.config = replace(self.config, scheduler=self.sched_config)
+            self.executor.allocate_cache(self.memory.num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        if verbose:
+            print(self.memory.describe(), file=sys.stderr)
+        self._tokenizer = None
+        self._next_seq = 0
+
+    @property
+    def tokenizer(self) -> object:
+        if self._tokenizer is None:
+            from pp_runtime.tokenizer import load_tokenizer
+            self._tokenizer = load_tokenizer(self.source.kind, self.source.path)
+            if self._tokenizer is None:
+                raise ValueError(f"model {self.source.path} has no tokenizer: pass token ids")
+        return self._tokenizer
+
+    def workers_info(self) -> list[dict]:
+        return self.executor.workers_info()
+
+    def make_request(self, request_id: str, prompt: list[int] | str | None,
+                     params: SamplingParams | None, error: str | None = None) -> Request:
+        """A Request, or one already finished with an error naming what is wrong with it."""
+        seq_id, self._next_seq = self._next_seq, self._next_seq + 1
+        ids = prompt
+        if error is None and isinstance(prompt, str):
+            try:
+                ids = self.tokenizer.encode(prompt)
+            except ValueError as e:
+                error = str(e)
+        req = Request(request_id, seq_id, list(ids) if isinstance(ids, (list, tuple)) else [],
+                      params or SamplingParams())
+        error = error or validate_prompt(ids, self.source.config.vocab_size)
+        if error:
+            req.finish("error", error)
+        return req
+
+    def generate(self, prompts: Sequence[list[int] | str],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 progress: bool = False, ids: Sequence[str] | None = None) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``; bad prompts come back with finish_reason 'error'."""
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        reqs = [self.make_request(ids[i] if ids else str(i), p, plist[i]) for i, p in enumerate(prompts)]
+        return self.run(reqs, progress)
+
+    def run(self, reqs: list[Request], progress: bool = False,
+            on_finish: Callable[[Request], None] | None = None) -> list[RequestOutput]:
+        scheduler = Scheduler(self.sched_config, BlockManager(self.memory.num_blocks, self.config.cache.block_size),
+                              self.source.config.eos_token_ids, self.config.seed)
+        for r in reqs:
+            if not r.finished:
+                scheduler.add(r)
+        self.engine = Engine(scheduler, self.executor, self.config.parallel.pp)
+        bar = _progress(len(reqs), progress)
+        bar.update(sum(r.finished for r in reqs))
+
+        def finished(req: Request) -> None:
+            bar.update(1)
+            if on_finish:
+                on_finish(req)
+        self.engine.run_until_done(finished)
+        bar.close()
+        return [RequestOutput.from_request(r) for r in reqs]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def validate_prompt(ids: object, vocab_size: int) -> str | None:
+    if not isinstance(ids, (list, tuple)):
+        return f"prompt_token_ids must be a list of integers, got {type(ids).__name__}"
+    if not ids:
+        return "empty prompt: prompt_token_ids has no tokens"
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            return f"prompt_token_ids[{i}] = {t!r} is not an integer"
+        if not 0 <= t < vocab_size:
+            return f"prompt_token_ids[{i}] = {t} is outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def _progress(total: int, enabled: bool) -> object:
+    from tqdm import tqdm
+    return tqdm(total=total, disable=not enabled or total <= 1, file=sys.stderr, unit="req", desc="generate")
+
+
+def _make_executor(launcher: str, cfg: EngineConfig, source: object) -> object:
+    if launcher == "local":
+        from pp_runtime.executor import LocalExecutor
+        return LocalExecutor(cfg, source)
+    if launcher == "ray":  # launch/ owns Ray; pp_runtime itself never imports it
+        from launch.ray_launch import RayExecutor
+        return RayExecutor(cfg, source)
+    raise ValueError(f"--launcher must be local or ray here (torchrun runs through launch.torchrun_main), "
+                     f"got {launcher!r}")

@@ -1,0 +1,251 @@
+"""Micro-batch schedulers: one class, the policy is a parameter. Plain Python, no tensors.
+
+Policies (SchedulerConfig.policy):
+  sarathi        decode-maximal: every ready decode (≤ max_batch_size − 1), then prefill chunks
+                 filling the chunk budget C (C − decodes with tile_align: batches of exactly C).
+  orca           iteration-level: ready decodes plus whole prompts, no chunking.
+  prefill_first  vLLM classic: a prefill-only batch when a prompt can start, else decode-only.
+  request_level  static batches: admit a batch, run it to completion, then admit the next.
+
+Invariants the property tests check: a decoding request is in at most one in-flight
+micro-batch (its next input is the token the previous one samples); consecutive prefill
+chunks of one prompt may be in flight together (stages run micro-batches in issue order).
+When KV blocks run out the newest running request that is not in flight is preempted and
+later recomputed from its tokens.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+from pp_runtime.batch import MicroBatch, SampleSpec, SeqChunk
+from pp_runtime.config import SchedulerConfig
+from pp_runtime.kv_cache import BlockManager, blocks_for
+from pp_runtime.request import Phase, Request
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def sample_seed(base: int, position: int) -> int:
+    """Seed of the token sampled at ``position``: depends on nothing but the request and position,
+    so a seeded request samples the same tokens however it was batched, chunked or preempted."""
+    return (base * _SEED_MIX + position * 0x2545F4914F6CDD1D) % (1 << 62)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager,
+                 eos_token_ids: tuple[int, ...] = (), seed: int = 0) -> None:
+        self.cfg = cfg
+        self.blocks = blocks
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.seed = seed
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: oldest first, newest preempted first
+        self._by_seq: dict[int, Request] = {}
+        self._aborted: set[int] = set()
+        self._next_mb = 0
+        self._policy: Callable[[], list[tuple[Request, int]]] = {
+            "sarathi": self._sarathi, "orca": self._orca,
+            "prefill_first": self._prefill_first, "request_level": self._request_level,
+        }[cfg.policy]
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add(self, req: Request) -> bool:
+        """Queue ``req``; a request that can never run is finished with an error instead."""
+        error = self._check(req)
+        if error:
+            req.finish("error", error)
+            return False
+        self._by_seq[req.seq_id] = req
+        self.waiting.append(req)
+        return True
+
+    def _check(self, req: Request) -> str | None:
+        total = len(req.prompt_token_ids) + req.params.max_tokens
+        if total > self.cfg.max_model_len:
+            return (f"prompt length {len(req.prompt_token_ids)} + max_tokens {req.params.max_tokens} = "
+                    f"{total} exceeds the model's max length {self.cfg.max_model_len}")
+        need = blocks_for(total, self.blocks.block_size)
+        if need > self.blocks.num_blocks:
+            return (f"request needs {need} KV blocks for {total} tokens but the KV cache has only "
+                    f"{self.blocks.num_blocks} blocks")
+        return None
+
+    def abort(self, seq_id: int) -> Request | None:
+        """Cancel a request; one in flight is finished when its micro-batch returns."""
+        req = self._by_seq.get(seq_id)
+        if req is None or req.finished:
+            return None
+        if req.in_flight:
+            self._aborted.add(seq_id)
+            return None
+        self._finish(req, "cancelled", "request aborted")
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- schedule ------------------------------------------------------------------------
+    def schedule(self) -> MicroBatch | None:
+        plan = self._policy()
+        if not plan:
+            return None
+        chunks = [self._chunk(req, n) for req, n in plan]
+        # Prefill chunks first, then decodes: attention treats the decodes as one batch.
+        chunks.sort(key=lambda c: not c.is_prefill)
+        mb = MicroBatch(self._next_mb, tuple(chunks),
+                        tuple(self._by_seq[c.seq_id].request_id for c in chunks))
+        self._next_mb += 1
+        return mb
+
+    def _chunk(self, req: Request, n: int) -> SeqChunk:
+        start = req.num_scheduled
+        is_prefill = req.is_prefilling
+        req.num_scheduled += n
+        req.in_flight += 1
+        sample = None
+        if req.num_scheduled == req.num_tokens:  # every known token is in: sample the next one
+            p = req.params
+            base = p.seed if p.seed is not None else self.seed * 1_000_003 + req.seq_id
+            sample = SampleSpec(p.temperature, p.top_p, p.top_k, sample_seed(base, req.num_tokens))
+        return SeqChunk(req.seq_id, start, tuple(req.tokens_slice(start, start + n)),
+                        tuple(self.blocks.block_table(req.seq_id)), is_prefill, sample)
+
+    def _ready_decodes(self, limit: int) -> list[Request]:
+        return [r for r in self.running if r.is_decoding and r.in_flight == 0][:max(limit, 0)]
+
+    def _take_decodes(self, plan: list[tuple[Request, int]], limit: int) -> None:
+        for req in self._ready_decodes(limit):
+            if req.phase is Phase.RUNNING and self._reserve(req, 1, plan):
+                plan.append((req, 1))
+
+    def _take_prefills(self, plan: list[tuple[Request, int]], budget: int | None, chunked: bool,
+                       admit: bool = True) -> None:
+        """Add prefill work in FCFS order. budget None: no token cap (whole prompts)."""
+        slots = self.cfg.max_batch_size - len(plan)
+        for req, was_running in self._prefill_candidates(admit):
+            if slots <= 0 or (budget is not None and budget <= 0):
+                return
+            if was_running and req.phase is not Phase.RUNNING:
+                continue  # preempted while this batch was being built
+            remaining = req.prefill_len - req.num_scheduled if req.phase is Phase.RUNNING else req.num_tokens
+            n = remaining if not chunked or budget is None else min(remaining, budget)
+            if not chunked and budget is not None and n > budget and any(r.is_prefilling for r, _ in plan):
+                return  # whole prompts only: the next one does not fit this batch
+            if req.phase is Phase.WAITING:
+                if len(self.running) >= self.cfg.max_batch_size:
+                    return
+                # Admit only what fits in free blocks now: a newcomer never preempts older work.
+                if blocks_for(req.num_tokens, self.blocks.block_size) > self.blocks.num_free:
+                    return
+                self.waiting.remove(req)
+                req.admit()
+                self.running.append(req)
+            if not self._reserve(req, n, plan):
+                return
+            plan.append((req, n))
+            slots -= 1
+            if budget is not None:
+                budget -= n
+
+    def _prefill_candidates(self, admit: bool) -> list[tuple[Request, bool]]:
+        """Running prompts first (FCFS), then waiting ones; a snapshot, with where each came from."""
+        running = [(r, True) for r in self.running if r.is_prefilling]
+        return running + ([(r, False) for r in self.waiting] if admit else [])
+
+    def _reserve(self, req: Request, n: int, plan: list[tuple[Request, int]]) -> bool:
+        """Blocks for ``n`` more tokens of ``req``, preempting newer idle requests if needed."""
+        planned = {r.seq_id for r, _ in plan}
+        while not self.blocks.can_allocate(req.seq_id, n):
+            newer = self.running[self.running.index(req) + 1:]
+            victim = next((r for r in reversed(newer) if r.in_flight == 0 and r.seq_id not in planned), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+        self.blocks.allocate(req.seq_id, n)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.blocks.free(req.seq_id)
+        self.running.remove(req)
+        req.preempt()
+        self.waiting.appendleft(req)
+
+    # ---- policies: each returns [(request, tokens to run)] ---------------------------------
+    def _sarathi(self) -> list[tuple[Request, int]]:
+        plan: list[tuple[Request, int]] = []
+        # Leave one slot for the prefill chunk (unless the batch size is 1: decodes must still run).
+        self._take_decodes(plan, max(1, self.cfg.max_batch_size - 1))
+        budget = self.cfg.chunk_size - (len(plan) if self.cfg.tile_align else 0)
+        self._take_prefills(plan, budget, chunked=True)
+        return plan
+
+    def _orca(self) -> list[tuple[Request, int]]:
+        plan: list[tuple[Request, int]] = []
+        self._take_decodes(plan, self.cfg.max_batch_size)
+        self._take_prefills(plan, None, chunked=False)
+        return plan
+
+    def _prefill_first(self) -> list[tuple[Request, int]]:
+        plan: list[tuple[Request, int]] = []
+        self._take_prefills(plan, None, chunked=False)
+        if not plan:
+            self._take_decodes(plan, self.cfg.max_batch_size)
+        return plan
+
+    def _request_level(self) -> list[tuple[Request, int]]:
+        plan: list[tuple[Request, int]] = []
+        # A new static batch starts only when the previous one has completely drained.
+        self._take_prefills(plan, None, chunked=False, admit=not self.running)
+        if not plan:
+            self._take_decodes(plan, self.cfg.max_batch_size)
+        return plan
+
+    # ---- postprocess ---------------------------------------------------------------------
+    def postprocess(self, mb: MicroBatch, tokens: list[int]) -> list[Request]:
+        """Apply the sampled tokens of ``mb`` (one per sampled chunk, in order); return finished requests."""
+        if len(tokens) != mb.num_samples:
+            raise RuntimeError(f"micro-batch {mb.mb_id}: expected {mb.num_samples} tokens, got {len(tokens)}")
+        now = time.perf_counter()
+        finished: list[Request] = []
+        sampled = iter(tokens)
+        for chunk in mb.chunks:
+            req = self._by_seq[chunk.seq_id]
+            req.in_flight -= 1
+            token = next(sampled) if chunk.sample is not None else None
+            if req.finished:
+                continue
+            if chunk.seq_id in self._aborted and req.in_flight == 0:
+                self._aborted.discard(chunk.seq_id)
+                self._finish(req, "cancelled", "request aborted")
+                finished.append(req)
+                continue
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            req.token_times.append(now)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = self._stop_reason(req, token)
+            if reason:
+                self._finish(req, reason)
+                finished.append(req)
+        return finished
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        self.blocks.free(req.seq_id)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.finish(reason, error)
+        self._by_seq.pop(req.seq_id, None)

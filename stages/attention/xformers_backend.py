@@ -1,0 +1,55 @@
+"""xformers attention backend (CUDA): the whole mixed batch in one kernel call.
+
+Every chunk's context (cached + new K/V) is gathered into one packed key sequence, and a
+``BlockDiagonalCausalFromBottomRightMask`` built from (q_lens, ctx_lens) keeps each chunk
+to its own keys, causal with the offset of its cached tokens; decodes are chunks of one
+query. GQA uses xformers' (B, M, G, H, K) layout with K/V broadcast over each group.
+"""
+from __future__ import annotations
+
+import torch
+
+from stages.attention.metadata import AttentionMetadata
+from stages.attention.torch_backend import write_kv
+
+
+def xformers_available() -> bool:
+    try:
+        import xformers.ops  # noqa: F401
+    except Exception:  # ImportError, or a broken build: fall back to torch
+        return False
+    return torch.cuda.is_available()
+
+
+class XFormersAttention:
+    name = "xformers"
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def bias(self, meta: AttentionMetadata) -> object:
+        """Built once per micro-batch and shared by all layers."""
+        if "xformers_bias" not in meta.backend_cache:
+            from xformers.ops.fmha.attn_bias import BlockDiagonalCausalFromBottomRightMask
+            meta.backend_cache["xformers_bias"] = BlockDiagonalCausalFromBottomRightMask.from_seqlens(
+                meta.q_lens, meta.ctx_lens)
+        return meta.backend_cache["xformers_bias"]
+
+    def packed_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, meta: AttentionMetadata
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write new K/V, then q (1, T, G, H/G, D) and packed contexts k/v (1, ΣL, G, H/G, D)."""
+        write_kv(k, v, k_cache, v_cache, meta)
+        t, h, d = q.shape
+        g = k.shape[1]
+        slots = meta.all_kv_slots()
+        kk = k_cache.view(-1, g, d)[slots].unsqueeze(2).expand(-1, g, h // g, d)
+        vv = v_cache.view(-1, g, d)[slots].unsqueeze(2).expand(-1, g, h // g, d)
+        return q.view(1, t, g, h // g, d), kk.unsqueeze(0), vv.unsqueeze(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        import xformers.ops as xops
+        q5, k5, v5 = self.packed_inputs(q, k, v, k_cache, v_cache, meta)
+        out = xops.memory_efficient_attention_forward(q5, k5, v5, attn_bias=self.bias(meta), scale=self.scale)
+        return out.view(q.shape)

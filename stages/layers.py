@@ -1,0 +1,151 @@
+"""Building blocks of a stage: RMSNorm, rotary embedding and tensor-parallel linears.
+
+Tensor parallelism follows Megatron-LM: a column-parallel linear splits its weight along
+the output dim (no communication), a row-parallel linear splits along the input dim and
+all-reduces partial sums. tp=1 is the same code with no communication.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPContext:
+    """This worker's place in its stage's tensor-parallel group (group None when tp=1)."""
+
+    rank: int = 0
+    size: int = 1
+    group: object | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def shard_range(full: int, ctx: TPContext) -> tuple[int, int]:
+    """[start, end) of rank ``ctx.rank``'s equal slice of a dim of size ``full``."""
+    if full % ctx.size:
+        raise ValueError(f"dimension {full} is not divisible by tp={ctx.size}")
+    n = full // ctx.size
+    return ctx.rank * n, (ctx.rank + 1) * n
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H)
+        # Normalise in float32 like the reference implementations, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE in the rotate-half layout used by HF LLaMA/Mistral/Qwen2 checkpoints."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # (P, D/2)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)  # (T, 1, D/2)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x: (T, heads, D)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = XA + b with A split along its second dim (output features).
+
+    Rank r holds the output slice r of every fused part (``out_parts``: e.g. q, k, v sizes),
+    so Y leaves sharded on its last dim and needs no communication.
+    """
+
+    def __init__(self, in_features: int, out_parts: tuple[int, ...], bias: bool, ctx: TPContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.out_parts = tuple(p // ctx.size for p in out_parts)
+        for p in out_parts:
+            shard_range(p, ctx)  # raises when tp does not divide a part
+        out = sum(self.out_parts)
+        self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out/tp)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = XA + b with A split along its first dim (input features).
+
+    X arrives sharded on its last dim (from a ColumnParallelLinear); each rank computes a
+    partial product and the partials are all-reduced. The bias is added once, after.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: TPContext,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        lo, hi = shard_range(in_features, ctx)
+        self.ctx = ctx
+        self.weight = nn.Parameter(torch.empty(out_features, hi - lo, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in/tp) -> (T, out)
+        y = self.ctx.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; ids outside this rank's rows give zeros,
+    and the all-reduce sums the one rank that owns each id."""
+
+    def __init__(self, vocab: int, hidden: int, ctx: TPContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.lo, self.hi = shard_range(vocab, ctx)
+        self.ctx = ctx
+        self.weight = nn.Parameter(torch.empty(self.hi - self.lo, hidden, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, H)
+        if self.ctx.size == 1:
+            return F.embedding(ids, self.weight)
+        mine = (ids >= self.lo) & (ids < self.hi)
+        out = F.embedding(torch.where(mine, ids - self.lo, 0), self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        return self.ctx.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """logits = h Eᵀ with E split by vocabulary rows; shards are gathered to the full vocab."""
+
+    def __init__(self, vocab: int, hidden: int, ctx: TPContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        lo, hi = shard_range(vocab, ctx)
+        self.ctx = ctx
+        self.weight = nn.Parameter(torch.empty(hi - lo, hidden, dtype=dtype), requires_grad=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (S, H) -> (S, V)
+        return self.ctx.all_gather_last_dim(F.linear(h, self.weight))

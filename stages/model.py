@@ -1,0 +1,111 @@
+"""LLaMA-family decoder (LLaMA 2/3, Mistral, Qwen2, SmolLM) cut to one pipeline stage.
+
+A stage owns layers [start, end); the first stage also embeds token ids, the last also
+applies the final norm and the LM head. Linear layers run once over every token of the
+micro-batch (prefill chunk and decodes together); only attention looks at sequences.
+
+    model = StageModel(cfg, (0, cfg.num_layers), TPContext(), torch.float32, "cpu", "torch")
+    hidden = model(token_ids, meta, kv_caches)   # (T, H)
+    logits = model.logits(hidden[meta.sample_idx])   # (S, V)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pp_runtime.config import ModelConfig
+from stages.attention import AttentionMetadata, make_backend
+from stages.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
+                           RowParallelLinear, TPContext, VocabParallelEmbedding)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, dtype: torch.dtype, rope: RotaryEmbedding,
+                 backend: object) -> None:
+        super().__init__()
+        self.heads = cfg.num_heads // ctx.size
+        self.kv_heads = cfg.num_kv_heads // ctx.size
+        self.head_dim = cfg.head_size
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size),
+                                             cfg.qkv_bias, ctx, dtype)
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, False, ctx, dtype)
+        self.rope = rope
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_parts, dim=-1)
+        q = q.view(t, self.heads, self.head_dim)  # (T, Hq/tp, D)
+        k = k.view(t, self.kv_heads, self.head_dim)  # (T, Hkv/tp, D)
+        v = v.view(t, self.kv_heads, self.head_dim)
+        q, k = self.rope(meta.positions, q, k)
+        o = self.backend.forward(q, k, v, kv[0], kv[1], meta)  # (T, Hq/tp, D)
+        return self.o_proj(o.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate and up fused in one column-parallel linear."""
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, dtype: torch.dtype) -> None:
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, (i, i), False, ctx, dtype)
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, False, ctx, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, dtype: torch.dtype, rope: RotaryEmbedding,
+                 backend: object) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, ctx, dtype, rope, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, ctx, dtype)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), meta, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class StageModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, layers: tuple[int, int], ctx: TPContext, dtype: torch.dtype,
+                 device: str, attention: str, is_first: bool, is_last: bool) -> None:
+        super().__init__()
+        self.cfg, self.layer_range, self.is_first, self.is_last = cfg, layers, is_first, is_last
+        self.backend = make_backend(attention, device, cfg.head_size ** -0.5)
+        rope = RotaryEmbedding(cfg.head_size, cfg.max_position_embeddings, cfg.rope_theta)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype) if is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, dtype, rope, self.backend)
+                                    for _ in range(layers[1] - layers[0]))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if is_last else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype) if is_last else None
+        if is_first and is_last and cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight  # one tensor, as in the checkpoint
+        self.rope = rope
+
+    def weight_names(self) -> dict[str, nn.Parameter]:
+        """HF checkpoint name -> parameter, with this stage's global layer indices."""
+        out: dict[str, nn.Parameter] = {}
+        for name, p in self.named_parameters():
+            if name.startswith("layers."):
+                local, rest = name[len("layers."):].split(".", 1)
+                name = f"layers.{int(local) + self.layer_range[0]}.{rest}"
+            out[name if name.startswith("lm_head") else f"model.{name}"] = p
+        return out
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> torch.Tensor:
+        """x: token ids (T,) on the first stage, else hidden states (T, H). Returns (T, H)."""
+        h = self.embed_tokens(x) if self.is_first else x
+        for layer, kv in zip(self.layers, kv_caches):
+            h = layer(h, meta, kv)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """(S, H) hidden at sampling positions -> (S, V) float32 logits over the full vocabulary."""
+        return self.lm_head(self.norm(h)).float()

@@ -1,0 +1,35 @@
+"""Token sampling on the last stage: greedy, temperature, top-k, top-p, per-token seeds.
+
+Every sampled row draws from its own generator seeded by the plan (request seed mixed with
+the token's position), so a seeded request gets the same tokens however it was batched.
+"""
+from __future__ import annotations
+
+import torch
+
+from pp_runtime.batch import SampleSpec
+
+
+def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
+    """logits (S, V) float32, one spec per row -> S token ids."""
+    out = logits.argmax(dim=-1).tolist()
+    for i, s in enumerate(specs):
+        if s.temperature > 0 and s.top_k != 1:
+            out[i] = _sample_row(logits[i], s)
+    return out
+
+
+def _sample_row(logits: torch.Tensor, s: SampleSpec) -> int:  # logits (V,)
+    x = logits / s.temperature
+    if 0 < s.top_k < x.numel():
+        kth = torch.topk(x, s.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = sorted_x.softmax(-1)
+        # Drop a token once the mass of the tokens strictly before it already reaches top_p;
+        # the most likely token always stays.
+        drop = (probs.cumsum(-1) - probs) >= s.top_p
+        x = x.scatter(0, order[drop], float("-inf"))
+    g = torch.Generator(device=logits.device).manual_seed(s.seed)
+    return int(torch.multinomial(x.softmax(-1), 1, generator=g).item())

@@ -1,0 +1,123 @@
+"""StageWorker: one pipeline stage × TP rank — its model shard, its KV cache, its step.
+
+``execute(plan)`` = build attention metadata → take input (embed token ids on stage 0,
+P2P-receive hidden states otherwise, shape from the plan) → run the stage's layers →
+send to the next stage, or (last stage) sample and return the token ids. The worker runs
+whatever plan it is given, in the order given; it never decides what runs.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pp_runtime.batch import MicroBatch
+from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
+from stages.attention import build_metadata
+from stages.layers import TPContext
+from stages.model import StageModel
+from stages.sampler import sample
+from stages.weights import ModelSource, load_weights
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    source: ModelSource
+    stage: int
+    tp_rank: int
+    parallel: ParallelConfig
+    cache: CacheConfig
+    device: DeviceConfig
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What the driver needs to size the shared block pool and the paper's B."""
+
+    budget_bytes: int  # M_G
+    weight_bytes: int  # M_S
+    kv_bytes_per_token: int  # m_kv for this worker's layers and heads
+
+
+class StageWorker:
+    def __init__(self, spec: WorkerSpec, tp: TPContext, link: object | None) -> None:
+        self.spec = spec
+        if spec.device.threads:
+            torch.set_num_threads(spec.device.threads)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if spec.device.device == "cuda" \
+            else torch.device("cpu")
+        self.dtype = TORCH_DTYPES[spec.device.dtype]
+        cfg = spec.source.config
+        self.layer_range = spec.parallel.layer_ranges(cfg.num_layers)[spec.stage]
+        self.is_first = spec.stage == 0
+        self.is_last = spec.stage == spec.parallel.pp - 1
+        self.tp = tp
+        self.link = link
+        with torch.device(self.device):
+            self.model = StageModel(cfg, self.layer_range, tp, self.dtype, spec.device.device,
+                                    spec.device.attention, self.is_first, self.is_last)
+        self.weight_bytes = load_weights(self.model, spec.source, tp)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = spec.cache.block_size
+        self.timings: list[tuple[int, float, float, float]] = []  # (mb, t_ready, t_start, t_end)
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def info(self) -> dict:
+        return {"stage": self.spec.stage, "tp_rank": self.spec.tp_rank, "pid": os.getpid(),
+                "node": os.uname().nodename, "device": str(self.device), "layers": list(self.layer_range),
+                "weight_bytes": self.weight_bytes, "attention": self.model.backend.name}
+
+    def memory_profile(self) -> MemoryProfile:
+        cfg = self.spec.source.config
+        kv_heads = cfg.num_kv_heads // self.tp.size
+        per_token = 2 * len(self.model.layers) * kv_heads * cfg.head_size * self.dtype.itemsize
+        budget = self.spec.cache.memory_budget_bytes
+        if budget is None:  # CUDA default: 90% of the card
+            budget = int(0.9 * torch.cuda.get_device_properties(self.device).total_memory) \
+                if self.device.type == "cuda" else 4 << 30
+        return MemoryProfile(budget, self.weight_bytes, per_token)
+
+    def allocate_cache(self, num_blocks: int) -> int:
+        """One (K, V) pair of (num_blocks, block_size, H_kv/tp, D) per layer; returns bytes.
+
+        Left uninitialised (zeroing GiBs costs seconds): attention reads only slots that were
+        written, padding included (see build_metadata)."""
+        cfg = self.spec.source.config
+        shape = (num_blocks, self.block_size, cfg.num_kv_heads // self.tp.size, cfg.head_size)
+        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                           torch.empty(shape, dtype=self.dtype, device=self.device))
+                          for _ in self.model.layers]
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    # ---- one step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, wire: tuple) -> list[int] | None:
+        t_ready = time.time()
+        mb = MicroBatch.from_wire(wire)
+        meta = build_metadata(mb.chunks, self.block_size, self.device)
+        if self.is_first:
+            x = torch.tensor([t for c in mb.chunks for t in c.token_ids], dtype=torch.long, device=self.device)
+        else:
+            x = self.link.recv_forward((mb.num_tokens, self.spec.source.config.hidden_size), self.dtype)
+        t_start = time.time()
+        h = self.model(x, meta, self.kv_caches)  # (T, H)
+        tokens = None
+        if not self.is_last:
+            self.link.send_forward(h)
+        elif meta.sample_idx.numel():
+            logits = self.model.logits(h[meta.sample_idx])  # (S, V): only sampled rows reach the LM head
+            tokens = sample(logits, [c.sample for c in mb.chunks if c.sample is not None])
+        else:
+            tokens = []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.timings.append((mb.mb_id, t_ready, t_start, time.time()))
+        return tokens if self.tp.rank == 0 else None
+
+    def drain_timings(self) -> list[tuple[int, float, float, float]]:
+        out, self.timings = self.timings, []
+        return out
