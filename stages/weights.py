@@ -278,7 +278,7 @@ def load_weights(model: torch.nn.Module, src: ModelSource, ctx: TPContext) -> in
 
 
 def _read_param(name: str, source: object, cfg: ModelConfig, ctx: TPContext) -> torch.Tensor:
-    prefix, module, kind = name.rsplit(".", 2)
+    prefix, module, kind = ([""] + name.rsplit(".", 2))[-3:]  # "lm_head.weight" has no prefix
     if module in _FUSED:  # column parallel, fused: this rank's rows of each part, concatenated
         sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size) if module == "qkv_proj" else (cfg.intermediate_size,) * 2
         return torch.cat([source.read(f"{prefix}.{part}.{kind}", rows=shard_range(size, ctx))

@@ -1,0 +1,74 @@
+"""Shared fixtures: small random-weight HF models saved to a temporary folder (the numerical
+oracle is transformers itself), prompts of assorted lengths, and GPU gating."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ARCHS = ("llama", "mistral", "qwen2")
+
+
+def tiny_hf_config(arch: str) -> object:
+    import transformers
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2)
+    if arch == "llama":
+        return transformers.LlamaConfig(rope_theta=10000.0, **common)
+    if arch == "mistral":
+        return transformers.MistralConfig(rope_theta=500000.0, sliding_window=None, **common)
+    common["tie_word_embeddings"] = True  # Qwen2: qkv bias and tied embeddings
+    return transformers.Qwen2Config(rope_theta=1000000.0, **common)
+
+
+def make_hf_model(arch: str, folder: Path, seed: int = 0) -> Path:
+    import transformers
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(arch), dtype=torch.float32)
+    with torch.no_grad():  # HF zero-initialises biases; random ones actually test the qkv bias path
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf_models")
+    return {arch: make_hf_model(arch, root / arch, seed=i) for i, arch in enumerate(ARCHS)}
+
+
+def hf_greedy(folder: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Reference tokens: transformers' own greedy generate, one unpadded prompt at a time."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                           min_new_tokens=max_new, pad_token_id=0, eos_token_id=None)
+        outs.append(g[0, len(p):].tolist())
+    return outs
+
+
+def mixed_prompts(seed: int = 0, lengths: tuple[int, ...] = (5, 23, 1, 70, 12, 41)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        marker = item.get_closest_marker("gpu")
+        need = marker.args[0] if marker and marker.args else 1
+        if marker and gpu_count() < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA GPU(s), found {gpu_count()}"))
