@@ -4,7 +4,7 @@ The driver owns this bookkeeping; every stage's worker holds a cache tensor of t
 number of blocks for its own layers, so one block table addresses all stages at once.
 
     bm = BlockManager(num_blocks=64, block_size=16)
-    bm.allocate(seq_id=0, num_tokens=40)   # 3 blocks
+    bm.allocate(seq_id=0, extra_tokens=40) # 3 blocks
     bm.append(0)                           # token 41 still fits in block 3
     bm.block_table(0)                      # [0, 1, 2]
     bm.free(0)
@@ -52,6 +52,8 @@ class BlockManager:
 
     def allocate(self, seq_id: int, extra_tokens: int) -> list[int]:
         """Grow ``seq_id`` by ``extra_tokens``; returns its block table. Raises if blocks run out."""
+        if extra_tokens < 0:  # shrinking would leave the table holding more blocks than its tokens need
+            raise ValueError(f"seq {seq_id}: extra_tokens must be ≥ 0, got {extra_tokens}")
         need = self.blocks_needed(seq_id, extra_tokens)
         if need > len(self._free):
             raise MemoryError(f"seq {seq_id} needs {need} KV blocks, {len(self._free)} free")

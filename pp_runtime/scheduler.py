@@ -4,7 +4,8 @@ Policies (SchedulerConfig.policy):
   sarathi        decode-maximal: every ready decode (≤ max_batch_size − 1), then prefill chunks
                  filling the chunk budget C (C − decodes with tile_align: batches of exactly C).
   orca           iteration-level: ready decodes plus whole prompts, no chunking.
-  prefill_first  vLLM classic: a prefill-only batch when a prompt can start, else decode-only.
+  prefill_first  vLLM classic: a prefill-only batch when a prompt can start, else decode-only; whole
+                 prompts up to C tokens per batch (a lone longer prompt runs by itself).
   request_level  static batches: admit a batch, run it to completion, then admit the next.
 
 Invariants the property tests check: a decoding request is in at most one in-flight
@@ -62,6 +63,8 @@ class Scheduler:
         return True
 
     def _check(self, req: Request) -> str | None:
+        if not req.prompt_token_ids:  # nothing to prefill: it would be scheduled as a 0-token chunk
+            return "empty prompt: prompt_token_ids has no tokens"
         total = len(req.prompt_token_ids) + req.params.max_tokens
         if total > self.cfg.max_model_len:
             return (f"prompt length {len(req.prompt_token_ids)} + max_tokens {req.params.max_tokens} = "
@@ -121,8 +124,9 @@ class Scheduler:
                 plan.append((req, 1))
 
     def _take_prefills(self, plan: list[tuple[Request, int]], budget: int | None, chunked: bool,
-                       admit: bool = True) -> None:
-        """Add prefill work in FCFS order. budget None: no token cap (whole prompts)."""
+                       admit: Callable[[Request], bool] = lambda req: True) -> None:
+        """Add prefill work in FCFS order. budget None: no token cap (whole prompts).
+        ``admit`` says which waiting requests may start now."""
         slots = self.cfg.max_batch_size - len(plan)
         for req, was_running in self._prefill_candidates(admit):
             if slots <= 0 or (budget is not None and budget <= 0):
@@ -149,10 +153,11 @@ class Scheduler:
             if budget is not None:
                 budget -= n
 
-    def _prefill_candidates(self, admit: bool) -> list[tuple[Request, bool]]:
+    def _prefill_candidates(self, admit: Callable[[Request], bool]) -> list[tuple[Request, bool]]:
         """Running prompts first (FCFS), then waiting ones; a snapshot, with where each came from."""
-        running = [(r, True) for r in self.running if r.is_prefilling]
-        return running + ([(r, False) for r in self.waiting] if admit else [])
+        # An aborted prompt gets no further chunks: it finishes once those in flight return.
+        running = [(r, True) for r in self.running if r.is_prefilling and r.seq_id not in self._aborted]
+        return running + [(r, False) for r in self.waiting if admit(r)]
 
     def _reserve(self, req: Request, n: int, plan: list[tuple[Request, int]]) -> bool:
         """Blocks for ``n`` more tokens of ``req``, preempting newer idle requests if needed."""
@@ -189,15 +194,20 @@ class Scheduler:
 
     def _prefill_first(self) -> list[tuple[Request, int]]:
         plan: list[tuple[Request, int]] = []
-        self._take_prefills(plan, None, chunked=False)
+        # chunk_size caps a prefill-only batch (vLLM's max_num_batched_tokens); whole prompts only,
+        # so a lone prompt longer than the cap still runs, by itself.
+        self._take_prefills(plan, self.cfg.chunk_size, chunked=False)
         if not plan:
             self._take_decodes(plan, self.cfg.max_batch_size)
         return plan
 
     def _request_level(self) -> list[tuple[Request, int]]:
         plan: list[tuple[Request, int]] = []
-        # A new static batch starts only when the previous one has completely drained.
-        self._take_prefills(plan, None, chunked=False, admit=not self.running)
+        # A new static batch starts only when the previous one has completely drained. A member
+        # preempted mid-batch is still a member: it rejoins as soon as it fits, and no newcomer
+        # may start beside it (waiting requests with preemptions all belong to the current batch).
+        drained = not self.running and not any(r.num_preemptions for r in self.waiting)
+        self._take_prefills(plan, None, chunked=False, admit=lambda req: drained or req.num_preemptions > 0)
         if not plan:
             self._take_decodes(plan, self.cfg.max_batch_size)
         return plan

@@ -1,0 +1,552 @@
+"""Scheduler policies driven by a fake pipeline: plain Python, no tensors, no model.
+
+``FakePipeline`` keeps up to ``pp`` micro-batches in flight like the engine does and
+"executes" the oldest one against a simulated paged KV cache: every chunk writes
+(seq, position, token) into the slots its block table names, and a sampled chunk reads
+its whole context back through the table. The sampled token is a hash of what it read,
+so a token is a pure function of the request's history when (and only when) the cache
+holds the right K/V — outputs are then independent of batching, chunking, pipelining
+and preemption, and ``oracle`` predicts them without a scheduler.
+
+Every plan is checked against the invariants of DESIGN.md §2 and of its policy as it is
+issued; the tests below pick workloads that make each invariant bite.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pp_runtime.batch import MicroBatch, SeqChunk
+from pp_runtime.config import SchedulerConfig
+from pp_runtime.kv_cache import BlockManager, blocks_for
+from pp_runtime.request import Request, SamplingParams
+from pp_runtime.scheduler import Scheduler
+
+VOCAB = 61
+EOS = 0
+POLICIES = ("sarathi", "orca", "prefill_first", "request_level")
+HUGE_KV = 100_000
+
+
+# ---- the fake model ---------------------------------------------------------------------------
+def next_token(history: tuple[int, ...] | list[int]) -> int:
+    """Deterministic 'model': the next token depends on every token before it."""
+    h = 0x345678
+    for t in history:
+        h = (h * 1_000_003 + t + 1) % (1 << 61)
+    return (h >> 7) % VOCAB
+
+
+def oracle(prompt: list[int], params: SamplingParams, eos: tuple[int, ...] = (EOS,)) -> tuple[list[int], str]:
+    """What any correct scheduler must produce for this request."""
+    out: list[int] = []
+    while True:
+        tok = next_token(prompt + out)
+        out.append(tok)
+        if (tok in eos and not params.ignore_eos) or tok in params.stop_token_ids:
+            return out, "stop"
+        if len(out) >= params.max_tokens:
+            return out, "length"
+
+
+@dataclass
+class FakePipeline:
+    """The engine loop (schedule ≤ pp ahead, run the oldest, postprocess) plus invariant checks."""
+
+    sched: Scheduler
+    pp: int
+    ample_kv: bool = False  # KV never runs short: batch shapes are exactly predictable
+    in_flight: deque[MicroBatch] = field(default_factory=deque)
+    history: list[MicroBatch] = field(default_factory=list)
+    in_flight_sets: list[tuple[MicroBatch, ...]] = field(default_factory=list)
+    cache: dict[tuple[int, int], tuple[int, int, int]] = field(default_factory=dict)
+    reqs: dict[int, Request] = field(default_factory=dict)
+    seen: set[int] = field(default_factory=set)  # seq ids that ever appeared in a plan
+    reported: list[int] = field(default_factory=list)  # seq ids postprocess reported finished
+    last_end: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def cfg(self) -> SchedulerConfig:
+        return self.sched.cfg
+
+    def add(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            self.reqs[r.seq_id] = r
+            self.sched.add(r)
+
+    # -- the loop --
+    def fill(self) -> None:
+        while len(self.in_flight) < self.pp:
+            pre = self._snapshot()
+            mb = self.sched.schedule()
+            if mb is None:
+                return
+            self._check_plan(mb, pre)
+            self.in_flight.append(mb)
+            self.history.append(mb)
+            self.in_flight_sets.append(tuple(self.in_flight))
+            self._check_blocks()
+
+    def run_oldest(self) -> list[Request]:
+        mb = self.in_flight.popleft()
+        tokens = [self._execute(c) for c in mb.chunks]
+        done = self.sched.postprocess(mb, [t for t in tokens if t is not None])
+        for r in done:
+            assert r.finished and r.seq_id not in self.reported, f"{r.request_id} reported twice"
+            self.reported.append(r.seq_id)
+        self._check_blocks()
+        return done
+
+    def run(self, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            self.fill()
+            if not self.in_flight:
+                assert not self.sched.has_unfinished(), "scheduler stalled with unfinished requests: " + \
+                    str([(r.request_id, r.phase, r.num_scheduled) for r in self.sched.running + list(self.sched.waiting)])
+                return
+            self.run_oldest()
+        raise AssertionError("did not finish")
+
+    # -- the simulated model + paged cache --
+    def _execute(self, c: SeqChunk) -> int | None:
+        bs = self.sched.blocks.block_size
+        for i, tok in enumerate(c.token_ids):
+            pos = c.start + i
+            self.cache[(c.block_table[pos // bs], pos % bs)] = (c.seq_id, pos, tok)
+        if c.sample is None:
+            return None
+        # Attention over the whole context, through the block table, as a worker would read it.
+        seen = [self.cache.get((c.block_table[p // bs], p % bs)) for p in range(c.context_len)]
+        assert all(s is not None and s[:2] == (c.seq_id, p) for p, s in enumerate(seen)), \
+            f"seq {c.seq_id}: KV cache corrupted (another sequence wrote into its blocks)"
+        return next_token([s[2] for s in seen])
+
+    # -- invariants --
+    def _snapshot(self) -> dict:
+        s = self.sched
+        ready = [r for r in s.running if r.is_decoding and r.in_flight == 0]
+        # Prefill work on offer, FCFS: running prompts' remainders, then admissible newcomers.
+        offered = [r.prefill_len - r.num_scheduled for r in s.running if r.is_prefilling]
+        offered += [r.num_tokens for r in list(s.waiting)[:max(0, self.cfg.max_batch_size - len(s.running))]]
+        return {"ready": ready, "offered": offered,
+                "unfinished_seen": {q for q in self.seen if not self.reqs[q].finished}}
+
+    def _check_plan(self, mb: MicroBatch, pre: dict) -> None:
+        cfg, chunks = self.cfg, mb.chunks
+        ids = [c.seq_id for c in chunks]
+        assert 1 <= len(chunks) <= cfg.max_batch_size
+        assert len(ids) == len(set(ids)), "a request appears twice in one micro-batch"
+        assert [c.is_prefill for c in chunks] == sorted((c.is_prefill for c in chunks), reverse=True), \
+            "prefill chunks must come before decodes"
+        in_flight = {c.seq_id: c for m in self.in_flight for c in m.chunks}
+        for c in chunks:
+            self._check_chunk(c, in_flight)
+        getattr(self, f"_check_{cfg.policy}")(mb, pre)
+        self.seen.update(ids)
+
+    def _check_chunk(self, c: SeqChunk, in_flight: dict[int, SeqChunk]) -> None:
+        req = self.reqs[c.seq_id]
+        hist = req.prompt_token_ids + req.output_token_ids
+        assert not req.finished
+        assert c.num_tokens >= 1
+        assert list(c.token_ids) == hist[c.start:c.start + c.num_tokens], "chunk carries the wrong tokens"
+        assert c.block_table == tuple(self.sched.blocks.block_table(c.seq_id))
+        assert len(c.block_table) >= blocks_for(c.context_len, self.sched.blocks.block_size)
+        assert (c.sample is not None) == (c.context_len == len(hist)), "sample exactly at the last known token"
+        if c.is_prefill and c.start > 0:  # a continuation: right after the previous chunk of this prompt
+            assert self.last_end.get(c.seq_id) == c.start
+            assert c.seq_id not in in_flight or in_flight[c.seq_id].is_prefill
+        else:  # a decode, or a prompt (re)starting: nothing of it may be in flight
+            assert c.seq_id not in in_flight, f"seq {c.seq_id} is already in an in-flight micro-batch"
+        if not c.is_prefill:
+            assert c.num_tokens == 1 and c.start == len(hist) - 1
+        self.last_end[c.seq_id] = c.context_len
+
+    def _check_sarathi(self, mb: MicroBatch, pre: dict) -> None:
+        cfg = self.cfg
+        decode_cap = max(1, cfg.max_batch_size - 1)
+        n_dec = mb.decode_tokens
+        assert n_dec <= decode_cap
+        assert mb.prefill_tokens <= cfg.chunk_size
+        if cfg.tile_align:
+            assert mb.num_tokens <= cfg.chunk_size
+        if self.ample_kv:
+            assert n_dec == min(len(pre["ready"]), decode_cap), "decode-maximal: every ready decode rides along"
+            budget = cfg.chunk_size - (n_dec if cfg.tile_align else 0)
+            expected = greedy_fill(pre["offered"], budget, cfg.max_batch_size - n_dec)
+            assert mb.prefill_tokens == expected, "decode-maximal: prefill chunks fill the rest of the budget"
+            if pre["offered"] and cfg.max_batch_size > 1:
+                assert mb.prefill_tokens > 0
+
+    def _check_whole_prompts(self, mb: MicroBatch) -> None:
+        for c in mb.chunks:
+            if c.is_prefill:
+                req = self.reqs[c.seq_id]
+                assert c.start == 0 and c.num_tokens == req.prefill_len, "prompt was chunked"
+                assert c.sample is not None
+
+    def _check_orca(self, mb: MicroBatch, pre: dict) -> None:
+        self._check_whole_prompts(mb)
+        assert mb.decode_tokens <= self.cfg.max_batch_size
+        if self.ample_kv:
+            assert mb.decode_tokens == min(len(pre["ready"]), self.cfg.max_batch_size)
+            slots = self.cfg.max_batch_size - mb.decode_tokens
+            assert len(mb.chunks) - mb.decode_tokens == min(slots, len(pre["offered"]))
+
+    def _check_unmixed(self, mb: MicroBatch) -> None:
+        assert mb.prefill_tokens == 0 or mb.decode_tokens == 0, "prefill and decode mixed"
+        self._check_whole_prompts(mb)
+
+    def _check_prefill_first(self, mb: MicroBatch, pre: dict) -> None:
+        self._check_unmixed(mb)
+        if self.ample_kv and pre["offered"]:
+            assert mb.prefill_tokens > 0, "prefill_first runs a prompt whenever one can start"
+        prefills = [c for c in mb.chunks if c.is_prefill]
+        if len(prefills) > 1:  # chunk_size caps a prefill-only batch; a lone longer prompt still runs
+            assert mb.prefill_tokens <= self.cfg.chunk_size
+
+    def _check_request_level(self, mb: MicroBatch, pre: dict) -> None:
+        self._check_unmixed(mb)
+        new = {c.seq_id for c in mb.chunks} - self.seen
+        if new:
+            assert not pre["unfinished_seen"], \
+                f"admitted {sorted(new)} while {sorted(pre['unfinished_seen'])} of the last batch are unfinished"
+
+    def _check_blocks(self) -> None:
+        bm = self.sched.blocks
+        owned = [b for q in self.reqs for b in bm.block_table(q)]
+        assert len(owned) == len(set(owned)), "a KV block has two owners"
+        assert bm.num_free + len(owned) == bm.num_blocks
+        for r in self.reqs.values():
+            if r in self.sched.running:
+                assert bm.num_tokens(r.seq_id) == r.num_scheduled
+            else:
+                assert bm.block_table(r.seq_id) == [], f"{r.request_id} holds blocks while not running"
+        assert len(self.sched.running) <= self.cfg.max_batch_size
+        # Whatever is in flight is still running: preemption only takes requests not in flight.
+        running = {r.seq_id for r in self.sched.running}
+        assert all(c.seq_id in running for m in self.in_flight for c in m.chunks), "an in-flight request was preempted"
+        # FCFS (every workload here arrives at once, in seq_id order): newcomers start in arrival order,
+        # and a preempted request goes back to the head of the queue, ahead of every newcomer.
+        fresh = [r.seq_id for r in self.sched.waiting if not r.num_preemptions]
+        assert fresh == sorted(fresh) and (not fresh or not running or max(running) < fresh[0])
+        assert list(self.sched.waiting)[len(self.sched.waiting) - len(fresh):] == \
+            [r for r in self.sched.waiting if not r.num_preemptions], "a preempted request queued behind a newcomer"
+
+
+def greedy_fill(offered: list[int], budget: int, slots: int) -> int:
+    """Prefill tokens sarathi should take: FCFS, each candidate up to the budget left."""
+    taken = 0
+    for n in offered[:max(0, slots)]:
+        if budget <= 0:
+            break
+        take = min(n, budget)
+        taken, budget = taken + take, budget - take
+    return taken
+
+
+# ---- workload helpers -------------------------------------------------------------------------
+def make_requests(lengths: list[int], max_tokens: int | list[int], seed: int = 0, ignore_eos: bool = True,
+                  stop: tuple[int, ...] = ()) -> list[Request]:
+    mts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(lengths)
+    out = []
+    for i, (n, mt) in enumerate(zip(lengths, mts)):
+        prompt = [1 + (seed * 7919 + i * 131 + j * 17) % (VOCAB - 1) for j in range(n)]
+        out.append(Request(f"r{i}", i, prompt, SamplingParams(max_tokens=mt, ignore_eos=ignore_eos,
+                                                              stop_token_ids=stop)))
+    return out
+
+
+def make_scheduler(policy: str, chunk: int, mbs: int, num_blocks: int = HUGE_KV, block_size: int = 4,
+                   tile_align: bool = False, max_model_len: int = 4096) -> Scheduler:
+    cfg = SchedulerConfig(policy, chunk, mbs, tile_align, max_model_len)
+    return Scheduler(cfg, BlockManager(num_blocks, block_size), eos_token_ids=(EOS,))
+
+
+def run_workload(policy: str, pp: int, chunk: int, reqs: list[Request], mbs: int = 4, **kw: object) -> FakePipeline:
+    pipe = FakePipeline(make_scheduler(policy, chunk, mbs, **kw), pp, ample_kv=kw.get("num_blocks") is None)
+    pipe.add(reqs)
+    pipe.run()
+    return pipe
+
+
+def assert_matches_oracle(pipe: FakePipeline) -> None:
+    for r in pipe.reqs.values():
+        if r.finish_reason == "error":
+            continue
+        tokens, reason = oracle(r.prompt_token_ids, r.params)
+        assert (r.output_token_ids, r.finish_reason) == (tokens, reason), r.request_id
+        assert r.error is None
+    runnable = [q for q, r in pipe.reqs.items() if r.finish_reason != "error"]
+    assert sorted(pipe.reported) == sorted(runnable), "every request is reported finished exactly once"
+
+
+LENGTHS = [5, 23, 1, 70, 12, 41, 3, 9]
+CASES = [(policy, pp, chunk, tile)
+         for policy in POLICIES for pp in (1, 2, 3) for chunk in (1, 7, 64)
+         for tile in ((False, True) if policy == "sarathi" else (False,))]
+
+
+def case_mbs(chunk: int, tile: bool) -> int:
+    return min(4, chunk) if tile else 4  # tile_align needs C ≥ max_batch_size
+
+
+# ---- every policy: budgets, in-flight rules, completion, outputs -----------------------------
+@pytest.mark.parametrize("policy, pp, chunk, tile", CASES)
+def test_all_finish_with_oracle_outputs_and_invariants(policy: str, pp: int, chunk: int, tile: bool) -> None:
+    reqs = make_requests(LENGTHS, [1, 6, 12, 4, 9, 2, 7, 5])
+    pipe = FakePipeline(make_scheduler(policy, chunk, case_mbs(chunk, tile), tile_align=tile), pp, ample_kv=True)
+    pipe.add(reqs)
+    pipe.run()
+    assert_matches_oracle(pipe)
+    assert all(len(r.output_token_ids) == r.params.max_tokens and r.finish_reason == "length" for r in reqs)
+    assert pipe.sched.blocks.num_free == pipe.sched.blocks.num_blocks
+    assert not pipe.sched.running and not pipe.sched.waiting
+
+
+@pytest.mark.parametrize("policy, pp, chunk, tile", CASES)
+def test_stops_at_eos_and_stop_ids(policy: str, pp: int, chunk: int, tile: bool) -> None:
+    # 16 prompts, 40 tokens each at most: some hit EOS or a stop id first, others run to the length
+    # limit (asserted below), so both paths run.
+    reqs = make_requests(LENGTHS * 2, 40, seed=3, ignore_eos=False, stop=(5, 11))
+    pipe = FakePipeline(make_scheduler(policy, chunk, case_mbs(chunk, tile), tile_align=tile), pp)
+    pipe.add(reqs)
+    pipe.run()
+    assert_matches_oracle(pipe)
+    for r in reqs:
+        if r.finish_reason == "stop":
+            assert r.output_token_ids[-1] in (EOS, 5, 11)
+            assert not {EOS, 5, 11} & set(r.output_token_ids[:-1])
+        else:
+            assert len(r.output_token_ids) == 40
+    assert {r.finish_reason for r in reqs} == {"stop", "length"}
+
+
+@pytest.mark.parametrize("policy, pp, chunk, tile", CASES)
+def test_preemption_under_tiny_kv_changes_no_output(policy: str, pp: int, chunk: int, tile: bool) -> None:
+    lengths, max_tokens = [9, 14, 3, 20, 6, 11], [12, 8, 16, 5, 10, 9]
+    big = run_workload(policy, pp, chunk, make_requests(lengths, max_tokens), mbs=case_mbs(chunk, tile),
+                       tile_align=tile)
+    # 7 blocks of 4 tokens: the largest request (20 + 5 tokens) just fits alone, a few together do not.
+    small = run_workload(policy, pp, chunk, make_requests(lengths, max_tokens), mbs=case_mbs(chunk, tile),
+                         tile_align=tile, num_blocks=7)
+    assert_matches_oracle(small)
+    assert [r.output_token_ids for r in small.reqs.values()] == [r.output_token_ids for r in big.reqs.values()]
+    if case_mbs(chunk, tile) > 1:
+        assert any(r.num_preemptions > 0 for r in small.reqs.values()), "the tiny budget should force preemption"
+    assert all(r.num_preemptions == 0 for r in big.reqs.values())
+
+
+# ---- pipelining: what may and may not be in flight together -----------------------------------
+def test_consecutive_prefill_chunks_of_one_prompt_fly_together() -> None:
+    pipe = run_workload("sarathi", 2, 7, make_requests([50], 3))
+    both = [s for s in pipe.in_flight_sets if len(s) == 2 and
+            all(c.seq_id == 0 and c.is_prefill for m in s for c in m.chunks)]
+    assert both, "a long prompt should fill both stages with its own chunks"
+    first, second = both[0]
+    assert second.chunks[0].start == first.chunks[0].context_len
+    assert_matches_oracle(pipe)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("pp", (2, 3))
+def test_a_decoding_request_is_never_in_two_in_flight_batches(policy: str, pp: int) -> None:
+    pipe = run_workload(policy, pp, 7, make_requests([3, 4, 2], 20))
+    for group in pipe.in_flight_sets:
+        decodes = [c.seq_id for m in group for c in m.chunks if not c.is_prefill]
+        everything = [c.seq_id for m in group for c in m.chunks]
+        for q in decodes:
+            assert everything.count(q) == 1
+    assert_matches_oracle(pipe)
+
+
+# ---- policy-specific shapes -------------------------------------------------------------------
+def test_sarathi_decode_maximal_batches() -> None:
+    reqs = make_requests([30, 30, 30, 30, 30, 30, 30, 30], 12)
+    pipe = FakePipeline(make_scheduler("sarathi", 16, 5), 1, ample_kv=True)
+    pipe.add(reqs)
+    pipe.run()
+    assert_matches_oracle(pipe)
+    hybrid = [m for m in pipe.history if m.prefill_tokens and m.decode_tokens]
+    assert any(m.decode_tokens == 4 and m.prefill_tokens == 16 for m in hybrid), "4 decodes + a full chunk"
+
+
+def test_sarathi_tile_align_batches_are_exactly_c_tokens() -> None:
+    pipe = FakePipeline(make_scheduler("sarathi", 16, 5, tile_align=True), 1, ample_kv=True)
+    pipe.add(make_requests([40] * 6, 10))
+    pipe.run()
+    assert_matches_oracle(pipe)
+    hybrid = [m for m in pipe.history if m.prefill_tokens and m.decode_tokens]
+    assert hybrid and all(m.num_tokens <= 16 for m in pipe.history)
+    assert any(m.decode_tokens == 4 and m.num_tokens == 16 for m in hybrid)
+
+
+def test_sarathi_batch_size_one_still_decodes() -> None:
+    pipe = run_workload("sarathi", 2, 7, make_requests([10, 5], 4), mbs=1)
+    assert all(len(m.chunks) == 1 for m in pipe.history)
+    assert_matches_oracle(pipe)
+
+
+def test_orca_never_chunks_and_mixes_decodes_with_whole_prompts() -> None:
+    pipe = run_workload("orca", 1, 7, make_requests([30, 25, 40, 3], [2, 6, 6, 6]), mbs=3)
+    assert_matches_oracle(pipe)
+    assert any(m.prefill_tokens > 7 for m in pipe.history), "orca ignores the chunk size"
+    assert any(m.prefill_tokens and m.decode_tokens for m in pipe.history), "orca piggybacks decodes"
+
+
+def test_prefill_first_never_mixes() -> None:
+    pipe = run_workload("prefill_first", 2, 64, make_requests(LENGTHS, 6))
+    assert_matches_oracle(pipe)
+    assert all(not (m.prefill_tokens and m.decode_tokens) for m in pipe.history)
+    assert any(m.prefill_tokens for m in pipe.history) and any(m.decode_tokens for m in pipe.history)
+
+
+def test_prefill_first_caps_prefill_batches_at_chunk_size() -> None:
+    # chunk_size is the token cap of prefill-only batches (SchedulerConfig docstring); a prompt
+    # longer than the cap still runs, alone.
+    pipe = run_workload("prefill_first", 1, 20, make_requests([8, 8, 8, 30, 4], 3))
+    assert_matches_oracle(pipe)
+    prefill_batches = [m for m in pipe.history if m.prefill_tokens]
+    assert [m.prefill_tokens for m in prefill_batches] == [16, 8, 30, 4]
+
+
+def test_request_level_static_batches() -> None:
+    pipe = run_workload("request_level", 2, 7, make_requests([5, 9, 3, 7, 4, 6, 2], [3, 9, 2, 4, 8, 1, 5]), mbs=3)
+    assert_matches_oracle(pipe)
+    # Admissions come in waves of max_batch_size, each after the previous wave finished.
+    first_seen: dict[int, int] = {}
+    for i, m in enumerate(pipe.history):
+        for c in m.chunks:
+            first_seen.setdefault(c.seq_id, i)
+    waves = sorted(set(first_seen.values()))
+    assert [sorted(q for q, i in first_seen.items() if i == w) for w in waves] == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_request_level_preempted_member_rejoins_before_newcomers() -> None:
+    # A tight cache forces preemption inside a static batch; newcomers still wait for the whole
+    # batch (the preempted member included) to finish. FakePipeline checks that on every plan.
+    pipe = run_workload("request_level", 1, 64, make_requests([6, 6, 6, 6, 6, 6], 14), mbs=3, num_blocks=12)
+    assert_matches_oracle(pipe)
+    assert any(r.num_preemptions for r in pipe.reqs.values())
+
+
+# ---- bad requests -----------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", POLICIES)
+def test_impossible_requests_fail_with_a_message_others_complete(policy: str) -> None:
+    reqs = make_requests([10, 60, 5, 8, 30], [5, 10, 50, 4, 3])
+    reqs.append(Request("empty", 5, [], SamplingParams(max_tokens=3)))
+    # max_model_len 64: r1 (70 tokens) is too long; 12 blocks × 4 = 48 tokens: r2 (55) cannot fit.
+    sched = make_scheduler(policy, 7, 3, num_blocks=12, max_model_len=64)
+    pipe = FakePipeline(sched, 2)
+    pipe.add(reqs)
+    assert reqs[1].finish_reason == "error" and "exceeds the model's max length 64" in reqs[1].error
+    assert "70" in reqs[1].error
+    assert reqs[2].finish_reason == "error" and "14 KV blocks" in reqs[2].error and "only 12 blocks" in reqs[2].error
+    assert reqs[5].finish_reason == "error" and "empty prompt" in reqs[5].error
+    pipe.run()
+    assert_matches_oracle(pipe)
+    assert [r.finish_reason for r in reqs] == ["length", "error", "error", "length", "length", "error"]
+    assert all(r.output_token_ids == [] for r in reqs if r.finish_reason == "error")
+
+
+# ---- abort ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", POLICIES)
+def test_abort_waiting_request(policy: str) -> None:
+    reqs = make_requests([5, 6, 7], 4)
+    pipe = FakePipeline(make_scheduler(policy, 64, 1), 1)
+    pipe.add(reqs)
+    assert pipe.sched.abort(2) is reqs[2]
+    assert reqs[2].finish_reason == "cancelled" and reqs[2].error == "request aborted"
+    assert pipe.sched.abort(2) is None  # already gone
+    pipe.run()
+    assert [r.finish_reason for r in reqs] == ["length", "length", "cancelled"]
+    assert all(2 not in (c.seq_id for c in m.chunks) for m in pipe.history)
+    assert reqs[2].output_token_ids == []
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_abort_in_flight_decoding_request(policy: str) -> None:
+    reqs = make_requests([5, 6], 10)
+    pipe = FakePipeline(make_scheduler(policy, 64, 4), 2)
+    pipe.add(reqs)
+    while True:
+        pipe.fill()
+        if reqs[0].output_token_ids and reqs[0].is_decoding and reqs[0].in_flight:
+            break
+        pipe.run_oldest()
+    produced = list(reqs[0].output_token_ids)
+    assert pipe.sched.abort(0) is None  # finished when its micro-batch returns
+    assert not reqs[0].finished
+    done = []
+    while reqs[0].in_flight:
+        done += pipe.run_oldest()
+    assert reqs[0] in done and reqs[0].finish_reason == "cancelled"
+    assert reqs[0].output_token_ids == produced, "no token is appended after an abort"
+    pipe.run()
+    assert reqs[1].finish_reason == "length" and len(reqs[1].output_token_ids) == 10
+    assert pipe.sched.blocks.num_free == pipe.sched.blocks.num_blocks
+
+
+def test_abort_in_flight_prefill_schedules_no_further_chunks() -> None:
+    reqs = make_requests([60, 4], 5)
+    pipe = FakePipeline(make_scheduler("sarathi", 7, 4), 2)
+    pipe.add(reqs)
+    pipe.fill()
+    assert reqs[0].in_flight == 2 and reqs[0].is_prefilling
+    issued = len(pipe.history)
+    assert pipe.sched.abort(0) is None
+    pipe.run()
+    assert reqs[0].finish_reason == "cancelled" and reqs[0].output_token_ids == []
+    assert all(0 not in (c.seq_id for c in m.chunks) for m in pipe.history[issued:]), \
+        "an aborted prompt must not get more chunks"
+    assert reqs[1].finish_reason == "length"
+    assert pipe.sched.blocks.num_free == pipe.sched.blocks.num_blocks
+
+
+# ---- property: random workloads ---------------------------------------------------------------
+@st.composite
+def workloads(draw: st.DrawFn) -> dict:
+    policy = draw(st.sampled_from(POLICIES))
+    chunk = draw(st.sampled_from((1, 2, 7, 16, 64)))
+    tile = policy == "sarathi" and draw(st.booleans())
+    mbs = draw(st.integers(1, min(6, chunk) if tile else 6))
+    block_size = draw(st.integers(1, 8))
+    n = draw(st.integers(1, 8))
+    lengths = draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))
+    max_tokens = draw(st.lists(st.integers(1, 12), min_size=n, max_size=n))
+    need = max(blocks_for(p + m, block_size) for p, m in zip(lengths, max_tokens))
+    # From "some requests can never fit" through "just enough for the largest" to "never short".
+    num_blocks = draw(st.one_of(st.integers(1, need + 4), st.integers(need, need + 4),
+                                st.integers(need, 4 * need), st.just(HUGE_KV)))
+    return dict(policy=policy, pp=draw(st.integers(1, 3)), chunk=chunk, tile=tile, mbs=mbs,
+                block_size=block_size, num_blocks=num_blocks, lengths=lengths, max_tokens=max_tokens,
+                max_model_len=draw(st.one_of(st.just(4096), st.integers(8, 56))),
+                ignore_eos=draw(st.booleans()), stop=tuple(draw(st.lists(st.integers(0, VOCAB - 1), max_size=2))),
+                seed=draw(st.integers(0, 1000)))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=workloads())
+def test_random_workloads_complete_with_unconstrained_outputs(w: dict) -> None:
+    def reqs() -> list[Request]:
+        return make_requests(w["lengths"], w["max_tokens"], w["seed"], w["ignore_eos"], w["stop"])
+    reference = run_workload("sarathi", 1, 4096, reqs(), mbs=64)
+    pipe = FakePipeline(make_scheduler(w["policy"], w["chunk"], w["mbs"], w["num_blocks"], w["block_size"],
+                                       w["tile"], w["max_model_len"]), w["pp"],
+                        ample_kv=w["num_blocks"] == HUGE_KV)
+    pipe.add(reqs())
+    pipe.run()
+    assert_matches_oracle(pipe)
+    for r, ref in zip(pipe.reqs.values(), reference.reqs.values()):
+        total = len(r.prompt_token_ids) + r.params.max_tokens
+        impossible = total > w["max_model_len"] or blocks_for(total, w["block_size"]) > w["num_blocks"]
+        if impossible:
+            assert r.finish_reason == "error" and r.error and not r.output_token_ids
+        else:
+            assert (r.output_token_ids, r.finish_reason) == (ref.output_token_ids, ref.finish_reason)
+    assert pipe.sched.blocks.num_free == pipe.sched.blocks.num_blocks
+    assert not pipe.sched.running and not pipe.sched.waiting
