@@ -47,6 +47,32 @@ def plan_memory(profiles: list, block_size: int, max_model_len: int) -> MemoryPl
                       tight.budget_bytes, tight.weight_bytes, tight.kv_bytes_per_token, max_model_len)
 
 
+def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, scheduler: str = "sarathi",
+                        chunk_size: int = 256, max_batch_size: int | None = None, tile_align: bool = False,
+                        dtype: str = "float32", device: str = "cpu", attention: str = "auto", seed: int = 0,
+                        block_size: int = 16, memory_budget_gb: float | None = None,
+                        max_model_len: int | None = None, partition: Sequence[int] | None = None,
+                        threads: int = 0) -> tuple[EngineConfig, object]:
+    """Resolve the model and validate every setting; raises ValueError naming the bad one.
+    max_batch_size None is kept as 1 here and replaced once the memory plan gives B."""
+    from stages.weights import resolve_model
+    source = resolve_model(model)
+    mcfg = source.config
+    parallel = ParallelConfig(pp, tp, tuple(partition) if partition else None)
+    parallel.check_model(mcfg)
+    if device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda requested but no CUDA GPU is available")
+    budget = None if memory_budget_gb is None and device == "cuda" else int((memory_budget_gb or 4.0) * (1 << 30))
+    max_len = min(max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    cfg = EngineConfig(
+        model_path=source.path, parallel=parallel,
+        scheduler=SchedulerConfig(scheduler, chunk_size, max_batch_size or 1, tile_align, max_len),
+        cache=CacheConfig(block_size, budget), device=DeviceConfig(device, dtype, attention, threads), seed=seed)
+    return cfg, source
+
+
 class LLM:
     def __init__(self, model: str | None = None, pp: int = 1, tp: int = 1, launcher: str | None = None,
                  scheduler: str = "sarathi", chunk_size: int = 256, max_batch_size: int | None = None,
@@ -54,23 +80,10 @@ class LLM:
                  attention: str = "auto", seed: int = 0, block_size: int = 16,
                  memory_budget_gb: float | None = None, max_model_len: int | None = None,
                  partition: Sequence[int] | None = None, threads: int = 0, verbose: bool = False) -> None:
-        from stages.weights import resolve_model
-        self.source = resolve_model(model)
-        mcfg = self.source.config
-        parallel = ParallelConfig(pp, tp, tuple(partition) if partition else None)
-        parallel.check_model(mcfg)
-        if device == "cuda":
-            import torch
-            if not torch.cuda.is_available():
-                raise ValueError("--device cuda requested but no CUDA GPU is available")
-        budget = None if memory_budget_gb is None and device == "cuda" else \
-            int((memory_budget_gb or 4.0) * (1 << 30))
-        max_len = min(max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
-        self.config = EngineConfig(
-            model_path=self.source.path, parallel=parallel,
-            scheduler=SchedulerConfig(scheduler, chunk_size, max_batch_size or 1, tile_align, max_len),
-            cache=CacheConfig(block_size, budget), device=DeviceConfig(device, dtype, attention, threads),
-            seed=seed)
+        self.config, self.source = build_engine_config(
+            model, pp, tp, scheduler, chunk_size, max_batch_size, tile_align, dtype, device, attention, seed,
+            block_size, memory_budget_gb, max_model_len, partition, threads)
+        parallel, max_len = self.config.parallel, self.config.scheduler.max_model_len
         self.launcher = launcher or ("local" if parallel.world_size == 1 else "ray")
         self.executor = _make_executor(self.launcher, self.config, self.source)
         try:
@@ -99,6 +112,12 @@ class LLM:
             if self._tokenizer is None:
                 raise ValueError(f"model {self.source.path} has no tokenizer: pass token ids")
         return self._tokenizer
+
+    def reconfigure(self, **changes: object) -> None:
+        """Change the driver-side scheduling (policy, chunk_size, max_batch_size, tile_align)
+        between runs, keeping the workers and their weights: ``bench`` compares schedulers this way."""
+        self.sched_config = replace(self.sched_config, **changes)
+        self.config = replace(self.config, scheduler=self.sched_config)
 
     def workers_info(self) -> list[dict]:
         return self.executor.workers_info()
@@ -183,5 +202,11 @@ def _make_executor(launcher: str, cfg: EngineConfig, source: object) -> object:
     if launcher == "ray":  # launch/ owns Ray; pp_runtime itself never imports it
         from launch.ray_launch import RayExecutor
         return RayExecutor(cfg, source)
-    raise ValueError(f"--launcher must be local or ray here (torchrun runs through launch.torchrun_main), "
-                     f"got {launcher!r}")
+    if launcher == "torchrun":
+        import os
+        if "RANK" not in os.environ:
+            raise ValueError("--launcher torchrun runs under torchrun: "
+                             "torchrun --nproc-per-node N -m launch.torchrun_main ...")
+        from launch.torchrun_main import TorchrunExecutor
+        return TorchrunExecutor(cfg, source)
+    raise ValueError(f"--launcher must be local, ray or torchrun, got {launcher!r}")

@@ -69,7 +69,12 @@ class StageWorker:
     def info(self) -> dict:
         return {"stage": self.spec.stage, "tp_rank": self.spec.tp_rank, "pid": os.getpid(),
                 "node": os.uname().nodename, "device": str(self.device), "layers": list(self.layer_range),
-                "weight_bytes": self.weight_bytes, "attention": self.model.backend.name}
+                "weight_bytes": self.weight_bytes, "layer_weight_bytes": self._layer_bytes(),
+                "attention": self.model.backend.name}
+
+    def _layer_bytes(self) -> int:
+        """Resident bytes of the decoder layers alone (embedding and LM head excluded)."""
+        return sum(p.numel() * p.element_size() for p in self.model.layers.parameters())
 
     def memory_profile(self) -> MemoryProfile:
         cfg = self.spec.source.config
@@ -110,7 +115,8 @@ class StageWorker:
             self.link.send_forward(h)
         elif meta.sample_idx.numel():
             logits = self.model.logits(h[meta.sample_idx])  # (S, V): only sampled rows reach the LM head
-            tokens = sample(logits, [c.sample for c in mb.chunks if c.sample is not None])
+            if self.tp.rank == 0:  # every TP rank holds the gathered logits; one samples
+                tokens = sample(logits, [c.sample for c in mb.chunks if c.sample is not None])
         else:
             tokens = []
         if self.device.type == "cuda":

@@ -9,6 +9,9 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Keep every Ray address on loopback: without this Ray swaps 127.0.0.1 for the host's
+# outward-facing IP when connecting (tests send traffic to loopback only).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ARCHS = ("llama", "mistral", "qwen2")
 
 

@@ -1,0 +1,213 @@
+"""Ray launcher: one actor per (stage, TP rank), placed by a placement group.
+
+The placement group has one bundle per stage holding that stage's tp workers, with the
+SPREAD strategy: a stage's TP workers always share a node (they share a bundle), and stages
+land on different nodes when the cluster has them. Activations never go through Ray: the
+actors form one torch.distributed world (NCCL on CUDA, gloo on CPU) whose rendezvous the
+driver places on rank 0's node; Ray carries only the compact plans and the sampled tokens.
+
+    executor = RayExecutor(engine_config, model_source)   # embedded Ray, or RAY_ADDRESS
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from pp_runtime.batch import MicroBatch
+from pp_runtime.comm import P2P, Topology, init_distributed
+from pp_runtime.config import EngineConfig
+
+PLACEMENT_TIMEOUT_S = 60.0
+
+
+class WorkerError(RuntimeError):
+    """A worker died or stopped answering; the message names its stage, TP rank and node."""
+
+
+@ray.remote
+class StageActor:
+    """Hosts one StageWorker; Ray runs its calls one at a time, in submission order."""
+
+    def __init__(self, rank: int, topo: Topology, threads: int) -> None:
+        import torch
+        self.rank, self.topo = rank, topo
+        if threads:
+            torch.set_num_threads(threads)
+        self.worker = None
+
+    def address(self) -> tuple[str, int, str, int]:
+        """(ip, a free port on this node, node id, pid) — rank 0's becomes the rendezvous."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        return ip, port, ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def setup(self, spec: object, backend: str, init_method: str) -> dict:
+        import torch
+        from stages.layers import TPContext
+        from stages.worker import StageWorker
+        if init_method.startswith("tcp://127."):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback-only clusters
+        stage, tp_rank = self.topo.coords(self.rank)
+        if spec.device.device == "cuda":
+            torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
+        group = init_distributed(self.topo, self.rank, backend, init_method)
+        device = torch.device("cuda", 0) if spec.device.device == "cuda" else torch.device("cpu")
+        prev_rank = self.topo.rank(stage - 1, tp_rank) if stage > 0 else None
+        next_rank = self.topo.rank(stage + 1, tp_rank) if stage < self.topo.pp - 1 else None
+        self.worker = StageWorker(spec, TPContext(tp_rank, self.topo.tp, group), P2P(prev_rank, next_rank, device))
+        info = self.worker.info()
+        info["node"] = ray.get_runtime_context().get_node_id()
+        info["hostname"] = socket.gethostname()
+        return info
+
+    def memory_profile(self) -> object:
+        return self.worker.memory_profile()
+
+    def allocate_cache(self, num_blocks: int) -> int:
+        return self.worker.allocate_cache(num_blocks)
+
+    def execute(self, wire: tuple) -> list[int] | None:
+        return self.worker.execute(wire)
+
+    def drain_timings(self) -> list:
+        return self.worker.drain_timings()
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+        if self.worker is not None:
+            self.worker.link.flush()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class RayExecutor:
+    def __init__(self, cfg: EngineConfig, source: object, timeout_s: float = 60.0) -> None:
+        from stages.worker import WorkerSpec
+        self.cfg, self.timeout_s = cfg, timeout_s
+        self.topo = Topology(cfg.parallel.pp, cfg.parallel.tp)
+        self._owns_ray = _ensure_ray(self.topo.world_size)
+        self.actors: list = []
+        self.pg = None
+        try:
+            self.pg = self._place()
+            threads = cfg.device.threads or 1
+            gpu = 1 if cfg.device.device == "cuda" else 0
+            for rank in range(self.topo.world_size):
+                stage, _ = self.topo.coords(rank)
+                strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=stage)
+                self.actors.append(StageActor.options(num_cpus=1, num_gpus=gpu, scheduling_strategy=strategy)
+                                   .remote(rank, self.topo, threads))
+            addrs = self._get([a.address.remote() for a in self.actors], "start")
+            backend = "nccl" if cfg.device.device == "cuda" else "gloo"
+            init = f"tcp://{addrs[0][0]}:{addrs[0][1]}"
+            specs = [WorkerSpec(source, *self.topo.coords(r), cfg.parallel, cfg.cache, cfg.device)
+                     for r in range(self.topo.world_size)]
+            self.infos = self._get([a.setup.remote(specs[r], backend, init) for r, a in enumerate(self.actors)],
+                                   "set-up", timeout=max(300.0, timeout_s))
+        except BaseException:
+            self.shutdown()
+            raise
+        self._in_flight: list[list] = []
+
+    # ---- placement ---------------------------------------------------------------------------
+    def _place(self) -> object:
+        pp, tp = self.topo.pp, self.topo.tp
+        per_worker = {"CPU": 1.0} | ({"GPU": 1.0} if self.cfg.device.device == "cuda" else {})
+        bundles = [{k: v * tp for k, v in per_worker.items()} for _ in range(pp)]
+        pg = placement_group(bundles, strategy="SPREAD")
+        if not pg.wait(PLACEMENT_TIMEOUT_S):
+            remove_placement_group(pg)
+            raise ValueError(f"the Ray cluster cannot place {pp}×{tp} workers "
+                             f"({' + '.join(str(b) for b in bundles)}, a stage's {tp} TP workers on one node); "
+                             f"it can place {_placeable_stages(per_worker, tp)} such stage(s)")
+        return pg
+
+    # ---- executor interface --------------------------------------------------------------------
+    def workers_info(self) -> list[dict]:
+        return list(self.infos)
+
+    def memory_profiles(self) -> list:
+        return self._get([a.memory_profile.remote() for a in self.actors], "memory profile")
+
+    def allocate_cache(self, num_blocks: int) -> int:
+        return sum(self._get([a.allocate_cache.remote(num_blocks) for a in self.actors], "cache allocation"))
+
+    def submit(self, mb: MicroBatch) -> None:
+        wire = mb.to_wire()  # packed once, sent to every worker
+        self._in_flight.append([a.execute.remote(wire) for a in self.actors])
+
+    def collect(self) -> list[int]:
+        refs = self._in_flight.pop(0)
+        results = self._get(refs, "micro-batch")
+        return results[self.topo.rank(self.topo.pp - 1, 0)]
+
+    def drain_timings(self) -> list[list]:
+        return self._get([a.drain_timings.remote() for a in self.actors], "timings")
+
+    def shutdown(self) -> None:
+        if self.actors:
+            try:
+                ray.get([a.shutdown.remote() for a in self.actors], timeout=10)
+            except Exception:  # a dead worker cannot say goodbye; kill it below
+                pass
+            for a in self.actors:
+                ray.kill(a)
+            self.actors = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+            self._owns_ray = False
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _get(self, refs: list, what: str, timeout: float | None = None) -> list:
+        """ray.get that names the worker when one died or stopped answering."""
+        timeout = timeout or self.timeout_s
+        deadline = time.monotonic() + timeout
+        out = []
+        for rank, ref in enumerate(refs):
+            try:
+                out.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+            except ray.exceptions.GetTimeoutError:
+                raise WorkerError(f"{self._name(rank)} did not answer within {timeout:.0f} s ({what})") from None
+            except ray.exceptions.RayActorError as e:
+                raise WorkerError(f"{self._name(rank)} died during {what}: {str(e).splitlines()[0]}") from None
+        return out
+
+    def _name(self, rank: int) -> str:
+        stage, tp_rank = self.topo.coords(rank)
+        info = getattr(self, "infos", None)
+        node = f" on node {info[rank]['node'][:12]}" if info else ""
+        return f"worker stage {stage} tp_rank {tp_rank}{node}"
+
+
+def _ensure_ray(world_size: int) -> bool:
+    """Join RAY_ADDRESS's cluster, or start an embedded local Ray; True when we started it."""
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return True
+    ray.init(num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    return True
+
+
+def _placeable_stages(per_worker: dict, tp: int) -> int:
+    """How many stages of tp workers the alive nodes could host right now."""
+    total = 0
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        res = node.get("Resources", {})
+        total += int(min(res.get(k, 0.0) // (v * tp) for k, v in per_worker.items()))
+    return total

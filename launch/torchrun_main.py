@@ -1,0 +1,176 @@
+"""torchrun entry: SPMD, every rank hosts one StageWorker, rank 0 also drives.
+
+    torchrun --nproc-per-node 2 -m launch.torchrun_main --model llama-tiny --pp 2 \
+        --input in.jsonl --output out.jsonl
+    # two nodes on one machine: the same command twice with --nnodes 2 --node-rank {0,1}
+    #   --master-addr 127.0.0.1 --master-port 29511
+
+Rank 0 runs the engine; each plan goes to every other rank as a pickled byte tensor over a
+gloo control group (non-blocking sends, so rank 0 keeps the pipeline full while the other
+ranks work), and the last stage returns sampled tokens to rank 0 the same way. Activations
+move over the default group (NCCL on CUDA, gloo on CPU) exactly as under Ray.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from pp_runtime.batch import MicroBatch
+from pp_runtime.comm import P2P, Topology, init_distributed
+from pp_runtime.config import EngineConfig
+
+
+class ControlChannel:
+    """Plans out from rank 0 and tokens back, as length-prefixed byte tensors on a gloo group."""
+
+    def __init__(self, group: object) -> None:
+        self.group = group
+        self._pending: deque = deque()
+
+    def send(self, obj: object, dst: int) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.long)
+        while self._pending and self._pending[0][0].is_completed():
+            self._pending.popleft()
+        for t in (size, data):  # keep tensors alive until the send completes
+            self._pending.append((dist.isend(t, dst=dst, group=self.group), t))
+
+    def recv(self, src: int) -> object:
+        size = torch.empty(1, dtype=torch.long)
+        dist.recv(size, src=src, group=self.group)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(data, src=src, group=self.group)
+        return pickle.loads(data.numpy().tobytes())
+
+    def flush(self) -> None:
+        while self._pending:
+            self._pending.popleft()[0].wait()
+
+
+def _build_worker(cfg: EngineConfig, source: object, topo: Topology) -> tuple[object, ControlChannel]:
+    """Join the world (env:// from torchrun), create the TP and control groups, load the shard."""
+    from stages.layers import TPContext
+    from stages.worker import StageWorker, WorkerSpec
+    rank = int(os.environ["RANK"])
+    if int(os.environ["WORLD_SIZE"]) != topo.world_size:
+        raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes but pp×tp = {topo.world_size}")
+    cuda = cfg.device.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    tp_group = init_distributed(topo, rank, "nccl" if cuda else "gloo", "env://")
+    control = ControlChannel(dist.new_group(backend="gloo"))  # created on every rank, same order
+    stage, tp_rank = topo.coords(rank)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    link = P2P(topo.rank(stage - 1, tp_rank) if stage else None,
+               topo.rank(stage + 1, tp_rank) if stage < topo.pp - 1 else None, device)
+    worker = StageWorker(WorkerSpec(source, stage, tp_rank, cfg.parallel, cfg.cache, cfg.device),
+                         TPContext(tp_rank, topo.tp, tp_group), link)
+    return worker, control
+
+
+class TorchrunExecutor:
+    """Rank 0's side: its own stage-0 worker plus the control channel to every other rank."""
+
+    def __init__(self, cfg: EngineConfig, source: object) -> None:
+        self.topo = Topology(cfg.parallel.pp, cfg.parallel.tp)
+        self.worker, self.control = _build_worker(cfg, source, self.topo)
+        self.last = self.topo.rank(self.topo.pp - 1, 0)
+        self._in_flight: deque[tuple[MicroBatch, list[int] | None]] = deque()
+        self._allocated = False
+
+    def _others(self) -> range:
+        return range(1, self.topo.world_size)
+
+    def memory_profiles(self) -> list:
+        out = [None] * self.topo.world_size
+        dist.all_gather_object(out, self.worker.memory_profile(), group=self.control.group)
+        return out
+
+    def allocate_cache(self, num_blocks: int) -> int:
+        """Broadcast the pool size, allocate, then gather every worker's info (mirrored by worker_loop)."""
+        sizes = [num_blocks]
+        dist.broadcast_object_list(sizes, src=0, group=self.control.group)
+        nbytes = self.worker.allocate_cache(num_blocks)
+        self._allocated = True
+        self._infos: list = [None] * self.topo.world_size
+        dist.all_gather_object(self._infos, self.worker.info(), group=self.control.group)
+        return nbytes * self.topo.world_size
+
+    def workers_info(self) -> list[dict]:
+        return list(self._infos)
+
+    def submit(self, mb: MicroBatch) -> None:
+        wire = mb.to_wire()
+        for r in self._others():
+            self.control.send(("execute", wire), r)
+        self._in_flight.append((mb, self.worker.execute(wire)))
+
+    def collect(self) -> list[int]:
+        mb, local = self._in_flight.popleft()
+        if self.last == 0:
+            return local
+        return self.control.recv(self.last) if mb.num_samples else []
+
+    def shutdown(self) -> None:
+        if not dist.is_initialized():
+            return
+        if not self._allocated:  # set-up failed on the driver: release ranks waiting for the pool size
+            dist.broadcast_object_list([-1], src=0, group=self.control.group)
+        for r in self._others() if self._allocated else ():
+            self.control.send(("stop", None), r)
+        self.control.flush()
+        self.worker.link.flush()
+        dist.destroy_process_group()
+
+
+def worker_loop(cfg: EngineConfig, source: object) -> None:
+    """Every rank but 0: mirror rank 0's set-up collectives, then run plans until told to stop."""
+    topo = Topology(cfg.parallel.pp, cfg.parallel.tp)
+    worker, control = _build_worker(cfg, source, topo)
+    dist.all_gather_object([None] * topo.world_size, worker.memory_profile(), group=control.group)
+    sizes = [0]
+    dist.broadcast_object_list(sizes, src=0, group=control.group)
+    if sizes[0] < 0:  # rank 0 gave up during set-up and reported why
+        dist.destroy_process_group()
+        return
+    worker.allocate_cache(sizes[0])
+    dist.all_gather_object([None] * topo.world_size, worker.info(), group=control.group)
+    while True:
+        kind, wire = control.recv(0)
+        if kind == "stop":
+            break
+        tokens = worker.execute(wire)
+        if tokens is not None and topo.rank(topo.pp - 1, 0) == dist.get_rank() and wire[-1]:
+            control.send(tokens, 0)
+    control.flush()
+    worker.link.flush()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from launch.cli import build_parser, main as cli_main
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if int(os.environ.get("RANK", "0")) == 0:
+        return cli_main(["generate", "--launcher", "torchrun"] + argv)
+    args = build_parser().parse_args(["generate", "--launcher", "torchrun", "--quiet"] + argv)
+    from launch.cli import engine_kwargs
+    from pp_runtime.llm import build_engine_config
+    kwargs = engine_kwargs(args)
+    for driver_only in ("launcher", "verbose"):
+        kwargs.pop(driver_only)
+    try:
+        cfg, source = build_engine_config(**kwargs)
+    except ValueError as e:  # rank 0 reports the same problem; one line here too
+        print(f"pp-runtime[rank {os.environ['RANK']}]: error: {e}", file=sys.stderr)
+        return 2
+    worker_loop(cfg, source)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
