@@ -59,6 +59,8 @@ def _build_worker(cfg: EngineConfig, source: object, topo: Topology) -> tuple[ob
     rank = int(os.environ["RANK"])
     if int(os.environ["WORLD_SIZE"]) != topo.world_size:
         raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes but pp×tp = {topo.world_size}")
+    if os.environ.get("MASTER_ADDR", "").startswith("127.") or os.environ.get("MASTER_ADDR") == "localhost":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # single-machine runs stay on loopback
     cuda = cfg.device.device == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
