@@ -76,3 +76,37 @@ def test_embedded_model_pipeline(cluster: object, pp: int) -> None:
         layers = [w["layers"] for w in llm.workers_info()]
     assert got == expected
     assert layers[0][0] == 0 and layers[-1][1] == 30 and len(layers) == pp
+
+
+def test_consecutive_chunks_of_one_prompt_in_flight_together(cluster: object) -> None:
+    """One long prompt fills a pp=2 pipeline: chunk k+1 is issued before chunk k returns."""
+    prompt = list(range(3, 103))  # 100 tokens, chunk 16 -> 7 chunks
+    with LLM(model="llama-tiny", pp=2, launcher="ray", chunk_size=16, memory_budget_gb=0.05) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+        history = {mb.mb_id: mb for mb in llm.engine.history}
+        log = llm.engine.in_flight_log
+    with LLM(model="llama-tiny", chunk_size=100, memory_budget_gb=0.05) as one:
+        assert out.token_ids == one.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    together = [ids for ids in log if len(ids) == 2
+                and all(c.is_prefill and c.seq_id == 0 for i in ids for c in history[i].chunks)]
+    assert len(together) >= 5, f"prefill chunks were not overlapped: {log}"
+
+
+def test_cli_writes_workers_json_with_placement(cluster: object, tmp_path: object) -> None:
+    from launch.cli import main
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": "a", "prompt_token_ids": [5, 6, 7], "max_tokens": 3}\n')
+    run_dir = tmp_path / "run"
+    rc = main(["generate", "--model", "llama-tiny", "--pp", "2", "--tp", "2", "--launcher", "ray",
+               "--memory-budget-gb", "0.05", "--input", str(inp), "--output", str(tmp_path / "out.jsonl"),
+               "--run-dir", str(run_dir), "--quiet"])
+    assert rc == 0
+    import json
+    workers = json.loads((run_dir / "workers.json").read_text())
+    assert sorted((w["stage"], w["tp_rank"]) for w in workers) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(set(w) >= {"stage", "tp_rank", "pid", "node", "device"} for w in workers)
+    node_of = {(w["stage"], w["tp_rank"]): w["node"] for w in workers}
+    assert node_of[(0, 0)] == node_of[(0, 1)] and node_of[(1, 0)] == node_of[(1, 1)]
+    assert node_of[(0, 0)] != node_of[(1, 0)]
+    assert len({w["pid"] for w in workers}) == 4
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 1
