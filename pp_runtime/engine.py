@@ -6,13 +6,30 @@ tokens, finish requests, free their blocks). The engine never touches a tensor.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 from pp_runtime.batch import MicroBatch
 from pp_runtime.executor import Executor
 from pp_runtime.request import Request
 from pp_runtime.scheduler import Scheduler
+
+
+@dataclass
+class DriverStats:
+    """Where the driver's time goes: its own work (schedule + plan packing/delivery + postprocess)
+    versus waiting for the pipeline. The control-plane cost is the first part."""
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    wait_s: float = 0.0
+    postprocess_s: float = 0.0
+
+    @property
+    def driver_s(self) -> float:
+        return self.schedule_s + self.postprocess_s
 
 
 class Engine:
@@ -23,12 +40,15 @@ class Engine:
         self.in_flight: deque[MicroBatch] = deque()
         self.history: list[MicroBatch] = []  # every plan issued, in issue order
         self.in_flight_log: list[tuple[int, ...]] = []  # mb ids in flight after each schedule call
+        self.submit_times: dict[int, float] = {}  # mb id -> wall clock when handed to the executor
+        self.stats = DriverStats()
 
     def schedule(self) -> None:
         while len(self.in_flight) < self.max_in_flight:
             mb = self.scheduler.schedule()
             if mb is None:
                 break
+            self.submit_times[mb.mb_id] = time.time()
             self.executor.submit(mb)
             self.in_flight.append(mb)
             self.history.append(mb)
@@ -42,13 +62,23 @@ class Engine:
         return self.scheduler.postprocess(mb, tokens)
 
     def step(self) -> list[Request]:
+        t0 = time.perf_counter()
         self.schedule()
+        t1 = time.perf_counter()
         if not self.in_flight:
             if self.scheduler.has_unfinished():
                 stuck = [r.request_id for r in list(self.scheduler.running) + list(self.scheduler.waiting)]
                 raise RuntimeError(f"scheduler made no progress with requests {stuck[:8]} unfinished")
             return []
-        return self.postprocess(*self.run())
+        mb, tokens = self.run()
+        t2 = time.perf_counter()
+        finished = self.postprocess(mb, tokens)
+        st = self.stats
+        st.steps += 1
+        st.schedule_s += t1 - t0
+        st.wait_s += t2 - t1
+        st.postprocess_s += time.perf_counter() - t2
+        return finished
 
     def run_until_done(self, on_finish: Callable[[Request], None] | None = None) -> None:
         while self.scheduler.has_unfinished() or self.in_flight:

@@ -21,6 +21,7 @@ class Executor(Protocol):
     def workers_info(self) -> list[dict]: ...
     def submit(self, mb: MicroBatch) -> None: ...
     def collect(self) -> list[int]: ...
+    def drain_timings(self) -> list[list]: ...
     def shutdown(self) -> None: ...
 
 
@@ -55,6 +56,10 @@ class LocalExecutor:
         for w in self.workers:  # stages in order: each one's output is the next one's input
             tokens = w.execute(wire)
         return tokens
+
+    def drain_timings(self) -> list[list]:
+        """Per worker (rank order): [(mb_id, t_ready, t_start, t_end)] since the last drain."""
+        return [w.drain_timings() for w in self.workers]
 
     def shutdown(self) -> None:
         self.workers = []
