@@ -1,0 +1,41 @@
+"""CUDA paths: the same code as the CPU tests with device cuda, NCCL and the xformers backend.
+Marked ``gpu(n)`` and skipped when fewer than n GPUs exist (never needed by CI)."""
+from __future__ import annotations
+
+import pytest
+
+from pp_runtime import LLM, SamplingParams
+from tests.conftest import hf_greedy, mixed_prompts
+
+PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("scheduler", ("sarathi", "orca"))
+def test_cuda_xformers_matches_hf(hf_models: dict, scheduler: str) -> None:
+    prompts = mixed_prompts()
+    expected = hf_greedy(hf_models["llama"], prompts, 10)
+    with LLM(model=str(hf_models["llama"]), device="cuda", attention="xformers", scheduler=scheduler,
+             chunk_size=7, memory_budget_gb=2.0) as llm:
+        assert llm.workers_info()[0]["attention"] == "xformers"
+        assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == expected
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.parametrize("pp,tp", ((2, 1), (1, 2)))
+def test_nccl_ray_matches_single_gpu(hf_models: dict, pp: int, tp: int) -> None:
+    prompts = mixed_prompts()
+    with LLM(model=str(hf_models["llama"]), device="cuda", chunk_size=7, memory_budget_gb=2.0) as one:
+        expected = [o.token_ids for o in one.generate(prompts, PARAMS)]
+    with LLM(model=str(hf_models["llama"]), pp=pp, tp=tp, launcher="ray", device="cuda", chunk_size=7,
+             memory_budget_gb=2.0) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == expected
+
+
+@pytest.mark.gpu(4)
+def test_nccl_pp2_tp2(hf_models: dict) -> None:
+    prompts = mixed_prompts()
+    expected = hf_greedy(hf_models["llama"], prompts, 10)
+    with LLM(model=str(hf_models["llama"]), pp=2, tp=2, launcher="ray", device="cuda", chunk_size=5,
+             memory_budget_gb=2.0) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == expected
