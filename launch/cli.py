@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -29,6 +30,26 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _nonnegative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):  # `not >` also catches nan
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf file or preset (default smollm2-135m)")
     p.add_argument("--pp", type=_positive_int, default=1, help="pipeline stages")
@@ -43,10 +64,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--attention", choices=("torch", "xformers", "auto"), default="auto")
-    p.add_argument("--memory-budget-gb", type=float, default=None, help="M_G per worker (CPU default 4)")
+    p.add_argument("--memory-budget-gb", type=_positive_float, default=None,
+                   help="M_G per worker (CPU default 4)")
     p.add_argument("--block-size", type=_positive_int, default=16)
     p.add_argument("--max-model-len", type=_positive_int, default=None)
-    p.add_argument("--threads", type=int, default=0, help="torch threads per worker (0: torch default)")
+    p.add_argument("--threads", type=_nonnegative_int, default=0, help="torch threads per worker (0: torch default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--quiet", action="store_true")
@@ -58,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate for JSONL requests or --prompt texts")
     add_engine_args(g)
     g.add_argument("--input", help="JSONL requests (DESIGN.md §3.3)")
-    g.add_argument("--output", help="JSONL results (default: stdout)")
+    g.add_argument("--output", help="JSONL results (default: stdout; with --prompt, text on stdout)")
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to --prompt")
     g.add_argument("--max-tokens", type=_positive_int, default=64, help="default max_tokens")
@@ -83,56 +105,103 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from pp_runtime import LLM, SamplingParams
+    from pp_runtime import LLM
     from pp_runtime.jsonl import read_requests, write_results
+    # Every check that needs no model runs before the model loads (seconds for real weights).
     if bool(a.input) == bool(a.prompt):
         raise ValueError("give either --input FILE or --prompt TEXT")
     if a.input and not Path(a.input).is_file():
-        raise ValueError(f"--input {a.input}: no such file")
+        raise ValueError(f"--input {a.input}: no such file" if not Path(a.input).exists()
+                         else f"--input {a.input}: not a file")
     if a.chat and not a.prompt:
         raise ValueError("--chat applies to --prompt texts")
-    defaults = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+    _check_writable("--output", a.output, is_dir=False)
+    _check_writable("--run-dir", a.run_dir, is_dir=True)
+    defaults = sampling_defaults(a)
     lines = read_requests(a.input, defaults) if a.input else None
+    tok = prompts = None
+    if lines is None:  # texts are tokenized up front: a model without a tokenizer is a usage error
+        tok = _tokenizer(a.model)
+        prompts = [_chat(tok, t) if a.chat else tok.encode(t) for t in a.prompt]
     with LLM(**engine_kwargs(a)) as llm:
-        if lines is None:
-            reqs = [llm.make_request(f"prompt{i}", _chat(llm, t) if a.chat else t, defaults)
-                    for i, t in enumerate(a.prompt)]
+        if prompts is not None:
+            reqs = [llm.make_request(f"prompt{i}", ids, defaults) for i, ids in enumerate(prompts)]
         else:
             reqs = [llm.make_request(x.request_id, x.prompt, x.params, x.error) for x in lines]
         outs = llm.run(reqs, progress=not a.quiet)
+        if lines is None:
+            for o in outs:
+                if o.finish_reason != "error":
+                    o.text = tok.decode(o.token_ids)
+        rows = [o.to_json() for o in outs]
         if a.run_dir:
             Path(a.run_dir).mkdir(parents=True, exist_ok=True)
-            write_results(str(Path(a.run_dir) / "results.jsonl"), [o.to_json() for o in outs])
+            write_results(str(Path(a.run_dir) / "results.jsonl"), rows)
             (Path(a.run_dir) / "workers.json").write_text(json.dumps(
                 [{k: w[k] for k in ("stage", "tp_rank", "pid", "node", "device")} for w in llm.workers_info()],
                 indent=1))
-        if lines is None:
-            for o in outs:
-                print(llm.tokenizer.decode(o.token_ids) if o.finish_reason != "error" else f"error: {o.error}")
-            return 0
-        rows = [o.to_json() for o in outs]
         if a.output:
             write_results(a.output, rows)
+        elif lines is None:
+            for o in outs:
+                print(o.text if o.finish_reason != "error" else f"error: {o.error}")
         else:
             for r in rows:
                 print(json.dumps(r))
     return 0
 
 
-def _chat(llm: object, text: str) -> list[int]:
-    return llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+def sampling_defaults(a: argparse.Namespace) -> object:
+    """SamplingParams from --max-tokens/--temperature/--top-p/--top-k; errors name the flag."""
+    from pp_runtime import SamplingParams
+    if not math.isfinite(a.temperature):  # inf would sample uniformly, whatever the model says
+        raise ValueError(f"--temperature must be a finite number ≥ 0, got {a.temperature}")
+    try:
+        return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+    except ValueError as e:
+        field, _, rest = str(e).partition(" ")  # messages start with the field name
+        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+
+
+def _check_writable(flag: str, path: str | None, is_dir: bool) -> None:
+    """Fail before a long run rather than lose its results at the end."""
+    if not path:
+        return
+    p = Path(path)
+    if p.exists() and p.is_dir() != is_dir:
+        raise ValueError(f"{flag} {path}: is {'not ' if is_dir else ''}a directory")
+    if not is_dir and not p.parent.is_dir():
+        raise ValueError(f"{flag} {path}: directory {p.parent} does not exist")
+
+
+def _tokenizer(model: str | None) -> object:
+    from pp_runtime.tokenizer import load_tokenizer
+    from stages.weights import resolve_model
+    source = resolve_model(model)
+    tok = load_tokenizer(source.kind, source.path)
+    if tok is None:
+        raise ValueError(f"model {source.path} has no tokenizer: --prompt needs one; pass token ids with --input")
+    return tok
+
+
+def _chat(tok: object, text: str) -> list[int]:
+    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"generate": cmd_generate}[args.command](args)
-    except (ValueError, FileNotFoundError) as e:  # user-caused: one line, no traceback
-        print(f"pp-runtime: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # user-caused (bad value, unreadable/unwritable path): one line
+        print(f"pp-runtime: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("pp-runtime: interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 if __name__ == "__main__":

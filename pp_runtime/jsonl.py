@@ -6,6 +6,7 @@ finished with ``finish_reason: "error"`` and a message naming the problem (and t
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass
 
@@ -23,12 +24,24 @@ class ParsedLine:
     error: str | None = None
 
 
-def parse_line(line: str, lineno: int, defaults: SamplingParams | None = None) -> ParsedLine:
+def _reject_constant(name: str) -> float:
+    # Python's json accepts NaN and Infinity, which are not JSON and make no sampling value.
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_line(line: str | bytes, lineno: int, defaults: SamplingParams | None = None) -> ParsedLine:
     rid = f"line{lineno}"
+    if isinstance(line, bytes):
+        try:
+            line = line.decode("utf-8-sig")  # -sig: a byte-order mark on line 1 is not an error
+        except UnicodeDecodeError as e:
+            return ParsedLine(rid, None, None, f"line {lineno}: not UTF-8 text ({e.reason} at byte {e.start})")
     try:
-        obj = json.loads(line)
+        obj = json.loads(line, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
-        return ParsedLine(rid, None, None, f"line {lineno}: malformed JSON ({e.msg})")
+        return ParsedLine(rid, None, None, f"line {lineno}: malformed JSON ({e.msg} at column {e.colno})")
+    except ValueError as e:
+        return ParsedLine(rid, None, None, f"line {lineno}: malformed JSON ({e})")
     if not isinstance(obj, dict):
         return ParsedLine(rid, None, None, f"line {lineno}: expected a JSON object, got {type(obj).__name__}")
     rid = str(obj.get("id", rid))
@@ -36,18 +49,23 @@ def parse_line(line: str, lineno: int, defaults: SamplingParams | None = None) -
     if unknown:
         print(f"warning: line {lineno} ({rid}): ignoring unknown fields {', '.join(unknown)}", file=sys.stderr)
     if "prompt_token_ids" in obj:
-        prompt = obj["prompt_token_ids"]
+        prompt = obj["prompt_token_ids"]  # its items are checked against the vocabulary by LLM.make_request
+        if not isinstance(prompt, list):  # a string here must not be taken for prompt text
+            return ParsedLine(rid, None, None,
+                              f"prompt_token_ids must be a list of integers, got {type(prompt).__name__}")
     elif isinstance(obj.get("prompt"), str):
         prompt = obj["prompt"]
+    elif "prompt" in obj:
+        return ParsedLine(rid, None, None, f"line {lineno}: prompt must be text, got {type(obj['prompt']).__name__}")
     else:
         return ParsedLine(rid, None, None, f"line {lineno}: needs prompt_token_ids (a list of ints) or prompt (text)")
     base = defaults or SamplingParams()
     kwargs = {f: getattr(base, f) for f in SAMPLING_FIELDS}
     kwargs.update({f: obj[f] for f in SAMPLING_FIELDS if f in obj})
-    if isinstance(kwargs["stop_token_ids"], list):
-        kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
-    if not isinstance(kwargs["ignore_eos"], bool):
-        return ParsedLine(rid, prompt, None, f"ignore_eos must be true or false, got {kwargs['ignore_eos']!r}")
+    error = _field_error(kwargs)
+    if error:
+        return ParsedLine(rid, prompt, None, error)
+    kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
     try:
         params = SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
@@ -55,8 +73,22 @@ def parse_line(line: str, lineno: int, defaults: SamplingParams | None = None) -
     return ParsedLine(rid, prompt, params)
 
 
+def _field_error(kwargs: dict) -> str | None:
+    """Checks SamplingParams leaves to its callers: JSON types it would coerce or misreport."""
+    stops = kwargs["stop_token_ids"]
+    if not isinstance(stops, (list, tuple)):  # a bare int or a string would be iterated or crash
+        return f"stop_token_ids must be a list of integers, got {stops!r}"
+    if not isinstance(kwargs["ignore_eos"], bool):
+        return f"ignore_eos must be true or false, got {kwargs['ignore_eos']!r}"
+    t = kwargs["temperature"]
+    if isinstance(t, float) and not math.isfinite(t):  # 1e999 parses as inf: sampling would be uniform
+        return f"temperature must be a finite number ≥ 0, got {t!r}"
+    return None
+
+
 def read_requests(path: str, defaults: SamplingParams | None = None) -> list[ParsedLine]:
-    with open(path) as f:
+    # Bytes, not text: one line that is not UTF-8 becomes an error line instead of stopping the run.
+    with open(path, "rb") as f:
         return [parse_line(line, i, defaults) for i, line in enumerate(f, 1) if line.strip()]
 
 

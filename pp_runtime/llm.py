@@ -64,7 +64,10 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
         import torch
         if not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA GPU is available")
-    budget = None if memory_budget_gb is None and device == "cuda" else int((memory_budget_gb or 4.0) * (1 << 30))
+    if memory_budget_gb is not None and not memory_budget_gb > 0:
+        raise ValueError(f"memory_budget_gb must be > 0, got {memory_budget_gb}")
+    budget = None if memory_budget_gb is None and device == "cuda" else \
+        int((4.0 if memory_budget_gb is None else memory_budget_gb) * (1 << 30))
     max_len = min(max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
     cfg = EngineConfig(
         model_path=source.path, parallel=parallel,

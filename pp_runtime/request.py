@@ -27,14 +27,16 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or self.temperature < 0 or math.isnan(self.temperature):
-            raise ValueError(f"temperature must be ≥ 0, got {self.temperature!r}")
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer ≥ 0, got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         stops = tuple(self.stop_token_ids)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
             raise ValueError(f"stop_token_ids must be integers, got {list(stops)!r}")

@@ -6,9 +6,13 @@ Chat templates are rendered with jinja2, as transformers does.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import shutil
+import tempfile
+from datetime import datetime
 from pathlib import Path
 
 CACHE_DIR = Path(os.environ.get("PP_RUNTIME_CACHE", Path.home() / ".cache" / "pp_runtime"))
@@ -18,10 +22,13 @@ class Tokenizer:
     def __init__(self, tokenizer_json: str, chat_template: str | None, bos: str | None, eos: str | None) -> None:
         from tokenizers import Tokenizer as HFTokenizer
         self._tok = HFTokenizer.from_file(tokenizer_json)
+        self.folder = Path(tokenizer_json).parent  # loadable by transformers.AutoTokenizer too
         self.chat_template, self.bos_token, self.eos_token = chat_template, bos, eos
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Like transformers' ``tokenizer(text)``: the tokenizer's own BOS etc. are added (a
+        LLaMA prompt without its BOS is a different prompt); chat templates already hold them."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -30,11 +37,37 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError("this model has no chat template; drop --chat")
         import jinja2
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        text = env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        return self.encode(text)
+        try:
+            text = _compile_template(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as e:  # a template's raise_exception(), or a broken template
+            raise ValueError(f"chat template: {e}") from None
+        return self.encode(text, add_special_tokens=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(template: str) -> object:
+    """The environment transformers renders chat templates in: sandboxed (templates come from
+    model files), trim/lstrip blocks, loop controls, and its helpers raise_exception,
+    strftime_now and a tojson that does not HTML-escape."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(x: object, ensure_ascii: bool = False, indent: int | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    return env.from_string(template)
 
 
 def load_tokenizer(kind: str, path: str) -> Tokenizer | None:
@@ -63,18 +96,28 @@ def _token(t: object) -> str | None:
     return t.get("content") if isinstance(t, dict) else t
 
 
-def _from_gguf(path: str) -> Tokenizer:
+def gguf_tokenizer_dir(path: str) -> Path:
+    """Where the tokenizer of GGUF file ``path`` is cached; a changed file gets a new folder."""
     st = os.stat(path)
     key = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = CACHE_DIR / "tokenizers" / key
+    return CACHE_DIR / "tokenizers" / key
+
+
+def _from_gguf(path: str) -> Tokenizer:
+    folder = gguf_tokenizer_dir(path)
     if not (folder / "tokenizer.json").exists():
         from transformers import AutoTokenizer  # slow import, paid once per GGUF file
         p = Path(path)
         tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        tok.save_pretrained(str(tmp))
         try:
-            tmp.rename(folder)
+            tok.save_pretrained(str(tmp))
+        except OSError:  # no writable cache (read-only home): convert again next time
+            tmp = folder = Path(tempfile.mkdtemp(prefix="pp_runtime_tok_"))
+            tok.save_pretrained(str(tmp))
+        try:
+            if tmp != folder:
+                tmp.rename(folder)  # atomic: readers never see a half-written folder
         except OSError:  # another process cached it first
-            pass
+            shutil.rmtree(tmp, ignore_errors=True)
     return _from_folder(folder)

@@ -11,7 +11,10 @@ from pp_runtime.batch import SampleSpec
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
-    """logits (S, V) float32, one spec per row -> S token ids."""
+    """logits (S, V), one spec per row -> S token ids."""
+    if logits.shape[0] != len(specs):
+        raise ValueError(f"sample: {logits.shape[0]} logit rows but {len(specs)} sampling specs")
+    logits = logits.float()  # half-precision logits would make the softmax below coarse
     out = logits.argmax(dim=-1).tolist()
     for i, s in enumerate(specs):
         if s.temperature > 0 and s.top_k != 1:
@@ -20,7 +23,9 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
 
 
 def _sample_row(logits: torch.Tensor, s: SampleSpec) -> int:  # logits (V,)
-    x = logits / s.temperature
+    # Shift the maximum to 0 before dividing: a tiny temperature then sends the others to
+    # -inf instead of overflowing everything to inf (whose softmax is NaN and crashes multinomial).
+    x = (logits - logits.max()) / s.temperature
     if 0 < s.top_k < x.numel():
         kth = torch.topk(x, s.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

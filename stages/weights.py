@@ -85,7 +85,17 @@ def locate_packaged_file(package: str, filename: str) -> str:
 
 
 def hf_config(folder: Path) -> ModelConfig:
-    c = json.loads((folder / "config.json").read_text())
+    try:
+        c = json.loads((folder / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
+    try:
+        return _hf_config(folder, c)
+    except KeyError as e:
+        raise ModelError(f"{folder / 'config.json'} lacks the field {e}") from None
+
+
+def _hf_config(folder: Path, c: dict) -> ModelConfig:
     arch = c.get("model_type")
     if arch not in HF_ARCHS:
         raise ModelError(f"model_type {arch!r} in {folder}/config.json is not supported ({', '.join(HF_ARCHS)})")
@@ -119,7 +129,13 @@ def _gguf_reader(path: str) -> object:
 
 
 def gguf_config(path: str) -> ModelConfig:
-    reader = _gguf_reader(path)
+    try:
+        return _gguf_config(path, _gguf_reader(path))
+    except KeyError as e:
+        raise ModelError(f"GGUF file {path} lacks the metadata key {e}") from None
+
+
+def _gguf_config(path: str, reader: object) -> ModelConfig:
     f = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("tokenizer.ggml.")
          or k.endswith("_token_id")}
     arch = f.get("general.architecture")

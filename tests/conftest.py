@@ -12,6 +12,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Keep every Ray address on loopback: without this Ray swaps 127.0.0.1 for the host's
 # outward-facing IP when connecting (tests send traffic to loopback only).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Tiny models on a shared 2-core box: a second intra-op thread only adds contention (tests that
+# measure threading set their own).
+torch.set_num_threads(1)
 ARCHS = ("llama", "mistral", "qwen2")
 
 

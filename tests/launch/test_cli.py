@@ -1,0 +1,310 @@
+"""`pp-runtime generate` (DESIGN.md §3.1, §3.3): JSONL in, JSONL out in input order, bad requests
+answered with an error line while the others complete; a bad command line or configuration exits
+with status 2 and exactly one stderr line naming the problem, never a traceback.
+
+Most cases call ``launch.cli.main`` in process (a subprocess costs seconds of imports); a few run
+the installed console script to check what a user's shell really sees."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch.cli import main
+from pp_runtime import LLM, SamplingParams
+
+SCRIPT = Path(sys.executable).with_name("pp-runtime")
+FAST = ["--threads", "1", "--memory-budget-gb", "0.05"]  # tiny models: one thread is fastest (see below)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # Tiny matmuls gain nothing from intra-op threads, and on a busy 2-core box OpenMP threads
+    # spinning on each other make every step ~30× slower. Restored after: no leak to other modules.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_main(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse errors leave through sys.exit
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def run_script(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(SCRIPT), *argv], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def assert_usage_error(rc: int, err: str, message: str) -> None:
+    lines = err.strip().splitlines()
+    assert rc == 2, err
+    assert "Traceback" not in err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("pp-runtime: error: ") and message in lines[0], lines[0]
+
+
+# ---- JSONL end to end ------------------------------------------------------------------------
+def request_lines() -> list[tuple[str, str | None]]:
+    """(line, expected error substring or None for a good request) for a 256-token, 512-position model."""
+    j = json.dumps
+    return [
+        (j({"id": "good1", "prompt_token_ids": [5, 6, 7], "max_tokens": 4}), None),
+        (j({"id": "empty", "prompt_token_ids": []}), "empty prompt"),
+        (j({"id": "neg", "prompt_token_ids": [3, -1]}), "prompt_token_ids[1] = -1 is outside the vocabulary"),
+        (j({"id": "vocab", "prompt_token_ids": [256]}), "prompt_token_ids[0] = 256 is outside the vocabulary"),
+        (j({"id": "good2", "prompt_token_ids": list(range(3, 60)), "max_tokens": 5, "temperature": 0.7,
+            "top_p": 0.9, "top_k": 20, "seed": 4}), None),
+        (j({"id": "float", "prompt_token_ids": [1, 2.5]}), "prompt_token_ids[1] = 2.5 is not an integer"),
+        (j({"id": "strid", "prompt_token_ids": ["7"]}), "prompt_token_ids[0] = '7' is not an integer"),
+        (j({"id": "long", "prompt_token_ids": [4] * 500, "max_tokens": 20}),
+         "prompt length 500 + max_tokens 20 = 520 exceeds the model's max length 512"),
+        (j({"id": "mt0", "prompt_token_ids": [4], "max_tokens": 0}), "max_tokens must be a positive integer"),
+        (j({"id": "mtneg", "prompt_token_ids": [4], "max_tokens": -5}), "max_tokens must be a positive integer"),
+        (j({"id": "temp", "prompt_token_ids": [4], "temperature": -0.5}), "temperature must be ≥ 0"),
+        (j({"id": "topp0", "prompt_token_ids": [4], "top_p": 0}), "top_p must be in (0, 1]"),
+        (j({"id": "topp2", "prompt_token_ids": [4], "top_p": 1.01}), "top_p must be in (0, 1]"),
+        (j({"id": "topk", "prompt_token_ids": [4], "top_k": -1}), "top_k must be an integer ≥ 0"),
+        ('{"id": "broken", "prompt_token_ids": [1,', "line 15: malformed JSON"),
+        (j({"id": "unknown", "prompt_token_ids": [8, 9], "max_tokens": 3, "colour": "red"}), None),
+        (j({"id": "text", "prompt": "hello"}), "has no tokenizer"),
+        (j({"id": "good3", "prompt_token_ids": [10], "max_tokens": 2, "stop_token_ids": []}), None),
+    ]
+
+
+def test_generate_jsonl_end_to_end(hf_models: dict, tmp_path: Path) -> None:
+    cases = request_lines()
+    inp, outp = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join(text for text, _ in cases) + "\n")
+    model = str(hf_models["llama"])
+    proc = run_script(["generate", "--model", model, "--input", str(inp), "--output", str(outp),
+                       "--chunk-size", "16", "--quiet", *FAST], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "warning: line 16 (unknown): ignoring unknown fields colour" in proc.stderr
+    rows = [json.loads(x) for x in outp.read_text().splitlines()]
+    # one output line per input line, same order, every field of §3.3
+    assert [r["id"] for r in rows] == [json.loads(t)["id"] if i != 14 else "line15" for i, (t, _) in enumerate(cases)]
+    for row, (text, error) in zip(rows, cases):
+        assert set(row) >= {"id", "token_ids", "finish_reason", "error", "ttft_s", "latency_s"}
+        if error is None:
+            obj = json.loads(text)
+            assert row["finish_reason"] == "length" and row["error"] is None, row
+            assert len(row["token_ids"]) == obj["max_tokens"]
+            assert all(0 <= t < 256 for t in row["token_ids"])
+            assert row["ttft_s"] > 0 and row["latency_s"] >= row["ttft_s"]
+        else:
+            assert row["finish_reason"] == "error" and error in row["error"], row
+            assert row["token_ids"] == []
+    # the good requests got exactly what the Python API gives them alone
+    good = [json.loads(t) for t, e in cases if e is None]
+    with LLM(model=model, memory_budget_gb=0.05) as llm:
+        outs = llm.generate([g["prompt_token_ids"] for g in good],
+                            [SamplingParams(**{k: v for k, v in g.items() if k in SamplingParams.__dataclass_fields__})
+                             for g in good])
+    assert [o.token_ids for o in outs] == [r["token_ids"] for r in rows if r["error"] is None]
+
+
+def test_generate_stdout_and_run_dir(hf_models: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": "a", "prompt_token_ids": [1, 2], "max_tokens": 3}\n{"id": "b", "prompt_token_ids": []}\n')
+    run_dir = tmp_path / "run"
+    rc, out, err = run_main(["generate", "--model", str(hf_models["qwen2"]), "--input", str(inp), "--run-dir",
+                             str(run_dir), "--quiet", *FAST], capsys)
+    assert rc == 0, err
+    rows = [json.loads(x) for x in out.splitlines()]
+    assert [(r["id"], r["finish_reason"], len(r["token_ids"])) for r in rows] == [("a", "length", 3), ("b", "error", 0)]
+    assert [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()] == rows
+    workers = json.loads((run_dir / "workers.json").read_text())
+    assert [(w["stage"], w["tp_rank"], w["device"]) for w in workers] == [(0, 0, "cpu")]
+
+
+def test_verbose_run_prints_memory_plan(hf_models: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt_token_ids": [1, 2], "max_tokens": 2}\n')
+    rc, out, err = run_main(["generate", "--model", str(hf_models["llama"]), "--input", str(inp), *FAST], capsys)
+    assert rc == 0 and "B = ⌊(M_G − M_S)/(L·m_kv)⌋" in err
+    assert json.loads(out)["finish_reason"] == "length"
+
+
+# ---- bad command lines and configurations ----------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A well-formed GGUF file of an architecture we do not run."""
+    import gguf
+    import numpy as np
+    path = tmp_path_factory.mktemp("gguf") / "tiny-gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_head_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((16, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def jsonl(tmp_path: Path) -> Path:
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"prompt_token_ids": [1, 2, 3], "max_tokens": 2}\n')
+    return f
+
+
+BAD_CONFIGS = {  # name: (extra arguments, message); {llama} {gguf} {dir} {missing} are filled in below
+    "unknown_flag": (["--model", "{llama}", "--bogus"], "unrecognized arguments: --bogus"),
+    "chunk_0": (["--model", "{llama}", "--chunk-size", "0"], "argument --chunk-size: must be > 0, got 0"),
+    "chunk_text": (["--model", "{llama}", "--chunk-size", "big"], "argument --chunk-size: expected an integer"),
+    "batch_0": (["--model", "{llama}", "--max-batch-size", "0"], "argument --max-batch-size: must be > 0, got 0"),
+    "pp_too_big": (["--model", "{llama}", "--pp", "5"], "pp=5 exceeds the model's num_layers=4"),
+    "tp_heads": (["--model", "{llama}", "--tp", "3"], "tp=3 does not divide the model's num_heads=4"),
+    "tp_local": (["--model", "{llama}", "--tp", "2", "--launcher", "local"],
+                 "the local launcher runs tp=1 only"),
+    "bad_scheduler": (["--model", "{llama}", "--scheduler", "fifo"], "argument --scheduler: invalid choice"),
+    "partition": (["--model", "{llama}", "--pp", "2", "--partition", "3,3"],
+                  "partition [3, 3] sums to 6, model has 4 layers"),
+    "partition_text": (["--model", "{llama}", "--partition", "a,b"], "--partition must be comma-separated"),
+    "missing_model": (["--model", "{missing}"], "not found"),
+    "not_a_model": (["--model", "{dir}"], "is not a model"),
+    "gguf_arch": (["--model", "{gguf}"], "GGUF architecture 'gpt2'"),
+    "cuda": (["--model", "{llama}", "--device", "cuda"], "--device cuda requested but no CUDA GPU is available"),
+    "budget_tiny": (["--model", "{llama}", "--memory-budget-gb", "0.0001"], "memory budget too small"),
+    "budget_0": (["--model", "{llama}", "--memory-budget-gb", "0"], "argument --memory-budget-gb: must be"),
+    "threads": (["--model", "{llama}", "--threads", "-1"], "argument --threads: must be ≥ 0"),
+    "top_p": (["--model", "{llama}", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    "temperature": (["--model", "{llama}", "--temperature", "-1"], "--temperature must be ≥ 0"),
+    "temperature_inf": (["--model", "{llama}", "--temperature", "inf"], "--temperature must be a finite number"),
+    "max_tokens": (["--model", "{llama}", "--max-tokens", "0"], "argument --max-tokens: must be > 0"),
+    "output_dir_missing": (["--model", "{llama}", "--output", "{missing}/out.jsonl"], "does not exist"),
+    "output_is_dir": (["--model", "{llama}", "--output", "{dir}"], "is a directory"),
+}
+
+
+def fill(args: list[str], paths: dict[str, str]) -> list[str]:
+    return [a.format(**paths) for a in args]
+
+
+@pytest.mark.parametrize("name", BAD_CONFIGS)
+def test_bad_configuration(name: str, hf_models: dict, gpt2_gguf: Path, jsonl: Path, tmp_path: Path,
+                           capsys: pytest.CaptureFixture) -> None:
+    if name == "cuda" and torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is present")
+    args, message = BAD_CONFIGS[name]
+    (tmp_path / "not_a_model").mkdir()
+    paths = {"llama": str(hf_models["llama"]), "gguf": str(gpt2_gguf), "dir": str(tmp_path / "not_a_model"),
+             "missing": str(tmp_path / "missing")}
+    rc, out, err = run_main(["generate", "--input", str(jsonl), *fill(args, paths)], capsys)
+    assert_usage_error(rc, err, message)
+    assert out == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give either --input FILE or --prompt TEXT"),
+    (["--input", "{missing}"], "no such file"),
+    (["--input", "{dir}"], "not a file"),
+    (["--input", "{jsonl}", "--prompt", "hi"], "give either --input FILE or --prompt TEXT"),
+    (["--input", "{jsonl}", "--chat"], "--chat applies to --prompt texts"),
+    (["--prompt", "hello"], "has no tokenizer"),  # random HF model folder: no tokenizer files
+])
+def test_bad_inputs(args: list[str], message: str, hf_models: dict, jsonl: Path, tmp_path: Path,
+                    capsys: pytest.CaptureFixture) -> None:
+    paths = {"missing": str(tmp_path / "missing.jsonl"), "dir": str(tmp_path), "jsonl": str(jsonl)}
+    rc, out, err = run_main(["generate", "--model", str(hf_models["llama"]), *FAST, *fill(args, paths)], capsys)
+    assert_usage_error(rc, err, message)
+
+
+def test_no_command(capsys: pytest.CaptureFixture) -> None:
+    rc, _, err = run_main([], capsys)
+    assert_usage_error(rc, err, "required")
+
+
+def test_console_script_usage_errors(hf_models: dict, jsonl: Path, tmp_path: Path) -> None:
+    """What the shell sees: status 2, one stderr line, for a parse error and for a model check."""
+    p = run_script(["generate", "--input", str(jsonl), "--chunk-size", "0"], tmp_path)
+    assert_usage_error(p.returncode, p.stderr, "argument --chunk-size: must be > 0, got 0")
+    p = run_script(["generate", "--input", str(jsonl), "--model", str(hf_models["llama"]), "--pp", "9"], tmp_path)
+    assert_usage_error(p.returncode, p.stderr, "pp=9 exceeds the model's num_layers=4")
+    assert p.stdout == ""
+
+
+# ---- text prompts on a model folder with its own tokenizer -------------------------------------
+CHAT_TEMPLATE = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }} {{ m['content'] }} {{ eos_token }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ bos_token }}assistant{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok_model(hf_models: dict, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The random LLaMA folder plus a word-level tokenizer that, like LLaMA's, prepends <s>."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    folder = tmp_path_factory.mktemp("tok_model") / "llama"
+    shutil.copytree(hf_models["llama"], folder)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, 250)] + ["user", "assistant", "hello", "world"]
+    vocab = {w: i for i, w in enumerate(words)} | {"huge": 300}  # an id the model does not have
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "</s>"])  # matched whole in chat-template text
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": CHAT_TEMPLATE}))
+    return folder
+
+
+def test_text_prompts_use_the_folder_tokenizer(tok_model: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture) -> None:
+    from pp_runtime.tokenizer import load_tokenizer
+    tok = load_tokenizer("hf", str(tok_model))
+    assert tok.encode("hello world w7") == [1, 252, 253, 7]  # <s> first, as transformers would add it
+    chat = tok.apply_chat_template([{"role": "user", "content": "hello"}])
+    assert chat == [1, 250, 252, 2, 1, 251]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    with LLM(model=str(tok_model), memory_budget_gb=0.05) as llm:
+        plain, chatted = llm.generate([tok.encode("hello world w7"), chat], params)
+        assert llm.generate(["hello world w7"], params)[0].token_ids == plain.token_ids  # text via the API
+
+    # --prompt: printed as text, one line per prompt
+    base = ["generate", "--model", str(tok_model), "--max-tokens", "5", "--quiet", *FAST]
+    rc, out, err = run_main([*base, "--prompt", "hello world w7", "--prompt", "hello huge"], capsys)
+    assert rc == 0, err
+    assert out.splitlines() == [tok.decode(plain.token_ids),
+                                "error: prompt_token_ids[2] = 300 is outside the vocabulary [0, 256)"]
+    rc, out, err = run_main([*base, "--chat", "--prompt", "hello"], capsys)
+    assert rc == 0 and out.splitlines() == [tok.decode(chatted.token_ids)]
+    # --prompt with --output: JSONL rows that also carry the text
+    rc, out, err = run_main([*base, "--prompt", "hello world w7", "--output", str(tmp_path / "o.jsonl")], capsys)
+    row = json.loads((tmp_path / "o.jsonl").read_text())
+    assert rc == 0 and out == "" and row["token_ids"] == plain.token_ids and row["text"] == tok.decode(plain.token_ids)
+
+    # JSONL "prompt" text: the same tokens as the ids it encodes to
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": "text", "prompt": "hello world w7", "max_tokens": 5}) + "\n" +
+                   json.dumps({"id": "ids", "prompt_token_ids": [1, 252, 253, 7], "max_tokens": 5}) + "\n")
+    rc, out, err = run_main(["generate", "--model", str(tok_model), "--input", str(inp), "--quiet", *FAST], capsys)
+    rows = [json.loads(x) for x in out.splitlines()]
+    assert rc == 0 and [r["token_ids"] for r in rows] == [plain.token_ids] * 2
+
+
+def test_chat_template_helpers(tok_model: Path) -> None:
+    """transformers' template helpers exist: raise_exception (an error line for --chat) and tojson."""
+    from pp_runtime.tokenizer import load_tokenizer
+    tok = load_tokenizer("hf", str(tok_model))
+    tok.chat_template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok"
+    with pytest.raises(ValueError, match="^chat template: user first$"):
+        tok.apply_chat_template([{"role": "system", "content": "x"}])
+    tok.chat_template = "{{ messages[0] | tojson }}"
+    assert tok.apply_chat_template([{"role": "user", "content": "<w5>"}]) == tok.encode(
+        '{"role": "user", "content": "<w5>"}', add_special_tokens=False)  # not HTML-escaped

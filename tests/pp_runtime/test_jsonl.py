@@ -1,0 +1,174 @@
+"""The JSONL request parser (DESIGN.md §3.3): every bad line becomes an error naming the problem,
+never an exception; the checks that need the model (vocabulary, length) run in LLM.make_request
+and the scheduler, and are tested end to end at the bottom."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pp_runtime import LLM, SamplingParams
+from pp_runtime.jsonl import parse_line, read_requests, write_results
+
+
+def line(**obj: object) -> str:
+    return json.dumps(obj)
+
+
+def test_full_line() -> None:
+    p = parse_line(line(id="r1", prompt_token_ids=[1, 2, 3], max_tokens=5, temperature=0.5, top_p=0.9,
+                        top_k=7, seed=3, stop_token_ids=[9, 10], ignore_eos=True), 1)
+    assert p.error is None and p.request_id == "r1" and p.prompt == [1, 2, 3]
+    assert p.params == SamplingParams(5, 0.5, 0.9, 7, 3, (9, 10), True)
+
+
+def test_defaults_and_generated_id() -> None:
+    p = parse_line(line(prompt_token_ids=[4]), 7)
+    assert p.error is None and p.request_id == "line7" and p.params == SamplingParams()
+    d = SamplingParams(max_tokens=3, temperature=0.2)
+    p = parse_line(line(prompt_token_ids=[4], top_k=2), 1, d)
+    assert p.params == SamplingParams(max_tokens=3, temperature=0.2, top_k=2)
+    assert parse_line(line(id=17, prompt_token_ids=[4]), 1).request_id == "17"
+
+
+def test_text_prompt() -> None:
+    p = parse_line(line(id="t", prompt="hello there"), 1)
+    assert p.error is None and p.prompt == "hello there"
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(max_tokens=0), "max_tokens must be a positive integer, got 0"),
+    (dict(max_tokens=-3), "max_tokens must be a positive integer, got -3"),
+    (dict(max_tokens=2.0), "max_tokens must be a positive integer, got 2.0"),
+    (dict(max_tokens=True), "max_tokens must be a positive integer, got True"),
+    (dict(temperature=-0.1), "temperature must be ≥ 0, got -0.1"),
+    (dict(temperature="hot"), "temperature must be ≥ 0, got 'hot'"),
+    (dict(top_p=0), "top_p must be in (0, 1], got 0"),
+    (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+    (dict(top_p=-0.2), "top_p must be in (0, 1], got -0.2"),
+    (dict(top_k=-1), "top_k must be an integer ≥ 0, got -1"),
+    (dict(top_k=2.5), "top_k must be an integer ≥ 0, got 2.5"),
+    (dict(seed="x"), "seed must be an integer, got 'x'"),
+    (dict(seed=1.5), "seed must be an integer, got 1.5"),
+    (dict(stop_token_ids=5), "stop_token_ids must be a list of integers, got 5"),
+    (dict(stop_token_ids="ab"), "stop_token_ids must be a list of integers, got 'ab'"),
+    (dict(stop_token_ids=[1, "a"]), "stop_token_ids must be integers, got [1, 'a']"),
+    (dict(ignore_eos="yes"), "ignore_eos must be true or false, got 'yes'"),
+])
+def test_bad_sampling_values(fields: dict, message: str) -> None:
+    p = parse_line(line(id="bad", prompt_token_ids=[1], **fields), 4)
+    assert p.request_id == "bad" and p.params is None
+    assert p.error == message
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"id": "x", "prompt_token_ids": [1, 2', "line 3: malformed JSON"),
+    ("not json at all", "line 3: malformed JSON"),
+    ('{"prompt_token_ids": [1], "temperature": NaN}', "line 3: malformed JSON (NaN is not valid JSON)"),
+    ('{"prompt_token_ids": [1], "top_p": Infinity}', "line 3: malformed JSON (Infinity is not valid JSON)"),
+    ("[1, 2, 3]", "line 3: expected a JSON object, got list"),
+    ('"just a string"', "line 3: expected a JSON object, got str"),
+    ('{"id": "x"}', "line 3: needs prompt_token_ids (a list of ints) or prompt (text)"),
+    ('{"id": "x", "prompt": 5}', "line 3: prompt must be text, got int"),
+    (b'{"id": "\xff"}', "line 3: not UTF-8 text"),
+])
+def test_malformed_lines_name_the_line(text: str | bytes, message: str) -> None:
+    p = parse_line(text, 3)
+    assert p.params is None and p.error.startswith(message)
+
+
+@pytest.mark.parametrize("value, kind", [("1 2 3", "str"), (5, "int"), (None, "NoneType"), ({"a": 1}, "dict")])
+def test_prompt_token_ids_must_be_a_list(value: object, kind: str) -> None:
+    # in particular a string is not taken for prompt text
+    p = parse_line(line(id="p", prompt_token_ids=value), 1)
+    assert p.prompt is None and p.error == f"prompt_token_ids must be a list of integers, got {kind}"
+
+
+def test_infinite_temperature() -> None:
+    # 1e999 is valid JSON and parses as inf: sampling at infinite temperature would be uniform
+    p = parse_line('{"id": "hot", "prompt_token_ids": [1], "temperature": 1e999}', 2)
+    assert p.params is None and p.error == "temperature must be a finite number ≥ 0, got inf"
+
+
+def test_unknown_fields_only_warn(capsys: pytest.CaptureFixture) -> None:
+    p = parse_line(line(id="u", prompt_token_ids=[1], colour="blue", n=2), 5)
+    assert p.error is None and p.params == SamplingParams()
+    err = capsys.readouterr().err
+    assert "warning: line 5 (u): ignoring unknown fields colour, n" in err
+
+
+def test_read_requests_keeps_line_numbers(tmp_path: Path) -> None:
+    f = tmp_path / "in.jsonl"
+    # a byte-order mark on line 1 (Windows editors), a blank line, a line that is not UTF-8
+    f.write_bytes(b'\xef\xbb\xbf{"prompt_token_ids": [1]}\n\n   \n{"bad\n\xff\xfe\n{"id": "z", "prompt_token_ids": [2]}')
+    rows = read_requests(str(f))
+    assert [r.request_id for r in rows] == ["line1", "line4", "line5", "z"]
+    assert rows[0].error is None
+    assert rows[1].error.startswith("line 4: malformed JSON")
+    assert rows[2].error.startswith("line 5: not UTF-8 text")
+    assert rows[3].error is None and rows[3].prompt == [2]
+
+
+def test_write_results_round_trip(tmp_path: Path) -> None:
+    rows = [{"id": "a", "token_ids": [1], "finish_reason": "length", "error": None},
+            {"id": "b", "token_ids": [], "finish_reason": "error", "error": "top_p must be in (0, 1], got 2"}]
+    write_results(str(tmp_path / "out.jsonl"), rows)
+    assert [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()] == rows
+
+
+# ---- end to end: parsed lines through LLM.make_request and the scheduler -------------------------
+GOOD = [line(id="good1", prompt_token_ids=[5, 6, 7], max_tokens=4),
+        line(id="good2", prompt_token_ids=list(range(3, 40)), max_tokens=6, temperature=0.8, seed=1, top_k=5),
+        line(id="good3", prompt_token_ids=[9], max_tokens=3, unknown_field=1)]
+BAD = {  # the model: 256-token vocabulary, 512 positions
+    "empty": (line(id="empty", prompt_token_ids=[]), "empty prompt"),
+    "neg": (line(id="neg", prompt_token_ids=[1, -1]), "prompt_token_ids[1] = -1 is outside the vocabulary [0, 256)"),
+    "vocab": (line(id="vocab", prompt_token_ids=[256]), "prompt_token_ids[0] = 256 is outside the vocabulary [0, 256)"),
+    "float": (line(id="float", prompt_token_ids=[1, 2.5]), "prompt_token_ids[1] = 2.5 is not an integer"),
+    "bool": (line(id="bool", prompt_token_ids=[True]), "prompt_token_ids[0] = True is not an integer"),
+    "str": (line(id="str", prompt_token_ids="1 2 3"), "prompt_token_ids must be a list of integers, got str"),
+    "null": (line(id="null", prompt_token_ids=None), "prompt_token_ids must be a list of integers, got NoneType"),
+    "long": (line(id="long", prompt_token_ids=[1] * 500, max_tokens=13),
+             "prompt length 500 + max_tokens 13 = 513 exceeds the model's max length 512"),
+    "mt0": (line(id="mt0", prompt_token_ids=[1], max_tokens=0), "max_tokens must be a positive integer, got 0"),
+    "temp": (line(id="temp", prompt_token_ids=[1], temperature=-1), "temperature must be ≥ 0, got -1"),
+    "topp": (line(id="topp", prompt_token_ids=[1], top_p=0), "top_p must be in (0, 1], got 0"),
+    "topk": (line(id="topk", prompt_token_ids=[1], top_k=-2), "top_k must be an integer ≥ 0, got -2"),
+    "text": (line(id="text", prompt="hello"), "has no tokenizer"),
+    "line": ('{"id": "broken", ', "line 16: malformed JSON"),  # its line number in the file below
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # Tiny matmuls gain nothing from intra-op threads, and on a busy 2-core box OpenMP threads
+    # spinning on each other make every step ~30× slower. Restored after: no leak to other modules.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_bad_requests_fail_alone(hf_models: dict, tmp_path: Path) -> None:
+    lines = [GOOD[0]] + [text for text, _ in BAD.values()]
+    lines[3:3] = [GOOD[1]]
+    lines.append(GOOD[2])
+    f = tmp_path / "in.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    parsed = read_requests(str(f))
+    with LLM(model=str(hf_models["llama"]), memory_budget_gb=0.05) as llm:
+        outs = llm.run([llm.make_request(p.request_id, p.prompt, p.params, p.error) for p in parsed])
+    # Output in input order; the malformed line has no readable id and gets one from its line number.
+    assert lines.index(BAD["line"][0]) == 15
+    expected_ids = [json.loads(x)["id"] if x != BAD["line"][0] else "line16" for x in lines]
+    assert [o.request_id for o in outs] == expected_ids
+    by_id = {o.request_id: o for o in outs}
+    for name, (_, message) in BAD.items():
+        o = by_id["line16" if name == "line" else name]
+        assert o.finish_reason == "error" and message in o.error and o.token_ids == []
+    for rid, n in (("good1", 4), ("good2", 6), ("good3", 3)):
+        assert by_id[rid].finish_reason == "length" and by_id[rid].error is None
+        assert len(by_id[rid].token_ids) == n

@@ -1,0 +1,131 @@
+"""The embedded default model, SmolLM2-135M-Instruct from its packaged GGUF (DESIGN.md §2): our
+greedy tokens equal transformers' own greedy generate on the same file, our tokenizer and chat
+template equal transformers', and the CLI answers a question through --prompt, --chat and JSONL
+"prompt" text.
+
+Loading is the cost here (ours ~10 s, transformers' ~25 s): module fixtures load each once, and
+the CLI runs in process so the parsed GGUF header is reused."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch.cli import main
+from pp_runtime import LLM, SamplingParams
+from stages.weights import resolve_model
+
+MAX_NEW = 16
+QUESTION = "What is the capital of France?"
+TEXTS = ("The quick brown fox", "def fibonacci(n):")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # A 135M model gains little from intra-op threads, and on a busy 2-core box OpenMP threads
+    # spinning on each other make every step ~30× slower. Restored after: no leak to other modules.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    with LLM() as engine:  # no model argument: the embedded default
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def prompts(llm: LLM) -> list[list[int]]:
+    tok = llm.tokenizer
+    return [tok.apply_chat_template([{"role": "user", "content": QUESTION}])] + [tok.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> object:
+    import transformers
+    path = Path(resolve_model(None).path)
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
+
+
+def test_default_model_is_embedded_smollm2(llm: LLM) -> None:
+    src = resolve_model(None)
+    assert src.kind == "gguf" and src.path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert llm.source == src
+    cfg = src.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == (30, 576, 9, 3, 49152)
+
+
+def test_greedy_matches_transformers(llm: LLM, prompts: list[list[int]], hf_model: object) -> None:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
+                                    min_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert o.token_ids == ref[0, len(p):].tolist()
+        assert o.finish_reason == "length"
+    assert "Paris" in llm.tokenizer.decode(outs[0].token_ids)
+
+
+def test_eos_stops_the_chat_answer(llm: LLM, prompts: list[list[int]]) -> None:
+    out = llm.generate([prompts[0]], SamplingParams(max_tokens=48))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in llm.source.config.eos_token_ids
+
+
+def test_tokenizer_matches_transformers(llm: LLM) -> None:
+    """Same ids as transformers' tokenizer on the same files: plain text and the chat template."""
+    import transformers
+    ours = llm.tokenizer
+    ref = transformers.AutoTokenizer.from_pretrained(str(ours.folder))
+    for text in (QUESTION, *TEXTS, "  héllo\nwörld  ", ""):
+        assert ours.encode(text) == ref(text)["input_ids"]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION},
+                {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And of Italy?"}]
+    for gen in (True, False):
+        assert ours.apply_chat_template(messages, add_generation_prompt=gen) == \
+            ref.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True, return_dict=False)
+    assert ours.decode(ours.encode("Hello, world!")) == "Hello, world!"
+
+
+def test_cli_chat_answers_paris(llm: LLM, capsys: pytest.CaptureFixture) -> None:
+    assert main(["generate", "--chat", "--prompt", QUESTION]) == 0
+    out = capsys.readouterr().out
+    assert "Paris" in out
+
+
+def test_cli_text_prompts(llm: LLM, prompts: list[list[int]], tmp_path: Path,
+                          capsys: pytest.CaptureFixture) -> None:
+    """--prompt text and a JSONL "prompt" field are tokenized with the model's tokenizer: they give
+    what the same token ids give."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(prompts[1:], params)]
+    inp, outp = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"t{i}", "prompt": t, "max_tokens": 8, "ignore_eos": True}) + "\n"
+                           for i, t in enumerate(TEXTS)) +
+                   json.dumps({"id": "empty", "prompt": ""}) + "\n")
+    assert main(["generate", "--input", str(inp), "--output", str(outp), "--quiet"]) == 0
+    rows = [json.loads(x) for x in outp.read_text().splitlines()]
+    assert [r["token_ids"] for r in rows[:2]] == expected
+    assert rows[2]["finish_reason"] == "error" and "empty prompt" in rows[2]["error"]
+
+    capsys.readouterr()
+    argv = ["generate", "--max-tokens", "8", "--quiet"]
+    for t in TEXTS:
+        argv += ["--prompt", t]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for ids in expected:  # EOS may end a --prompt run early; these continuations are longer than 8
+        assert llm.tokenizer.decode(ids) in printed
+
+
+def test_tp_must_divide_heads(llm: LLM, capsys: pytest.CaptureFixture) -> None:
+    # 9 query heads, 3 KV heads: the model check refuses tp=2 before any launcher is asked
+    assert main(["generate", "--tp", "2", "--launcher", "local", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pp-runtime: error: tp=2 does not divide the model's num_heads=9"]

@@ -1,0 +1,110 @@
+"""The last stage's sampler on hand-made logits: greedy, temperature, top-k, top-p and seeds."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pp_runtime.batch import SampleSpec
+from stages.sampler import sample
+
+SEEDS = range(300)
+
+
+def spec(temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> SampleSpec:
+    return SampleSpec(temperature, top_p, top_k, seed)
+
+
+def draws(logits: torch.Tensor, **kw: object) -> list[int]:
+    """One draw per seed, all in one call: rows are independent, each with its own generator."""
+    rows = logits.expand(len(SEEDS), -1)
+    return sample(rows, [spec(seed=s, **kw) for s in SEEDS])
+
+
+@pytest.fixture
+def logits() -> torch.Tensor:
+    return torch.randn(50, generator=torch.Generator().manual_seed(1)) * 2
+
+
+def test_greedy_is_argmax(logits: torch.Tensor) -> None:
+    batch = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
+    expected = batch.argmax(-1).tolist()
+    assert sample(batch, [spec(temperature=0.0, seed=s) for s in range(6)]) == expected
+    # top_k = 1 is greedy at any temperature
+    assert sample(batch, [spec(temperature=5.0, top_k=1, seed=s) for s in range(6)]) == expected
+
+
+def test_tiny_temperature_tends_to_greedy(logits: torch.Tensor) -> None:
+    # Also exercises the overflow guard: logits / 1e-30 would be ±inf without the shift to 0.
+    for t in (1e-3, 1e-30):
+        assert set(draws(logits, temperature=t)) == {int(logits.argmax())}
+
+
+def test_seeds_reproducible_and_independent_of_batch(logits: torch.Tensor) -> None:
+    first = draws(logits)
+    assert draws(logits) == first
+    assert len(set(first)) > 10  # different seeds really draw different tokens
+    # A row's token depends on its own logits and seed only, not on its neighbours.
+    other = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    for s in (0, 7, 123):
+        mixed = torch.cat([other[:2], logits[None], other[2:]])
+        specs = [spec(seed=1000), spec(seed=1001), spec(seed=s), spec(temperature=0.0, seed=5)]
+        assert sample(mixed, specs)[2] == first[s]
+
+
+def test_top_k_keeps_only_k(logits: torch.Tensor) -> None:
+    k = 5
+    top = set(torch.topk(logits, k).indices.tolist())
+    got = set(draws(logits, temperature=3.0, top_k=k))  # hot: without the cut, others would show up
+    assert got <= top
+    assert got == top  # 300 draws at temperature 3 see all five
+    assert not set(draws(logits, temperature=3.0)) <= top  # the control: no cut, more tokens
+    # k ≥ vocabulary size means no cut at all
+    assert draws(logits, top_k=50) == draws(logits, top_k=0) == draws(logits, top_k=1000)
+
+
+def test_top_p_keeps_minimal_nucleus() -> None:
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
+    logits = probs.log()
+    # 0.5 < 0.7 ≤ 0.8: the nucleus is {1, 3}
+    assert set(draws(logits, top_p=0.7)) == {1, 3}
+    # 0.8 < 0.9 ≤ 0.95: {1, 3, 2}
+    assert set(draws(logits, top_p=0.9)) == {1, 2, 3}
+    # below the top token's own mass: the top token alone, never an empty set
+    assert set(draws(logits, top_p=0.4)) == {1}
+    assert set(draws(logits, top_p=1e-6)) == {1}
+    assert set(draws(logits, top_p=1.0)) == {0, 1, 2, 3}
+
+
+def test_top_p_applies_to_tempered_distribution() -> None:
+    logits = torch.tensor([0.05, 0.5, 0.15, 0.3]).log()
+    # temperature 0.5 squares the probabilities: 0.25, 0.09, 0.0225, 0.0025 (÷ 0.365):
+    # the top token holds 0.685 of the mass, so top_p 0.6 keeps it alone
+    assert set(draws(logits, temperature=0.5, top_p=0.6)) == {1}
+    assert set(draws(logits, temperature=1.0, top_p=0.6)) == {1, 3}
+
+
+def test_top_k_then_top_p(logits: torch.Tensor) -> None:
+    top2 = set(torch.topk(logits, 2).indices.tolist())
+    assert set(draws(logits, temperature=3.0, top_k=2, top_p=0.999)) == top2
+
+
+def test_frequencies_follow_softmax() -> None:
+    # 300 draws from (0.7, 0.2, 0.1): each count within 4 standard deviations of its mean.
+    probs = torch.tensor([0.7, 0.2, 0.1])
+    got = draws(probs.log())
+    n = len(got)
+    for tok, p in enumerate(probs.tolist()):
+        assert abs(got.count(tok) - n * p) < 4 * math.sqrt(n * p * (1 - p))
+
+
+def test_half_precision_logits_and_minus_inf(logits: torch.Tensor) -> None:
+    x = logits.clone()
+    x[10:] = float("-inf")  # e.g. a masked vocabulary tail
+    assert set(draws(x.half(), temperature=2.0)) <= set(range(10))
+
+
+def test_rows_and_specs_must_match() -> None:
+    with pytest.raises(ValueError, match="2 logit rows but 1 sampling specs"):
+        sample(torch.zeros(2, 4), [spec()])
