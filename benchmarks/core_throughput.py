@@ -87,7 +87,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     long = [torch.randint(3, cfg.vocab_size, (plen,), generator=g).tolist() for _ in range(n_prefill)]
     short = [torch.randint(3, cfg.vocab_size, (16,), generator=g).tolist() for _ in range(16)]
-    flops_tok = 2 * cfg.params_per_token_flops()
+    flops_tok = 2 * cfg.params_per_token_flops(lm_head=False)  # prefill positions skip the LM head
     r: dict[str, float] = {"gemm_flops": gemm_rate(cfg.hidden_size, cfg.intermediate_size, cfg.q_size,
                                                     cfg.kv_size, 256, 3 if a.smoke else 20)}
     prefill_s = ours(a.model, long, 1, 256, 8)
@@ -99,7 +99,7 @@ def main() -> None:
     r["hf_prefill_tok_s"] = n_prefill * plen / hf_prefill(m, long)
     r["hf_decode_b1_tok_s"] = dec_new / hf_decode(m, short[:1], dec_new)
     r["hf_decode_b16_tok_s"] = 16 * dec_new / hf_decode(m, short, dec_new)
-    print(f"threads={a.threads}  params/token={cfg.params_per_token_flops() / 1e6:.1f} M")
+    print(f"threads={a.threads}  layer params/token={cfg.params_per_token_flops(lm_head=False) / 1e6:.1f} M")
     print(f"fp32 GEMM rate (model shapes, 256 rows): {r['gemm_flops'] / 1e9:8.1f} GFLOP/s")
     print(f"prefill, chunk 256: {r['prefill_tok_s']:8.1f} tok/s = {r['prefill_flops'] / 1e9:.1f} GFLOP/s "
           f"({r['prefill_flops'] / r['gemm_flops']:.0%} of GEMM)   HF: {r['hf_prefill_tok_s']:8.1f} tok/s")

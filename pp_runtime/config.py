@@ -65,11 +65,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_size
 
-    def params_per_token_flops(self) -> int:
-        """Parameters touched per token by the linear layers (FLOPs/token = 2 × this)."""
+    def params_per_token_flops(self, lm_head: bool = True) -> int:
+        """Parameters touched per token by the linear layers (FLOPs/token = 2 × this); without
+        the LM head for tokens that are not sampled (non-final prefill positions)."""
         h, i = self.hidden_size, self.intermediate_size
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
-        return self.num_layers * per_layer + h * self.vocab_size
+        return self.num_layers * per_layer + (h * self.vocab_size if lm_head else 0)
 
 
 @dataclass(frozen=True)

@@ -80,8 +80,23 @@ class Engine:
         st.postprocess_s += time.perf_counter() - t2
         return finished
 
-    def run_until_done(self, on_finish: Callable[[Request], None] | None = None) -> None:
-        while self.scheduler.has_unfinished() or self.in_flight:
+    def run_until_done(self, on_finish: Callable[[Request], None] | None = None,
+                       arrivals: list[tuple[float, Request]] | None = None) -> None:
+        """Run until every request is finished. ``arrivals``: (seconds after start, request) pairs
+        that join the scheduler when their time comes (an empty pipeline sleeps until then)."""
+        pending = deque(sorted(arrivals or [], key=lambda x: x[0]))
+        start = time.perf_counter()
+        while pending or self.scheduler.has_unfinished() or self.in_flight:
+            now = time.perf_counter()
+            while pending and start + pending[0][0] <= now:
+                offset, req = pending.popleft()
+                req.arrival_time = start + offset
+                if not self.scheduler.add(req) and on_finish:
+                    on_finish(req)  # rejected on arrival: finished with an error already
+            if not self.in_flight and not self.scheduler.has_unfinished():
+                if pending:
+                    time.sleep(max(0.0, start + pending[0][0] - time.perf_counter()))
+                continue
             for req in self.step():
                 if on_finish:
                     on_finish(req)

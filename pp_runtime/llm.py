@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -74,6 +75,19 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
         scheduler=SchedulerConfig(scheduler, chunk_size, max_batch_size or 1, tile_align, max_len),
         cache=CacheConfig(block_size, budget), device=DeviceConfig(device, dtype, attention, threads), seed=seed)
     return cfg, source
+
+
+@dataclass
+class RunRecord:
+    """One ``LLM.run``: its requests, its engine (plans issued, driver stats) and its clock span
+    (wall clock for worker timings, perf_counter for request times)."""
+
+    requests: list[Request]
+    engine: Engine
+    start_wall: float
+    end_wall: float
+    start: float
+    end: float
 
 
 class LLM:
@@ -152,13 +166,14 @@ class LLM:
         return self.run(reqs, progress)
 
     def run(self, reqs: list[Request], progress: bool = False,
-            on_finish: Callable[[Request], None] | None = None) -> list[RequestOutput]:
+            on_finish: Callable[[Request], None] | None = None,
+            arrivals: Sequence[float] | None = None) -> list[RequestOutput]:
+        """Run prepared requests; ``arrivals`` (seconds from start, one per request) spreads them
+        over time, else all arrive at once. The run's record stays in ``self.last_run``."""
         scheduler = Scheduler(self.sched_config, BlockManager(self.memory.num_blocks, self.config.cache.block_size),
                               self.source.config.eos_token_ids, self.config.seed)
-        for r in reqs:
-            if not r.finished:
-                scheduler.add(r)
         self.engine = Engine(scheduler, self.executor, self.config.parallel.pp)
+        self.executor.drain_timings()  # drop records of earlier runs
         bar = _progress(len(reqs), progress)
         bar.update(sum(r.finished for r in reqs))
 
@@ -166,7 +181,10 @@ class LLM:
             bar.update(1)
             if on_finish:
                 on_finish(req)
-        self.engine.run_until_done(finished)
+        offsets = [0.0] * len(reqs) if arrivals is None else list(arrivals)
+        start_wall, start = time.time(), time.perf_counter()
+        self.engine.run_until_done(finished, [(offsets[i], r) for i, r in enumerate(reqs) if not r.finished])
+        self.last_run = RunRecord(reqs, self.engine, start_wall, time.time(), start, time.perf_counter())
         bar.close()
         return [RequestOutput.from_request(r) for r in reqs]
 

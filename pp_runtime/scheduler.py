@@ -180,8 +180,12 @@ class Scheduler:
     # ---- policies: each returns [(request, tokens to run)] ---------------------------------
     def _sarathi(self) -> list[tuple[Request, int]]:
         plan: list[tuple[Request, int]] = []
-        # Leave one slot for the prefill chunk (unless the batch size is 1: decodes must still run).
-        self._take_decodes(plan, max(1, self.cfg.max_batch_size - 1))
+        # Leave one slot for a prefill chunk, but only when one could use it: with every running
+        # request decoding and no room to admit, a reserved slot would just halve the decode rate.
+        prefill_possible = any(r.is_prefilling for r in self.running) or (
+            self.waiting and len(self.running) < self.cfg.max_batch_size)
+        limit = self.cfg.max_batch_size - 1 if prefill_possible else self.cfg.max_batch_size
+        self._take_decodes(plan, max(1, limit))
         budget = self.cfg.chunk_size - (len(plan) if self.cfg.tile_align else 0)
         self._take_prefills(plan, budget, chunked=True)
         return plan

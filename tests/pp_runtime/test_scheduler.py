@@ -168,7 +168,8 @@ class FakePipeline:
 
     def _check_sarathi(self, mb: MicroBatch, pre: dict) -> None:
         cfg = self.cfg
-        decode_cap = max(1, cfg.max_batch_size - 1)
+        # One slot is kept for a prefill chunk only when some prefill could take it.
+        decode_cap = max(1, cfg.max_batch_size - 1) if pre["offered"] else cfg.max_batch_size
         n_dec = mb.decode_tokens
         assert n_dec <= decode_cap
         assert mb.prefill_tokens <= cfg.chunk_size
@@ -550,3 +551,22 @@ def test_random_workloads_complete_with_unconstrained_outputs(w: dict) -> None:
             assert (r.output_token_ids, r.finish_reason) == (ref.output_token_ids, ref.finish_reason)
     assert pipe.sched.blocks.num_free == pipe.sched.blocks.num_blocks
     assert not pipe.sched.running and not pipe.sched.waiting
+
+
+def test_sarathi_uses_every_slot_for_decodes_when_no_prefill_can_come() -> None:
+    """With max_batch_size requests all decoding and nothing to admit, no slot is held back."""
+    from pp_runtime.config import SchedulerConfig
+    from pp_runtime.kv_cache import BlockManager
+    from pp_runtime.request import Request, SamplingParams
+    from pp_runtime.scheduler import Scheduler
+    s = Scheduler(SchedulerConfig("sarathi", 64, 4, False, 256), BlockManager(64, 4))
+    for i in range(4):
+        s.add(Request(f"r{i}", i, [3, 4, 5], SamplingParams(max_tokens=8, ignore_eos=True)))
+    first = s.schedule()
+    s.postprocess(first, [7] * first.num_samples)
+    assert first.prefill_tokens == 12
+    second = s.schedule()
+    assert second.decode_tokens == 4 and second.prefill_tokens == 0
+    s.postprocess(second, [7] * 4)
+    s.add(Request("late", 9, [3, 4], SamplingParams(max_tokens=2)))  # cannot be admitted: 4 running
+    assert s.schedule().decode_tokens == 4
