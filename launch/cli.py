@@ -50,7 +50,17 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, overrides: bool = False) -> None:
+    """The engine flags. overrides=True (bench): every default is None, so that only the flags
+    given on the command line replace the config file's values."""
+    add_engine_args_to(p)
+    if overrides:
+        for action in p._actions:
+            if action.dest not in ("help", "run_dir", "quiet"):
+                action.default = None
+
+
+def add_engine_args_to(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf file or preset (default smollm2-135m)")
     p.add_argument("--pp", type=_positive_int, default=1, help="pipeline stages")
     p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks per stage")
@@ -87,6 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="default temperature")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
+    b = sub.add_parser("bench", help="run a workload under each scheduler of a configs/runs/*.yaml")
+    b.add_argument("--config", required=True, help="run config (configs/runs/*.yaml)")
+    b.add_argument("--out", default=None, help="output directory (default runs/<config name>)")
+    b.add_argument("--schedulers", default=None, help="comma-separated subset/override of the config's list")
+    add_engine_args(b, overrides=True)
+    r = sub.add_parser("report", help="plots (PNG) from run, bench or profile directories")
+    r.add_argument("dirs", nargs="+")
+    r.add_argument("--out", default=None, help="where combined plots go (default: the first directory)")
+    pr = sub.add_parser("profile", help="per-operation times of prefill, decode and mixed batches")
+    pr.add_argument("--model", default=None)
+    pr.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    pr.add_argument("--dtype", choices=DTYPES, default="float32")
+    pr.add_argument("--attention", choices=("torch", "xformers", "auto"), default="auto")
+    pr.add_argument("--threads", type=_nonnegative_int, default=0)
+    pr.add_argument("--grid", choices=("default", "quick"), default="default")
+    pr.add_argument("--out", required=True)
+    pr.add_argument("--quiet", action="store_true")
     return parser
 
 
@@ -135,11 +162,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
                     o.text = tok.decode(o.token_ids)
         rows = [o.to_json() for o in outs]
         if a.run_dir:
-            Path(a.run_dir).mkdir(parents=True, exist_ok=True)
-            write_results(str(Path(a.run_dir) / "results.jsonl"), rows)
-            (Path(a.run_dir) / "workers.json").write_text(json.dumps(
-                [{k: w[k] for k in ("stage", "tp_rank", "pid", "node", "device")} for w in llm.workers_info()],
-                indent=1))
+            from pp_runtime.rundir import write_run_dir
+            write_run_dir(a.run_dir, llm)
+            if lines is None:  # keep the decoded texts next to the tokens
+                write_results(str(Path(a.run_dir) / "results.jsonl"), rows)
         if a.output:
             write_results(a.output, rows)
         elif lines is None:
@@ -148,6 +174,49 @@ def cmd_generate(a: argparse.Namespace) -> int:
         else:
             for r in rows:
                 print(json.dumps(r))
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from pp_runtime.bench import format_table, run_bench
+    from pp_runtime.workload import load_run_config
+    if not Path(a.config).is_file():
+        raise ValueError(f"--config {a.config}: no such file")
+    cfg = load_run_config(a.config)
+    given = {k: v for k, v in engine_kwargs(a).items() if v is not None and k not in ("scheduler", "verbose")}
+    if given.get("launcher") == "torchrun":
+        raise ValueError("bench runs with --launcher local or ray")
+    cfg = cfg.with_overrides(**given)
+    if a.schedulers or a.scheduler:
+        from dataclasses import replace
+        names = tuple(a.schedulers.split(",")) if a.schedulers else (a.scheduler,)
+        bad = [n for n in names if n not in SCHEDULER_POLICIES]
+        if bad:
+            raise ValueError(f"--schedulers: unknown {', '.join(bad)} (choose from {', '.join(SCHEDULER_POLICIES)})")
+        cfg = replace(cfg, schedulers=names)
+    out = a.out or str(Path("runs") / Path(a.config).stem)
+    _check_writable("--out", out, is_dir=True)
+    comparison = run_bench(cfg, out, progress=not a.quiet, verbose=not a.quiet)
+    print(format_table(comparison))
+    print(f"run directories and comparison.json in {out}")
+    return 0
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    from pp_runtime.report import make_report
+    for d in a.dirs:
+        if not Path(d).is_dir():
+            raise ValueError(f"{d}: not a directory")
+    for path in make_report(a.dirs, a.out):
+        print(path)
+    return 0
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    from stages.profile import run_profile
+    _check_writable("--out", a.out, is_dir=True)
+    run_profile(a.model, a.device, a.dtype, a.out, grid=a.grid, threads=a.threads, attention=a.attention,
+                progress=not a.quiet)
     return 0
 
 
@@ -191,7 +260,8 @@ def _chat(tok: object, text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate}[args.command](args)
+        return {"generate": cmd_generate, "bench": cmd_bench, "report": cmd_report,
+                "profile": cmd_profile}[args.command](args)
     except (ValueError, OSError) as e:  # user-caused (bad value, unreadable/unwritable path): one line
         print(f"pp-runtime: error: {_one_line(e)}", file=sys.stderr)
         return 2

@@ -79,6 +79,9 @@ class StageActor:
     def drain_timings(self) -> list:
         return self.worker.drain_timings()
 
+    def now(self) -> float:
+        return time.time()
+
     def shutdown(self) -> None:
         import torch.distributed as dist
         if self.worker is not None:
@@ -150,6 +153,16 @@ class RayExecutor:
 
     def drain_timings(self) -> list[list]:
         return self._get([a.drain_timings.remote() for a in self.actors], "timings")
+
+    def ranks(self) -> list[tuple[int, int]]:
+        return [self.topo.coords(r) for r in range(self.topo.world_size)]
+
+    def clock_offsets(self) -> list[float]:
+        """Each worker's clock minus the driver's, NTP-style over Ray round trips (nodes of a
+        real cluster do not share a clock)."""
+        from pp_runtime.timing import estimate_offset
+        return [estimate_offset(time.time, lambda a=a: ray.get(a.now.remote(), timeout=self.timeout_s))
+                for a in self.actors]
 
     def shutdown(self) -> None:
         if self.actors:

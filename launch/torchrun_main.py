@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import time
 from collections import deque
 
 import torch
@@ -118,6 +119,24 @@ class TorchrunExecutor:
             return local
         return self.control.recv(self.last) if mb.num_samples else []
 
+    def drain_timings(self) -> list[list]:
+        out = [self.worker.drain_timings()]
+        for r in self._others():
+            self.control.send(("timings", None), r)
+            out.append(self.control.recv(r))
+        return out
+
+    def ranks(self) -> list[tuple[int, int]]:
+        return [self.topo.coords(r) for r in range(self.topo.world_size)]
+
+    def clock_offsets(self) -> list[float]:
+        from pp_runtime.timing import estimate_offset
+
+        def remote_clock(r: int) -> float:
+            self.control.send(("clock", None), r)
+            return self.control.recv(r)
+        return [0.0] + [estimate_offset(time.time, lambda r=r: remote_clock(r)) for r in self._others()]
+
     def shutdown(self) -> None:
         if not dist.is_initialized():
             return
@@ -146,6 +165,9 @@ def worker_loop(cfg: EngineConfig, source: object) -> None:
         kind, wire = control.recv(0)
         if kind == "stop":
             break
+        if kind in ("timings", "clock"):  # answered in order, after every plan sent before it
+            control.send(worker.drain_timings() if kind == "timings" else time.time(), 0)
+            continue
         tokens = worker.execute(wire)
         if tokens is not None and topo.rank(topo.pp - 1, 0) == dist.get_rank() and wire[-1]:
             control.send(tokens, 0)

@@ -41,6 +41,7 @@ class Engine:
         self.history: list[MicroBatch] = []  # every plan issued, in issue order
         self.in_flight_log: list[tuple[int, ...]] = []  # mb ids in flight after each schedule call
         self.submit_times: dict[int, float] = {}  # mb id -> wall clock when handed to the executor
+        self.mb_iter: dict[int, int] = {}  # mb id -> engine step at which it was scheduled
         self.stats = DriverStats()
 
     def schedule(self) -> None:
@@ -49,6 +50,7 @@ class Engine:
             if mb is None:
                 break
             self.submit_times[mb.mb_id] = time.time()
+            self.mb_iter[mb.mb_id] = self.stats.steps
             self.executor.submit(mb)
             self.in_flight.append(mb)
             self.history.append(mb)

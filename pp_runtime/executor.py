@@ -22,6 +22,8 @@ class Executor(Protocol):
     def submit(self, mb: MicroBatch) -> None: ...
     def collect(self) -> list[int]: ...
     def drain_timings(self) -> list[list]: ...
+    def ranks(self) -> list[tuple[int, int]]: ...
+    def clock_offsets(self) -> list[float]: ...
     def shutdown(self) -> None: ...
 
 
@@ -60,6 +62,12 @@ class LocalExecutor:
     def drain_timings(self) -> list[list]:
         """Per worker (rank order): [(mb_id, t_ready, t_start, t_end)] since the last drain."""
         return [w.drain_timings() for w in self.workers]
+
+    def ranks(self) -> list[tuple[int, int]]:
+        return [(s, 0) for s in range(len(self.workers))]
+
+    def clock_offsets(self) -> list[float]:
+        return [0.0] * len(self.workers)  # one process, one clock
 
     def shutdown(self) -> None:
         self.workers = []

@@ -1,0 +1,83 @@
+"""`pp-runtime bench`: one workload under several schedulers, on the same warm workers.
+
+    pp-runtime bench --config configs/runs/pp2_zipf.yaml --out runs/pp2
+    # runs/pp2/<scheduler>/{stage_timings.jsonl, summary.json, trace.json, results.jsonl, workers.json}
+    # runs/pp2/comparison.json: every scheduler's metrics and their ratios to sarathi
+
+Only the driver-side policy changes between schedulers (``LLM.reconfigure``): weights, KV
+pool and placement are identical, so the comparison isolates scheduling.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from pp_runtime.llm import LLM
+from pp_runtime.request import SamplingParams
+from pp_runtime.rundir import write_run_dir
+from pp_runtime.workload import RunConfig, generate_workload, workload_summary
+
+# (summary key, label, True when higher is better)
+METRICS = (("throughput_tok_s", "throughput tok/s", True), ("decode_tok_s", "decode tok/s", True),
+           ("bubble_s_per_request_p50", "bubble/req p50 s", False),
+           ("bubble_s_per_request_p90", "bubble/req p90 s", False),
+           ("ttft_s_p50", "TTFT p50 s", False), ("ttft_s_p99", "TTFT p99 s", False),
+           ("tbt_s_p50", "TBT p50 s", False), ("tbt_s_p99", "TBT p99 s", False),
+           ("microbatch_time_cv", "micro-batch CV", False))
+
+
+def run_bench(cfg: RunConfig, out: str, progress: bool = True, verbose: bool = True) -> dict:
+    """Run every scheduler of ``cfg``; returns comparison.json's content."""
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    summaries: dict[str, dict] = {}
+    with LLM(**cfg.engine, scheduler=cfg.schedulers[0], verbose=verbose) as llm:
+        items = generate_workload(cfg.workload, llm.source.config.vocab_size)
+        _warm_up(llm)
+        for policy in cfg.schedulers:
+            llm.reconfigure(policy=policy)
+            if verbose:
+                print(f"bench: {policy} on {len(items)} requests", file=sys.stderr)
+            reqs = [llm.make_request(it.request_id, it.prompt_token_ids,
+                                     SamplingParams(max_tokens=it.max_tokens, ignore_eos=True)) for it in items]
+            llm.run(reqs, progress=progress, arrivals=[it.arrival_s for it in items])
+            summaries[policy] = write_run_dir(str(root / policy), llm,
+                                              extra={"workload": workload_summary(cfg.workload)})
+    comparison = compare(summaries)
+    (root / "comparison.json").write_text(json.dumps(comparison, indent=1))
+    return comparison
+
+
+def _warm_up(llm: LLM) -> None:
+    """One short request first, so no scheduler pays for lazy initialisation."""
+    llm.run([llm.make_request("warmup", [3, 4, 5, 6], SamplingParams(max_tokens=2))])
+
+
+def compare(summaries: dict[str, dict], base: str = "sarathi") -> dict:
+    """Each scheduler's metrics, and each metric as a ratio to ``base`` (other / base)."""
+    ref = summaries.get(base) or next(iter(summaries.values()))
+    out: dict = {"base": base if base in summaries else next(iter(summaries)), "schedulers": {}}
+    for name, s in summaries.items():
+        row = {}
+        for key, _, _ in METRICS:
+            row[key] = s[key]
+            row[f"{key}_ratio"] = s[key] / ref[key] if ref[key] else None
+        out["schedulers"][name] = row
+    return out
+
+
+def format_table(comparison: dict) -> str:
+    """Metrics down, schedulers across: 'value (× base)'."""
+    names = list(comparison["schedulers"])
+    width = max(22, *(len(n) + 2 for n in names))
+    lines = [f"{'metric':18s}" + "".join(f"{n:>{width}s}" for n in names)]
+    for key, label, _ in METRICS:
+        cells = []
+        for n in names:
+            row = comparison["schedulers"][n]
+            ratio = row[f"{key}_ratio"]
+            cells.append(f"{row[key]:>{width - 10}.4g} ({'n/a' if ratio is None else f'{ratio:.2f}x'})")
+        lines.append(f"{label:18s}" + "".join(f"{c:>{width}s}" for c in cells))
+    lines.append(f"(ratios: scheduler / {comparison['base']})")
+    return "\n".join(lines)

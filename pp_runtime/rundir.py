@@ -1,0 +1,61 @@
+"""Writing a run directory (DESIGN.md §3.4) from a finished ``LLM.run``.
+
+    llm.run(reqs)
+    summary = write_run_dir("runs/x", llm, extra={"workload": {...}})
+
+stage_timings.jsonl, summary.json, trace.json, results.jsonl and workers.json; the report's
+PNGs are added by ``pp-runtime report``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pp_runtime.request import RequestOutput
+from pp_runtime.timing import TimingRecord, build_records, chrome_trace, summarize
+
+WORKER_FIELDS = ("stage", "tp_rank", "pid", "node", "device", "hostname", "layers", "weight_bytes",
+                 "layer_weight_bytes", "attention")
+
+
+def collect_records(llm: object) -> list[TimingRecord]:
+    """The last run's worker timings, moved onto the driver's clock."""
+    run = llm.last_run
+    ex = llm.executor
+    raw, offsets, ranks = ex.drain_timings(), ex.clock_offsets(), ex.ranks()
+    plans = {mb.mb_id: mb for mb in run.engine.history}
+    return build_records(raw, offsets, ranks, plans, run.engine.mb_iter)
+
+
+def run_settings(llm: object) -> dict:
+    c = llm.config
+    return {"scheduler": c.scheduler.policy, "pp": c.parallel.pp, "tp": c.parallel.tp,
+            "chunk_size": c.scheduler.chunk_size, "max_batch_size": c.scheduler.max_batch_size,
+            "tile_align": c.scheduler.tile_align, "model": c.model_path, "dtype": c.device.dtype,
+            "device": c.device.device, "launcher": llm.launcher, "paper_B": llm.memory.max_batch_b,
+            "kv_blocks": llm.memory.num_blocks}
+
+
+def write_run_dir(path: str, llm: object, extra: dict | None = None) -> dict:
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    run = llm.last_run
+    records = collect_records(llm)
+    st = run.engine.stats
+    settings = run_settings(llm) | {"run_start": run.start_wall,
+                                    "driver_s_per_microbatch": st.driver_s / max(st.steps, 1),
+                                    "preemptions": sum(r.num_preemptions for r in run.requests)} | (extra or {})
+    summary = summarize(records, run.start_wall, run.end_wall, run.requests, settings)
+    _jsonl(out / "stage_timings.jsonl", [r.to_json() for r in records])
+    _jsonl(out / "results.jsonl", [RequestOutput.from_request(r).to_json() for r in run.requests])
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "trace.json").write_text(json.dumps(chrome_trace(records, run.start_wall)))
+    (out / "workers.json").write_text(json.dumps(
+        [{k: w[k] for k in WORKER_FIELDS if k in w} for w in llm.workers_info()], indent=1))
+    return summary
+
+
+def _jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
