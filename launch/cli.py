@@ -163,8 +163,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
         rows = [o.to_json() for o in outs]
         if a.run_dir:
             from pp_runtime.rundir import write_run_dir
-            write_run_dir(a.run_dir, llm)
-            if lines is None:  # keep the decoded texts next to the tokens
+            if not llm.broken:  # timings live on the workers; a dead one has none to give
+                write_run_dir(a.run_dir, llm)
+            if lines is None or llm.broken:  # keep the decoded texts next to the tokens
+                Path(a.run_dir).mkdir(parents=True, exist_ok=True)
                 write_results(str(Path(a.run_dir) / "results.jsonl"), rows)
         if a.output:
             write_results(a.output, rows)
@@ -174,6 +176,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         else:
             for r in rows:
                 print(json.dumps(r))
+        if llm.broken:  # results are written; the run itself failed
+            print(f"pp-runtime: error: {llm.broken}", file=sys.stderr)
+            return 1
     return 0
 
 

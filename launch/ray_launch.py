@@ -21,12 +21,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from pp_runtime.batch import MicroBatch
 from pp_runtime.comm import P2P, Topology, init_distributed
 from pp_runtime.config import EngineConfig
+from pp_runtime.executor import WorkerError
 
 PLACEMENT_TIMEOUT_S = 60.0
-
-
-class WorkerError(RuntimeError):
-    """A worker died or stopped answering; the message names its stage, TP rank and node."""
 
 
 @ray.remote
@@ -98,6 +95,7 @@ class RayExecutor:
         self._owns_ray = _ensure_ray(self.topo.world_size)
         self.actors: list = []
         self.pg = None
+        self.failed = False  # a worker died or hung: skip the graceful part of shutdown
         try:
             self.pg = self._place()
             threads = cfg.device.threads or 1
@@ -164,11 +162,13 @@ class RayExecutor:
         return [estimate_offset(time.time, lambda a=a: ray.get(a.now.remote(), timeout=self.timeout_s))
                 for a in self.actors]
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Tear down process groups (graceful), then kill every actor and free the placement."""
         if self.actors:
             try:
-                ray.get([a.shutdown.remote() for a in self.actors], timeout=10)
-            except Exception:  # a dead worker cannot say goodbye; kill it below
+                if graceful and not self.failed:
+                    ray.get([a.shutdown.remote() for a in self.actors], timeout=10)
+            except Exception:  # a dead or hung worker cannot say goodbye; kill it below
                 pass
             for a in self.actors:
                 ray.kill(a)
@@ -190,8 +190,10 @@ class RayExecutor:
             try:
                 out.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
             except ray.exceptions.GetTimeoutError:
+                self.failed = True
                 raise WorkerError(f"{self._name(rank)} did not answer within {timeout:.0f} s ({what})") from None
             except ray.exceptions.RayActorError as e:
+                self.failed = True
                 raise WorkerError(f"{self._name(rank)} died during {what}: {str(e).splitlines()[0]}") from None
         return out
 

@@ -15,6 +15,10 @@ from pp_runtime.comm import LocalLink
 from pp_runtime.config import EngineConfig
 
 
+class WorkerError(RuntimeError):
+    """A worker died or stopped answering; the message names its stage, TP rank and node."""
+
+
 class Executor(Protocol):
     def memory_profiles(self) -> list: ...
     def allocate_cache(self, num_blocks: int) -> int: ...

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 from pp_runtime.config import (CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig)
 from pp_runtime.engine import Engine
+from pp_runtime.executor import WorkerError
 from pp_runtime.kv_cache import BlockManager
 from pp_runtime.request import Request, RequestOutput, SamplingParams
 from pp_runtime.scheduler import Scheduler
@@ -120,6 +121,7 @@ class LLM:
             print(self.memory.describe(), file=sys.stderr)
         self._tokenizer = None
         self._next_seq = 0
+        self.broken: str | None = None  # set when a worker died: the executor is shut down
 
     @property
     def tokenizer(self) -> object:
@@ -182,8 +184,19 @@ class LLM:
             if on_finish:
                 on_finish(req)
         offsets = [0.0] * len(reqs) if arrivals is None else list(arrivals)
+        if self.broken:
+            raise WorkerError(f"this LLM's workers are gone ({self.broken}); create a new LLM")
         start_wall, start = time.time(), time.perf_counter()
-        self.engine.run_until_done(finished, [(offsets[i], r) for i, r in enumerate(reqs) if not r.finished])
+        try:
+            self.engine.run_until_done(finished, [(offsets[i], r) for i, r in enumerate(reqs) if not r.finished])
+        except WorkerError as e:
+            # Every request still comes out: the unfinished ones with the error that stopped them.
+            self.broken = str(e)
+            for r in reqs:
+                if not r.finished:
+                    r.finish("error", str(e))
+                    bar.update(1)
+            self.executor.shutdown()
         self.last_run = RunRecord(reqs, self.engine, start_wall, time.time(), start, time.perf_counter())
         bar.close()
         return [RequestOutput.from_request(r) for r in reqs]

@@ -1,0 +1,72 @@
+"""A stage worker killed mid-run (Ray, pp=2): the run ends within the timeout bound with an
+error naming the worker, every request comes back (errors for the unfinished), and no worker
+process survives."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from pp_runtime import LLM, SamplingParams
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_killed_stage_worker_is_reported_and_cleaned_up() -> None:
+    llm = LLM(model="llama-tiny", pp=2, launcher="ray", memory_budget_gb=0.05, chunk_size=4)
+    try:
+        pids = {(w["stage"], w["tp_rank"]): w["pid"] for w in llm.workers_info()}
+        llm.executor.timeout_s = 20.0
+        victim = pids[(1, 0)]
+        prompts = [list(range(3, 3 + n)) for n in (30, 12, 50, 7)]
+        killer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
+        started = time.monotonic()
+        killer.start()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=400, ignore_eos=True))
+        elapsed = time.monotonic() - started
+    finally:
+        llm.shutdown()
+    assert elapsed < 1.0 + 20.0 + 10.0, f"took {elapsed:.1f} s"
+    assert len(outs) == 4 and llm.broken and "stage 1 tp_rank 0" in llm.broken
+    errors = [o for o in outs if o.finish_reason == "error"]
+    assert errors and all("stage 1 tp_rank 0" in o.error for o in errors)
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids.values() if alive(p)], "worker processes survived"
+    with pytest.raises(RuntimeError, match="workers are gone"):
+        llm.generate([[3, 4]], SamplingParams(max_tokens=2))
+
+
+def test_hung_stage_worker_times_out_with_its_name() -> None:
+    llm = LLM(model="llama-tiny", pp=2, launcher="ray", memory_budget_gb=0.05, chunk_size=4)
+    try:
+        pids = {(w["stage"], w["tp_rank"]): w["pid"] for w in llm.workers_info()}
+        llm.executor.timeout_s = 4.0
+        stopper = threading.Timer(0.5, os.kill, (pids[(0, 0)], signal.SIGSTOP))  # alive but silent
+        started = time.monotonic()
+        stopper.start()
+        outs = llm.generate([list(range(3, 40))] * 3, SamplingParams(max_tokens=600, ignore_eos=True))
+        elapsed = time.monotonic() - started
+    finally:
+        llm.shutdown()
+    assert elapsed < 0.5 + 4.0 + 10.0, f"took {elapsed:.1f} s"
+    assert "did not answer within 4 s" in llm.broken and "stage" in llm.broken
+    assert all(o.finish_reason in ("error", "length") for o in outs) and any(o.finish_reason == "error" for o in outs)
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids.values() if alive(p)], "worker processes survived"
