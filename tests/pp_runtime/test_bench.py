@@ -1,0 +1,65 @@
+"""A short real bench at pp=2 (Ray, two schedulers) produces every run-directory file with sane values."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pp_runtime.bench import compare, format_table, run_bench
+from pp_runtime.workload import load_run_config
+
+REPO = Path(__file__).resolve().parents[2]
+FILES = ("stage_timings.jsonl", "summary.json", "trace.json", "results.jsonl", "workers.json")
+
+
+@pytest.fixture(scope="module")
+def bench_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cfg = load_run_config(REPO / "configs/runs/smoke.yaml")
+    cfg = replace(cfg, workload=replace(cfg.workload, num_requests=10)).with_overrides(launcher="ray")
+    out = tmp_path_factory.mktemp("bench")
+    run_bench(cfg, str(out), progress=False, verbose=False)
+    return out
+
+
+@pytest.mark.parametrize("scheduler", ("sarathi", "orca"))
+def test_bench_run_directory(bench_dir: Path, scheduler: str) -> None:
+    d = bench_dir / scheduler
+    assert all((d / f).stat().st_size > 0 for f in FILES)
+    s = json.loads((d / "summary.json").read_text())
+    assert s["scheduler"] == scheduler and s["pp"] == 2 and s["num_requests"] == 10 and s["num_errors"] == 0
+    assert s["wall_s"] > 0 and s["throughput_tok_s"] > s["decode_tok_s"] > 0
+    assert 0 <= s["bubble_s_per_request_p50"] <= s["bubble_s_per_request_p90"]
+    assert len(s["bubble_fraction_per_stage"]) == 2 and all(0 <= f < 1 for f in s["bubble_fraction_per_stage"])
+    assert 0 < s["ttft_s_p50"] <= s["ttft_s_p99"] and 0 < s["tbt_s_p50"] <= s["tbt_s_p99"]
+    assert s["microbatch_time_cv"] >= 0 and s["workload"]["kind"] == "zipf"
+    rows = [json.loads(x) for x in (d / "stage_timings.jsonl").read_text().splitlines()]
+    assert {r["stage"] for r in rows} == {0, 1}
+    by_mb: dict[int, dict[int, dict]] = {}
+    for r in rows:
+        assert r["t_ready"] <= r["t_start"] <= r["t_end"]
+        by_mb.setdefault(r["mb"], {})[r["stage"]] = r
+    for mb in by_mb.values():  # on the driver's clock, stage 1 starts after stage 0 ran that micro-batch
+        assert mb[1]["t_start"] >= mb[0]["t_start"]
+    results = [json.loads(x) for x in (d / "results.jsonl").read_text().splitlines()]
+    assert len(results) == 10 and all(r["finish_reason"] == "length" for r in results)
+    assert s["decode_tokens"] == sum(len(r["token_ids"]) for r in results)
+    trace = json.loads((d / "trace.json").read_text())
+    assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == len(rows)
+
+
+def test_bench_comparison(bench_dir: Path) -> None:
+    comp = json.loads((bench_dir / "comparison.json").read_text())
+    assert comp["base"] == "sarathi" and set(comp["schedulers"]) == {"sarathi", "orca"}
+    assert comp["schedulers"]["sarathi"]["throughput_tok_s_ratio"] == pytest.approx(1.0)
+    assert "micro-batch CV" in format_table(comp)
+
+
+def test_compare_ratios() -> None:
+    keys = ("throughput_tok_s", "decode_tok_s", "bubble_s_per_request_p50", "bubble_s_per_request_p90",
+            "ttft_s_p50", "ttft_s_p99", "tbt_s_p50", "tbt_s_p99", "microbatch_time_cv")
+    a = dict.fromkeys(keys, 2.0)
+    b = dict.fromkeys(keys, 1.0)
+    comp = compare({"sarathi": a, "orca": b})
+    assert comp["schedulers"]["orca"]["throughput_tok_s_ratio"] == 0.5
