@@ -44,9 +44,10 @@ def shard_range(full: int, ctx: TPContext) -> tuple[int, int]:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float) -> None:
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        # In the model's dtype, as in HF: weight × normed activations stays in that dtype.
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H)

@@ -62,9 +62,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ctx: TPContext, dtype: torch.dtype, rope: RotaryEmbedding,
                  backend: object) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, ctx, dtype, rope, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, ctx, dtype)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -82,7 +82,7 @@ class StageModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype) if is_first else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, dtype, rope, self.backend)
                                     for _ in range(layers[1] - layers[0]))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if is_last else None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if is_last else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype) if is_last else None
         if is_first and is_last and cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor, as in the checkpoint

@@ -38,26 +38,28 @@ class TorchAttention:
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         h_kv, d = k.shape[1:]
-        flat_k, flat_v = k_cache.view(-1, h_kv, d), v_cache.view(-1, h_kv, d)
         row = 0
         for i in range(meta.num_prefills):
-            n = meta.q_lens[i]
+            n, ctx = meta.q_lens[i], meta.ctx_lens[i]
             qi = q[row:row + n].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
             if meta.fresh_prefill[i]:  # nothing cached: attend to the chunk itself, plain causal
                 ki, vi, mask, causal = k[row:row + n], v[row:row + n], None, True
-            else:
-                slots = meta.prefill_kv_slots[i]
-                ki, vi = flat_k[slots], flat_v[slots]  # (ctx, H_kv, D)
-                mask, causal = causal_offset_mask(n, meta.ctx_lens[i], q.device), False
+            else:  # whole blocks of the context, then trimmed to its length
+                table = meta.prefill_tables[i]
+                ki = k_cache.index_select(0, table).view(-1, h_kv, d)[:ctx]  # (ctx, H_kv, D)
+                vi = v_cache.index_select(0, table).view(-1, h_kv, d)[:ctx]
+                mask, causal = causal_offset_mask(n, ctx, q.device), False
             o = F.scaled_dot_product_attention(qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
                                                attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True)
             out[row:row + n] = o.squeeze(0).transpose(0, 1)
             row += n
         if meta.num_decodes:
-            qd = q[row:].unsqueeze(2)  # (B, H, 1, D)
-            kd = flat_k[meta.decode_slots].transpose(1, 2)  # (B, H_kv, L, D)
-            vd = flat_v[meta.decode_slots].transpose(1, 2)
+            b = meta.num_decodes
+            idx = meta.decode_tables.reshape(-1)
+            kd = k_cache.index_select(0, idx).view(b, -1, h_kv, d).transpose(1, 2)  # (B, H_kv, L, D)
+            vd = v_cache.index_select(0, idx).view(b, -1, h_kv, d).transpose(1, 2)
             mask = meta.decode_mask[:, None, None, :]  # (B, 1, 1, L)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q[row:].unsqueeze(2), kd, vd, attn_mask=mask, scale=self.scale,
+                                               enable_gqa=True)  # (B, H, 1, D)
             out[row:] = o.squeeze(2)
         return out

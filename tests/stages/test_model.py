@@ -80,3 +80,22 @@ def test_stages_compose_to_full_model(hf_models: dict, partition: tuple[int, int
         h = stages[0].model(torch.tensor(prompt), meta, stages[0].kv_caches)
         got = stages[1].model.logits(stages[1].model(h, meta, stages[1].kv_caches))
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+def test_half_precision_stays_in_dtype_and_tracks_float32(hf_models: dict, dtype: str) -> None:
+    path = str(hf_models["llama"])
+    prompt = mixed_prompts(lengths=(24,))[0]
+    logits = {}
+    for dt in ("float32", dtype):
+        spec = WorkerSpec(resolve_model(path), 0, 0, ParallelConfig(1), CacheConfig(BLOCK, 1 << 26),
+                          DeviceConfig("cpu", dt, "torch"))
+        w = StageWorker(spec, TPContext(), None)
+        w.allocate_cache(8)
+        c = SeqChunk(0, 0, tuple(prompt), tuple(range(6)), True, None)
+        with torch.inference_mode():
+            h = w.model(torch.tensor(prompt), build_metadata((c,), BLOCK, w.device), w.kv_caches)
+            assert h.dtype == getattr(torch, dt)
+            logits[dt] = w.model.logits(h)
+    err = (logits[dtype] - logits["float32"]).abs().max() / logits["float32"].abs().max()
+    assert err < 0.05, f"{dtype} relative error {err:.3f}"
