@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from pp_runtime.config import ModelConfig
+from stages.gguf_file import GGUFFile
 from stages.layers import TPContext, shard_range
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
@@ -119,11 +120,10 @@ def _hf_config(folder: Path, c: dict) -> ModelConfig:
 
 
 @functools.lru_cache(maxsize=4)
-def _gguf_reader(path: str) -> object:
-    """Parsing the header (its 49k-token vocabulary) costs seconds: once per process."""
-    import gguf
+def _gguf_reader(path: str) -> GGUFFile:
+    """One parsed header per file per process (the driver and an in-process worker share it)."""
     try:
-        return gguf.GGUFReader(path)
+        return GGUFFile(path)
     except Exception as e:  # a truncated or foreign file
         raise ModelError(f"{path} is not a readable GGUF file ({e})") from None
 
@@ -135,16 +135,15 @@ def gguf_config(path: str) -> ModelConfig:
         raise ModelError(f"GGUF file {path} lacks the metadata key {e}") from None
 
 
-def _gguf_config(path: str, reader: object) -> ModelConfig:
-    f = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("tokenizer.ggml.")
-         or k.endswith("_token_id")}
+def _gguf_config(path: str, reader: GGUFFile) -> ModelConfig:
+    f = reader.fields
     arch = f.get("general.architecture")
     if arch not in GGUF_ARCHS:
         raise ModelError(f"GGUF architecture {arch!r} in {path} is not supported ({', '.join(GGUF_ARCHS)})")
     heads = int(f[f"{arch}.attention.head_count"])
     hidden = int(f[f"{arch}.embedding_length"])
-    names = {t.name for t in reader.tensors}
-    vocab = f.get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    names = set(reader.tensors)
+    vocab = f.get(f"{arch}.vocab_size") or reader.array_lengths["tokenizer.ggml.tokens"]
     eos = f.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(f[f"{arch}.feed_forward_length"]),
@@ -205,20 +204,18 @@ class GGUFSource:
     """Dequantizes only the tensors (and, for column shards, only the rows) that are read."""
 
     def __init__(self, path: str, cfg: ModelConfig) -> None:
-        import gguf
-        self._gguf = gguf
-        self._tensors = {t.name: t for t in _gguf_reader(path).tensors}
+        self._file = _gguf_reader(path)
         self.cfg = cfg
 
     def has(self, name: str) -> bool:
-        return _gguf_name(name) in self._tensors
+        return _gguf_name(name) in self._file.tensors
 
     def read(self, name: str, rows: Span = None, cols: Span = None) -> torch.Tensor:
-        t = self._tensors.get(_gguf_name(name))
-        if t is None:
-            raise ModelError(f"GGUF file has no tensor {_gguf_name(name)} (for {name})")
-        data = t.data if rows is None or t.data.ndim == 1 else t.data[rows[0]:rows[1]]
-        arr = self._gguf.quants.dequantize(np.asarray(data), t.tensor_type)
+        gname = _gguf_name(name)
+        if gname not in self._file.tensors:
+            raise ModelError(f"GGUF file has no tensor {gname} (for {name})")
+        one_d = len(self._file.tensors[gname].dims) == 1
+        arr = self._file.read(gname, None if one_d else rows)
         out = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
         # llama.cpp's converter permutes q/k rows of LLaMA for its interleaved RoPE; undo it per
         # head (shards are whole heads, so this works on a row slice too).
