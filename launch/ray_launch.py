@@ -122,12 +122,19 @@ class RayExecutor:
         pp, tp = self.topo.pp, self.topo.tp
         per_worker = {"CPU": 1.0} | ({"GPU": 1.0} if self.cfg.device.device == "cuda" else {})
         bundles = [{k: v * tp for k, v in per_worker.items()} for _ in range(pp)]
+        what = (f"{pp}×{tp} workers ({' + '.join(str(b) for b in bundles)}, "
+                f"a stage's {tp} TP workers on one node)")
+        # Fail at once when the nodes' total resources could never host the stages; only a cluster
+        # that could, in principle, is worth waiting for (its resources may be busy for a while).
+        capacity = _placeable_stages(per_worker, tp)
+        if capacity < pp:
+            raise ValueError(f"the Ray cluster cannot place {what}: its nodes can place at most "
+                             f"{capacity} such stage(s) ({_describe_nodes()})")
         pg = placement_group(bundles, strategy="SPREAD")
         if not pg.wait(PLACEMENT_TIMEOUT_S):
             remove_placement_group(pg)
-            raise ValueError(f"the Ray cluster cannot place {pp}×{tp} workers "
-                             f"({' + '.join(str(b) for b in bundles)}, a stage's {tp} TP workers on one node); "
-                             f"it can place {_placeable_stages(per_worker, tp)} such stage(s)")
+            raise ValueError(f"the Ray cluster could not place {what} within {PLACEMENT_TIMEOUT_S:.0f} s: "
+                             f"its nodes could host {capacity} such stage(s), but their resources stayed in use")
         return pg
 
     # ---- executor interface --------------------------------------------------------------------
@@ -212,13 +219,15 @@ def _ensure_ray(world_size: int) -> bool:
     if address:
         ray.init(address=address, log_to_driver=False)
         return True
-    ray.init(num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+    # address="local": always a fresh embedded instance, never an unrelated cluster that happens
+    # to run on this machine (plain ray.init() would join it).
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
+             log_to_driver=False, _node_ip_address="127.0.0.1")
     return True
 
 
 def _placeable_stages(per_worker: dict, tp: int) -> int:
-    """How many stages of tp workers the alive nodes could host right now."""
+    """How many stages of tp workers the alive nodes could host when idle (their total resources)."""
     total = 0
     for node in ray.nodes():
         if not node.get("Alive"):
@@ -226,3 +235,10 @@ def _placeable_stages(per_worker: dict, tp: int) -> int:
         res = node.get("Resources", {})
         total += int(min(res.get(k, 0.0) // (v * tp) for k, v in per_worker.items()))
     return total
+
+
+def _describe_nodes() -> str:
+    """'2 alive node(s): 2 CPU, 2 CPU' — what a capacity was computed from."""
+    alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    sizes = [f"{r.get('CPU', 0):g} CPU" + (f" {r['GPU']:g} GPU" if r.get("GPU") else "") for r in alive]
+    return f"{len(alive)} alive node(s): {', '.join(sizes)}"

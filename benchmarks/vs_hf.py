@@ -1,0 +1,94 @@
+"""pp_runtime against Hugging Face batched ``generate`` on the same workload, same threads.
+
+    .venv/bin/python benchmarks/vs_hf.py            # embedded SmolLM2-135M: 32 prompts × 64 new tokens
+    .venv/bin/python benchmarks/vs_hf.py --smoke --model HF_FOLDER   # tiny sizes (CI smoke test)
+
+Prompts: --num prompts with lengths uniform in [--min-len, --max-len] (seeded). HF gets them
+left-padded in one batch (its usual batched generate) with greedy decoding of exactly
+--new-tokens tokens; we get the same prompts and max_tokens with ignore_eos. Total tokens/s
+= (prompt tokens + generated tokens) / wall seconds, for both.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def hf_generate(model_spec: str | None, prompts: list[list[int]], new_tokens: int) -> float:
+    import transformers
+    from stages.weights import resolve_model
+    src = resolve_model(model_spec)
+    if src.kind == "random":
+        raise SystemExit("the HF comparison needs a real checkpoint (HF folder or GGUF)")
+    path = Path(src.path)
+    kw = {"gguf_file": path.name} if src.kind == "gguf" else {}
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent if kw else path), dtype=torch.float32,
+                                                          **kw).eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        m.generate(ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        t = time.perf_counter()
+        out = m.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0)
+        dt = time.perf_counter() - t
+    assert out.shape[1] == width + new_tokens
+    return dt
+
+
+def ours(model_spec: str | None, prompts: list[list[int]], new_tokens: int, **engine: object) -> float:
+    from pp_runtime import LLM, SamplingParams
+    with LLM(model=model_spec, memory_budget_gb=2.0, max_model_len=1024, **engine) as llm:
+        llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
+        t = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        dt = time.perf_counter() - t
+    assert all(len(o.token_ids) == new_tokens for o in outs)
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--num", type=int, default=32)
+    ap.add_argument("--min-len", type=int, default=16)
+    ap.add_argument("--max-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if a.smoke:
+        a.num, a.max_len, a.new_tokens = 4, 24, 4
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(a.min_len, a.max_len + 1, (a.num,), generator=g).tolist()
+    from stages.weights import resolve_model
+    vocab = resolve_model(a.model).config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+    total = sum(lens) + a.num * a.new_tokens
+    r = {"prompts": a.num, "prompt_tokens": sum(lens), "new_tokens": a.num * a.new_tokens}
+    r["hf_s"] = hf_generate(a.model, prompts, a.new_tokens)
+    r["ours_pp1_s"] = ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk, max_batch_size=a.num + 1)
+    r["ours_pp2_s"] = ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk, max_batch_size=a.num + 1, pp=2,
+                           launcher="ray", threads=1)
+    for k in ("hf", "ours_pp1", "ours_pp2"):
+        r[f"{k}_tok_s"] = total / r[f"{k}_s"]
+    print(f"{a.num} prompts ({sum(lens)} tokens, lengths {a.min_len}-{a.max_len}) × {a.new_tokens} new tokens, "
+          f"2 threads in all")
+    print(f"  HF generate (left-padded batch): {r['hf_tok_s']:8.1f} tok/s")
+    print(f"  pp_runtime pp=1, 2 threads:      {r['ours_pp1_tok_s']:8.1f} tok/s  "
+          f"({r['ours_pp1_tok_s'] / r['hf_tok_s']:.2f}x HF)")
+    print(f"  pp_runtime pp=2, 1 thread/stage: {r['ours_pp2_tok_s']:8.1f} tok/s  "
+          f"({r['ours_pp2_tok_s'] / r['hf_tok_s']:.2f}x HF)")
+    if a.json:
+        Path(a.json).write_text(json.dumps(r, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""The benchmark scripts run end to end at reduced size (smoke tests: nothing here asserts a time)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(args: list[str], tmp: Path) -> dict:
+    out = tmp / "r.json"
+    proc = subprocess.run([sys.executable] + args + ["--json", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_vs_hf_smoke(hf_models: dict, tmp_path: Path) -> None:
+    r = run(["benchmarks/vs_hf.py", "--smoke", "--model", str(hf_models["llama"])], tmp_path)
+    assert r["hf_tok_s"] > 0 and r["ours_pp1_tok_s"] > 0 and r["ours_pp2_tok_s"] > 0
+
+
+def test_pipeline_smoke(tmp_path: Path) -> None:
+    r = run(["benchmarks/pipeline.py", "--smoke", "--reps", "1"], tmp_path)
+    assert r["ttft_pp2_t1_s"] > 0 and 0 < r["control_plane_pp2"]["driver_fraction"]
+
+
+def test_core_throughput_smoke(hf_models: dict, tmp_path: Path) -> None:
+    r = run(["benchmarks/core_throughput.py", "--smoke", "--model", str(hf_models["llama"])], tmp_path)
+    assert r["prefill_tok_s"] > 0 and r["decode_b16_tok_s"] > 0 and r["hf_decode_b16_tok_s"] > 0
