@@ -4,11 +4,9 @@ and the scheduler, and are tested end to end at the bottom."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.jsonl import parse_line, read_requests, write_results
@@ -141,15 +139,6 @@ BAD = {  # the model: 256-token vocabulary, 512 positions
     "line": ('{"id": "broken", ', "line 16: malformed JSON"),  # its line number in the file below
 }
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny matmuls gain nothing from intra-op threads, and on a busy 2-core box OpenMP threads
-    # spinning on each other make every step ~30× slower. Restored after: no leak to other modules.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_bad_requests_fail_alone(hf_models: dict, tmp_path: Path) -> None:

@@ -2,12 +2,10 @@
 seed only, not on what it was batched with, the chunk size, the batch size or the scheduler."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 from pp_runtime import LLM, SamplingParams
 from tests.conftest import mixed_prompts
@@ -17,15 +15,6 @@ SCHEDULERS = ("sarathi", "orca", "prefill_first", "request_level")
 PROMPTS = mixed_prompts(seed=3, lengths=(23, 9, 70, 12, 41, 1))
 TARGET = PROMPTS[0]  # the request followed across every configuration
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny matmuls gain nothing from intra-op threads, and on a busy 2-core box OpenMP threads
-    # spinning on each other make every step ~30× slower. Restored after: no leak to other modules.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def params(seed: int | None, **kw: object) -> SamplingParams:

@@ -23,15 +23,6 @@ QUESTION = "What is the capital of France?"
 TEXTS = ("The quick brown fox", "def fibonacci(n):")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # A 135M model gains little from intra-op threads, and on a busy 2-core box OpenMP threads
-    # spinning on each other make every step ~30× slower. Restored after: no leak to other modules.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
