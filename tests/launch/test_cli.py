@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,15 +20,6 @@ from pp_runtime import LLM, SamplingParams
 SCRIPT = Path(sys.executable).with_name("pp-runtime")
 FAST = ["--threads", "1", "--memory-budget-gb", "0.05"]  # tiny models: one thread is fastest (see below)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny matmuls gain nothing from intra-op threads, and on a busy 2-core box OpenMP threads
-    # spinning on each other make every step ~30× slower. Restored after: no leak to other modules.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def run_main(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
@@ -70,7 +60,7 @@ def request_lines() -> list[tuple[str, str | None]]:
          "prompt length 500 + max_tokens 20 = 520 exceeds the model's max length 512"),
         (j({"id": "mt0", "prompt_token_ids": [4], "max_tokens": 0}), "max_tokens must be a positive integer"),
         (j({"id": "mtneg", "prompt_token_ids": [4], "max_tokens": -5}), "max_tokens must be a positive integer"),
-        (j({"id": "temp", "prompt_token_ids": [4], "temperature": -0.5}), "temperature must be ≥ 0"),
+        (j({"id": "temp", "prompt_token_ids": [4], "temperature": -0.5}), "temperature must be a finite number ≥ 0"),
         (j({"id": "topp0", "prompt_token_ids": [4], "top_p": 0}), "top_p must be in (0, 1]"),
         (j({"id": "topp2", "prompt_token_ids": [4], "top_p": 1.01}), "top_p must be in (0, 1]"),
         (j({"id": "topk", "prompt_token_ids": [4], "top_k": -1}), "top_k must be an integer ≥ 0"),
@@ -184,7 +174,7 @@ BAD_CONFIGS = {  # name: (extra arguments, message); {llama} {gguf} {dir} {missi
     "budget_0": (["--model", "{llama}", "--memory-budget-gb", "0"], "argument --memory-budget-gb: must be"),
     "threads": (["--model", "{llama}", "--threads", "-1"], "argument --threads: must be ≥ 0"),
     "top_p": (["--model", "{llama}", "--top-p", "0"], "--top-p must be in (0, 1]"),
-    "temperature": (["--model", "{llama}", "--temperature", "-1"], "--temperature must be ≥ 0"),
+    "temperature": (["--model", "{llama}", "--temperature", "-1"], "--temperature must be a finite number ≥ 0"),
     "temperature_inf": (["--model", "{llama}", "--temperature", "inf"], "--temperature must be a finite number"),
     "max_tokens": (["--model", "{llama}", "--max-tokens", "0"], "argument --max-tokens: must be > 0"),
     "output_dir_missing": (["--model", "{llama}", "--output", "{missing}/out.jsonl"], "does not exist"),
