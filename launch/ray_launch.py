@@ -26,9 +26,12 @@ from pp_runtime.executor import WorkerError
 PLACEMENT_TIMEOUT_S = 60.0
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"control": 1})
 class StageActor:
-    """Hosts one StageWorker; Ray runs its calls one at a time, in submission order."""
+    """Hosts one StageWorker; Ray runs its calls one at a time, in submission order.
+
+    ``ping`` and ``now`` run in a separate "control" thread, so a worker busy with a long
+    micro-batch still answers them: liveness is told apart from slowness."""
 
     def __init__(self, rank: int, topo: Topology, threads: int) -> None:
         import torch
@@ -76,8 +79,13 @@ class StageActor:
     def drain_timings(self) -> list:
         return self.worker.drain_timings()
 
+    @ray.method(concurrency_group="control")
     def now(self) -> float:
         return time.time()
+
+    @ray.method(concurrency_group="control")
+    def ping(self) -> int:
+        return os.getpid()
 
     def shutdown(self) -> None:
         import torch.distributed as dist
@@ -189,20 +197,39 @@ class RayExecutor:
 
     # ---- helpers -------------------------------------------------------------------------------
     def _get(self, refs: list, what: str, timeout: float | None = None) -> list:
-        """ray.get that names the worker when one died or stopped answering."""
+        """ray.get that names the worker when one died or stopped answering.
+
+        A result may take long (a huge orca prefill on CPU); every ``timeout`` seconds without
+        one, every worker is pinged on its control thread, and only a worker that does not
+        answer a ping within ``timeout`` counts as hung. A dead one fails its ping at once."""
         timeout = timeout or self.timeout_s
-        deadline = time.monotonic() + timeout
         out = []
         for rank, ref in enumerate(refs):
+            while True:
+                try:
+                    out.append(ray.get(ref, timeout=timeout))
+                    break
+                except ray.exceptions.GetTimeoutError:
+                    self._check_alive(what, timeout)
+                except ray.exceptions.RayActorError as e:
+                    self.failed = True
+                    raise WorkerError(f"{self._name(rank)} died during {what}: {str(e).splitlines()[0]}") from None
+        return out
+
+    def _check_alive(self, what: str, timeout: float) -> None:
+        pings = [a.ping.remote() for a in self.actors]
+        done, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout)
+        for rank, ref in enumerate(pings):
             try:
-                out.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+                if ref not in done:
+                    raise ray.exceptions.GetTimeoutError()
+                ray.get(ref, timeout=0)
             except ray.exceptions.GetTimeoutError:
                 self.failed = True
                 raise WorkerError(f"{self._name(rank)} did not answer within {timeout:.0f} s ({what})") from None
             except ray.exceptions.RayActorError as e:
                 self.failed = True
                 raise WorkerError(f"{self._name(rank)} died during {what}: {str(e).splitlines()[0]}") from None
-        return out
 
     def _name(self, rank: int) -> str:
         stage, tp_rank = self.topo.coords(rank)
