@@ -11,7 +11,6 @@ from collections import deque
 from typing import Protocol
 
 from pp_runtime.batch import MicroBatch
-from pp_runtime.comm import LocalLink
 from pp_runtime.config import EngineConfig
 
 
@@ -35,6 +34,7 @@ class LocalExecutor:
     """pp stages (tp=1) in this process; a submitted plan runs when its tokens are collected."""
 
     def __init__(self, cfg: EngineConfig, source: object) -> None:
+        from pp_runtime.comm import LocalLink  # torch: only when stages really run in this process
         from stages.layers import TPContext
         from stages.worker import StageWorker, WorkerSpec
         if cfg.parallel.tp != 1:

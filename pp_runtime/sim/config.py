@@ -1,0 +1,292 @@
+"""Simulation configs (configs/sim/*.yaml): one model, one hardware, one workload, several scenarios.
+
+    name: fig12                    # names the summary file: OUT/fig12.md
+    description: ...
+    model: gpt3-175b               # preset of configs/sim/models.yaml, or a mapping (preset: + overrides)
+    hardware: a100-80gb            # preset of configs/sim/hardware.yaml, or a mapping
+    dtype: bfloat16
+    cluster: {nodes: 8, gpus_per_node: 8}          # gpus_per_node defaults to the hardware's
+    memory: {utilization: 0.9, reserve_gb: 0, block_size: 16}
+    max_model_len: 4096
+    cost_model: roofline           # or {kind: profile, csv: runs/profile/profile.csv, profiled_layers: 30}
+    seed: 0
+    workload: {kind: zipf, num_requests: 10000, ...}      # pp_runtime.workload.WorkloadConfig
+    scenarios:
+      - {name: orca_pp8, scheduler: orca, tp: 8, pp: 8}
+      - {name: sarathi_pp8, scheduler: sarathi, tp: 8, pp: 8, chunk_size: 256}
+      - {name: orca_tp8_x8, scheduler: orca, tp: 8, replicas: 8, router: round_robin}
+    base: sarathi_pp8              # ratios in comparison.json are other / base
+    claims:                        # optional: ratios to put next to the paper's
+      - {name: ..., metric: wall_s, numerator: orca_pp8, denominator: sarathi_pp8, paper: 1.91}
+    output: {timings_tp_ranks: all, trace_max_microbatches: null}
+    notes: [free text copied into the summary]
+
+Scenario keys: name, scheduler (sarathi|orca|prefill_first|request_level), tp, pp, replicas,
+router (round_robin|least_loaded), chunk_size, max_batch_size (an integer, ``auto`` = the memory
+model's B, the runtime's default, or ``auto_per_microbatch`` = ⌊B/pp⌋, the paper's per-micro-batch
+figure), tile_align, partition (layers per stage), dispatch_us (plan delivery to stage 0 per
+micro-batch), return_us (sampled tokens back to the driver).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from pp_runtime.config import DTYPE_BYTES, SCHEDULER_POLICIES
+from pp_runtime.sim.presets import Hardware, SimModel, resolve_hardware, resolve_model
+from pp_runtime.sim.simulator import ROUTERS
+from pp_runtime.workload import WorkloadConfig
+
+TOP_KEYS = ("name", "description", "model", "hardware", "dtype", "cluster", "memory", "max_model_len",
+            "cost_model", "seed", "workload", "scenarios", "base", "claims", "output", "notes")
+BATCH_AUTO = ("auto", "auto_per_microbatch")
+CLAIM_KEYS = ("name", "metric", "numerator", "denominator", "paper")
+
+
+def _int(where: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{where} must be an integer ≥ {minimum}, got {value!r}")
+    return value
+
+
+def _num(where: str, value: object, minimum: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
+        raise ValueError(f"{where} must be a number ≥ {minimum}, got {value!r}")
+    return float(value)
+
+
+def _keys(where: str, data: Mapping, known: tuple[str, ...] | set[str]) -> None:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a mapping, got {data!r}")
+    for key in data:
+        if key not in known:
+            raise ValueError(f"unknown key {where}.{key} (known: {', '.join(sorted(known))})")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    scheduler: str
+    tp: int = 1
+    pp: int = 1
+    replicas: int = 1
+    router: str = "round_robin"
+    chunk_size: int = 256
+    max_batch_size: int | str = "auto"
+    tile_align: bool = False
+    partition: tuple[int, ...] | None = None
+    dispatch_us: float = 0.0
+    return_us: float = 0.0
+
+    def __post_init__(self) -> None:
+        where = f"scenario {self.name!r}"
+        if not isinstance(self.name, str) or not self.name or "/" in self.name or self.name.startswith("."):
+            raise ValueError(f"scenario name must be a non-empty string usable as a directory name, got {self.name!r}")
+        if self.scheduler not in SCHEDULER_POLICIES:
+            raise ValueError(f"{where}: scheduler must be one of {', '.join(SCHEDULER_POLICIES)}, got {self.scheduler!r}")
+        for k in ("tp", "pp", "replicas", "chunk_size"):
+            _int(f"{where}: {k}", getattr(self, k))
+        if self.router not in ROUTERS:
+            raise ValueError(f"{where}: router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        if isinstance(self.max_batch_size, str):
+            if self.max_batch_size not in BATCH_AUTO:
+                raise ValueError(f"{where}: max_batch_size must be an integer or one of {', '.join(BATCH_AUTO)}, "
+                                 f"got {self.max_batch_size!r}")
+        else:
+            _int(f"{where}: max_batch_size", self.max_batch_size)
+        if not isinstance(self.tile_align, bool):
+            raise ValueError(f"{where}: tile_align must be true or false, got {self.tile_align!r}")
+        if self.partition is not None:
+            if not isinstance(self.partition, (list, tuple)) or len(self.partition) != self.pp:
+                raise ValueError(f"{where}: partition must list {self.pp} layer counts, got {self.partition!r}")
+            object.__setattr__(self, "partition", tuple(_int(f"{where}: partition", n) for n in self.partition))
+        _num(f"{where}: dispatch_us", self.dispatch_us)
+        _num(f"{where}: return_us", self.return_us)
+
+    @property
+    def gpus(self) -> int:
+        return self.replicas * self.pp * self.tp
+
+    def to_json(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["partition"] = list(self.partition) if self.partition else None
+        return d
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    name: str
+    model: SimModel
+    hardware: Hardware
+    workload: WorkloadConfig
+    scenarios: tuple[Scenario, ...]
+    cost_model: dict = field(default_factory=lambda: {"kind": "roofline"})
+    dtype: str = "bfloat16"
+    nodes: int | None = None
+    gpus_per_node: int = 8
+    memory_utilization: float = 0.9
+    memory_reserve_gb: float = 0.0
+    block_size: int = 16
+    max_model_len: int = 2048
+    seed: int = 0
+    base: str | None = None
+    claims: tuple[dict, ...] = ()
+    timings_tp_ranks: str = "all"
+    trace_max_microbatches: int | None = None
+    description: str = ""
+    notes: tuple[str, ...] = ()
+    path: str = ""
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    def scenario(self, name: str) -> Scenario:
+        for s in self.scenarios:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+
+def _cost_model(spec: object, where: Path) -> dict:
+    if isinstance(spec, str):
+        spec = {"kind": spec}
+    _keys("cost_model", spec, ("kind", "csv", "profiled_layers"))
+    kind = spec.get("kind", "roofline")
+    if kind == "roofline":
+        if set(spec) - {"kind"}:
+            raise ValueError("cost_model: csv/profiled_layers apply to kind 'profile' only")
+        return {"kind": "roofline"}
+    if kind != "profile":
+        raise ValueError(f"cost_model.kind must be roofline or profile, got {kind!r}")
+    csv = spec.get("csv")
+    if not isinstance(csv, str) or not csv:
+        raise ValueError("cost_model.csv (a profile.csv from `pp-runtime profile`) is required for kind 'profile'")
+    p = Path(csv)
+    if not p.is_absolute() and (where.parent / p).is_file():
+        p = where.parent / p
+    if not p.is_file():
+        raise ValueError(f"cost_model.csv {csv!r} is not a file")
+    out = {"kind": "profile", "csv": str(p)}
+    if spec.get("profiled_layers") is not None:
+        out["profiled_layers"] = _int("cost_model.profiled_layers", spec["profiled_layers"])
+    return out
+
+
+def _claims(data: object, names: set[str]) -> tuple[dict, ...]:
+    if data is None:
+        return ()
+    if not isinstance(data, list):
+        raise ValueError(f"claims must be a list, got {data!r}")
+    out = []
+    for i, c in enumerate(data):
+        _keys(f"claims[{i}]", c, CLAIM_KEYS)
+        for k in ("name", "metric", "numerator", "denominator"):
+            if not isinstance(c.get(k), str):
+                raise ValueError(f"claims[{i}].{k} must be a string, got {c.get(k)!r}")
+        for k in ("numerator", "denominator"):
+            if c[k] not in names:
+                raise ValueError(f"claims[{i}].{k} names no scenario: {c[k]!r} (scenarios: {', '.join(sorted(names))})")
+        if c.get("paper") is not None:
+            _num(f"claims[{i}].paper", c["paper"])
+        out.append(dict(c))
+    return tuple(out)
+
+
+def parse_sim_config(data: Mapping[str, Any], path: str | Path = "<config>") -> SimConfig:
+    path = Path(path)
+    _keys("sim config", data, TOP_KEYS)
+    for k in ("model", "hardware", "workload", "scenarios"):
+        if k not in data:
+            raise ValueError(f"sim config: {k} is required")
+    model, hw = resolve_model(data["model"]), resolve_hardware(data["hardware"])
+    dtype = data.get("dtype", "bfloat16")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    cluster = data.get("cluster") or {}
+    _keys("cluster", cluster, ("nodes", "gpus_per_node"))
+    gpn = _int("cluster.gpus_per_node", cluster.get("gpus_per_node", hw.gpus_per_node))
+    nodes = None if cluster.get("nodes") is None else _int("cluster.nodes", cluster["nodes"])
+    mem = data.get("memory") or {}
+    _keys("memory", mem, ("utilization", "reserve_gb", "block_size"))
+    util = _num("memory.utilization", mem.get("utilization", 0.9))
+    if not 0 < util <= 1:
+        raise ValueError(f"memory.utilization must be in (0, 1], got {util}")
+    max_len = _int("max_model_len", data.get("max_model_len", model.max_position_embeddings))
+    if max_len > model.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_len} exceeds model {model.name}'s max_position_embeddings="
+                         f"{model.max_position_embeddings}")
+    wl = data["workload"]
+    if isinstance(wl, Mapping):
+        wl = dict(wl)
+        wl.setdefault("seed", data.get("seed", 0))
+        trace = wl.get("trace_path")
+        if isinstance(trace, str) and not Path(trace).is_absolute() and (path.parent / trace).is_file():
+            wl["trace_path"] = str(path.parent / trace)
+    workload = WorkloadConfig.from_dict(wl)
+    if workload.max_total_len is not None and workload.max_total_len > max_len:
+        raise ValueError(f"workload: requests up to {workload.max_total_len} tokens exceed max_model_len={max_len}")
+    raw = data["scenarios"]
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("scenarios must be a non-empty list")
+    known = {f.name for f in fields(Scenario)}
+    scenarios = []
+    for i, s in enumerate(raw):
+        _keys(f"scenarios[{i}]", s, known)
+        if "name" not in s or "scheduler" not in s:
+            raise ValueError(f"scenarios[{i}]: name and scheduler are required")
+        sc = Scenario(**dict(s))
+        model.check_parallel(sc.pp, sc.tp)
+        if sc.tp > gpn or gpn % sc.tp:
+            raise ValueError(f"scenario {sc.name!r}: tp={sc.tp} must divide gpus_per_node={gpn} (a stage's TP ranks share a node)")
+        if nodes is not None and sc.gpus > nodes * gpn:
+            raise ValueError(f"scenario {sc.name!r} needs {sc.gpus} GPUs, the cluster has {nodes} × {gpn}")
+        scenarios.append(sc)
+    names = [s.name for s in scenarios]
+    if len(set(names)) != len(names):
+        raise ValueError(f"scenario names must be unique, got {names}")
+    base = data.get("base")
+    if base is not None and base not in names:
+        raise ValueError(f"base {base!r} names no scenario (scenarios: {', '.join(names)})")
+    out = data.get("output") or {}
+    _keys("output", out, ("timings_tp_ranks", "trace_max_microbatches"))
+    ranks = out.get("timings_tp_ranks", "all")
+    if ranks not in ("all", "first"):
+        raise ValueError(f"output.timings_tp_ranks must be all or first, got {ranks!r}")
+    trace_max = out.get("trace_max_microbatches")
+    if trace_max is not None:
+        _int("output.trace_max_microbatches", trace_max)
+    notes = data.get("notes") or ()
+    if isinstance(notes, str) or not all(isinstance(n, str) for n in notes):
+        raise ValueError("notes must be a list of strings")
+    name = data.get("name", path.stem)
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ValueError(f"name must be a non-empty string without '/', got {name!r}")
+    return SimConfig(name=name, model=model, hardware=hw, workload=workload, scenarios=tuple(scenarios),
+                     cost_model=_cost_model(data.get("cost_model", "roofline"), path), dtype=dtype, nodes=nodes,
+                     gpus_per_node=gpn, memory_utilization=util,
+                     memory_reserve_gb=_num("memory.reserve_gb", mem.get("reserve_gb", 0.0)),
+                     block_size=_int("memory.block_size", mem.get("block_size", 16)), max_model_len=max_len,
+                     seed=_int("seed", data.get("seed", 0), 0), base=base, claims=_claims(data.get("claims"), set(names)),
+                     timings_tp_ranks=ranks, trace_max_microbatches=trace_max,
+                     description=str(data.get("description", "")), notes=tuple(notes), path=str(path))
+
+
+def load_sim_config(path: str | Path) -> SimConfig:
+    """Read and validate a configs/sim/*.yaml; ValueError names the bad key or value."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read sim config {str(path)!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"sim config {path}: invalid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"sim config {path}: expected a mapping at the top level")
+    try:
+        return parse_sim_config(data, path)
+    except ValueError as exc:
+        raise ValueError(f"sim config {path}: {exc}") from None
