@@ -2,16 +2,66 @@
 
     pp-runtime generate --prompt "What is the capital of France?" --chat
     pp-runtime generate --model llama-tiny --input in.jsonl --output out.jsonl --pp 2
+
+Ctrl-C (SIGINT) or SIGTERM stops a run: the results so far are written (the unfinished
+requests with finish_reason "cancelled"), the workers are killed, and the exit status is
+130 or 143.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from pp_runtime.config import DTYPES, SCHEDULER_POLICIES
+
+
+class _Interrupts:
+    """SIGINT and SIGTERM raise KeyboardInterrupt in the main thread: the run under way stops
+    between any two steps, cancels its unfinished requests and kills its workers (LLM.run), and
+    the command writes what it has. The signal is remembered here because Ray's ray.get re-raises
+    a plain KeyboardInterrupt, so the exception cannot say which one it was. Repeats within
+    FORCE_AFTER_S are ignored: writing results and killing workers takes a moment, and a second
+    Ctrl-C in the middle would leave orphans; a later one forces its way out."""
+
+    FORCE_AFTER_S = 10.0
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._first = 0.0
+        self._saved: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():  # signal.signal would refuse
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._saved[sig] = signal.signal(sig, self._on_signal)
+
+    def restore(self) -> None:
+        """main() runs in-process in tests: leave the handlers as they were."""
+        for sig, handler in self._saved.items():
+            if handler is not None:  # None: installed outside Python, nothing to put back
+                signal.signal(sig, handler)
+        self._saved = {}
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signum is not None and time.monotonic() - self._first < self.FORCE_AFTER_S:
+            return
+        self.signum, self._first = signum, time.monotonic()
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else "KeyboardInterrupt"
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or signal.SIGINT)  # the shell's convention: 130, 143
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,7 +119,7 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler", choices=SCHEDULER_POLICIES, default="sarathi")
     p.add_argument("--chunk-size", type=_positive_int, default=256)
     p.add_argument("--max-batch-size", type=_positive_int, default=None,
-                   help="default: the paper's B from the memory budget, capped at 64")
+                   help="sequences per micro-batch (default: the paper's B / pp, capped at 64); pp× as many may run at once")
     p.add_argument("--tile-align", action="store_true", help="chunk = C − decodes: every batch is C tokens")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -132,8 +182,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from pp_runtime import LLM
     from pp_runtime.jsonl import read_requests, write_results
+    from pp_runtime.llm import LLM, RunInterrupted
     # Every check that needs no model runs before the model loads (seconds for real weights).
     if bool(a.input) == bool(a.prompt):
         raise ValueError("give either --input FILE or --prompt TEXT")
@@ -151,11 +201,17 @@ def cmd_generate(a: argparse.Namespace) -> int:
         tok = _tokenizer(a.model)
         prompts = [_chat(tok, t) if a.chat else tok.encode(t) for t in a.prompt]
     with LLM(**engine_kwargs(a)) as llm:
+        if a.run_dir:  # now, not at the end: a run killed half-way still names its worker processes
+            _write_workers(Path(a.run_dir), llm.workers_info())
         if prompts is not None:
             reqs = [llm.make_request(f"prompt{i}", ids, defaults) for i, ids in enumerate(prompts)]
         else:
             reqs = [llm.make_request(x.request_id, x.prompt, x.params, x.error) for x in lines]
-        outs = llm.run(reqs, progress=not a.quiet)
+        interrupted = None
+        try:
+            outs = llm.run(reqs, progress=not a.quiet)
+        except RunInterrupted as e:  # write what finished (and what did not), then leave as interrupted
+            outs, interrupted = e.outputs, e
         if lines is None:
             for o in outs:
                 if o.finish_reason != "error":
@@ -172,10 +228,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
             write_results(a.output, rows)
         elif lines is None:
             for o in outs:
-                print(o.text if o.finish_reason != "error" else f"error: {o.error}")
+                print(o.text if o.error is None else f"{o.finish_reason}: {o.error}")
         else:
             for r in rows:
                 print(json.dumps(r))
+        if interrupted is not None:
+            raise interrupted
         if llm.broken:  # results are written; the run itself failed
             print(f"pp-runtime: error: {llm.broken}", file=sys.stderr)
             return 1
@@ -201,7 +259,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
         cfg = replace(cfg, schedulers=names)
     out = a.out or str(Path("runs") / Path(a.config).stem)
     _check_writable("--out", out, is_dir=True)
-    comparison = run_bench(cfg, out, progress=not a.quiet, verbose=not a.quiet)
+    from pp_runtime.llm import RunInterrupted
+    try:
+        comparison = run_bench(cfg, out, progress=not a.quiet, verbose=not a.quiet)
+    except RunInterrupted as e:  # schedulers done so far have their run directories; this one its results
+        from pp_runtime.jsonl import write_results
+        run_dir = Path(out) / e.scheduler
+        _write_workers(run_dir, e.workers)
+        write_results(str(run_dir / "results.jsonl"), [o.to_json() for o in e.outputs])
+        raise
     print(format_table(comparison))
     print(f"run directories and comparison.json in {out}")
     return 0
@@ -248,6 +314,13 @@ def _check_writable(flag: str, path: str | None, is_dir: bool) -> None:
         raise ValueError(f"{flag} {path}: directory {p.parent} does not exist")
 
 
+def _write_workers(run_dir: Path, infos: list[dict]) -> None:
+    from pp_runtime.rundir import WORKER_FIELDS
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "workers.json").write_text(json.dumps([{k: w[k] for k in WORKER_FIELDS if k in w} for w in infos],
+                                                     indent=1))
+
+
 def _tokenizer(model: str | None) -> object:
     from pp_runtime.tokenizer import load_tokenizer
     from stages.weights import resolve_model
@@ -264,15 +337,26 @@ def _chat(tok: object, text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    interrupts = _Interrupts()
+    interrupts.install()
     try:
         return {"generate": cmd_generate, "bench": cmd_bench, "report": cmd_report,
                 "profile": cmd_profile}[args.command](args)
     except (ValueError, OSError) as e:  # user-caused (bad value, unreadable/unwritable path): one line
         print(f"pp-runtime: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("pp-runtime: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        detail = f": {e}" if str(e) and str(e) != interrupts.name else ""
+        print(f"pp-runtime: interrupted by {interrupts.name}{detail}", file=sys.stderr)
+        return interrupts.exit_code
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        # ray.init's own SIGTERM handler (sys.exit(15)) is in charge while Ray starts up.
+        print("pp-runtime: interrupted by SIGTERM while starting", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        interrupts.restore()
 
 
 def _one_line(e: BaseException) -> str:

@@ -123,7 +123,11 @@ class SchedulerConfig:
     """What goes into each micro-batch.
 
     chunk_size: the prefill chunk C (sarathi) and the token cap of prefill-only batches.
-    max_batch_size: most sequences in one micro-batch, and most requests running at once.
+    max_batch_size: most sequences in one micro-batch.
+    max_running: most requests running (holding KV) at once; 0 means max_batch_size. With pp
+      micro-batches in flight, pp × max_batch_size lets every one of them be full — the
+      paper's TP-PP setup (27 per micro-batch, 8 in flight); capping the running set at one
+      micro-batch's worth starves a pipeline of decodes.
     tile_align: sarathi chunk = C − num_decodes, so each batch holds exactly C tokens.
     """
 
@@ -132,15 +136,22 @@ class SchedulerConfig:
     max_batch_size: int = 32
     tile_align: bool = False
     max_model_len: int = 2048
+    max_running: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULER_POLICIES:
             raise ValueError(f"SchedulerConfig.policy must be one of {', '.join(SCHEDULER_POLICIES)}, "
                              f"got {self.policy!r}")
         _positive(self, "chunk_size", "max_batch_size", "max_model_len")
+        if self.max_running < 0:
+            raise ValueError(f"SchedulerConfig.max_running must be ≥ 0 (0: max_batch_size), got {self.max_running}")
         if self.policy == "sarathi" and self.tile_align and self.chunk_size < self.max_batch_size:
             raise ValueError(f"SchedulerConfig.chunk_size={self.chunk_size} must be ≥ max_batch_size="
                              f"{self.max_batch_size} with tile_align (decodes alone would exceed C)")
+
+    @property
+    def running_cap(self) -> int:
+        return self.max_running or self.max_batch_size
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 from pp_runtime.batch import MicroBatch
 from pp_runtime.executor import Executor
@@ -43,6 +43,13 @@ class Engine:
         self.submit_times: dict[int, float] = {}  # mb id -> wall clock when handed to the executor
         self.mb_iter: dict[int, int] = {}  # mb id -> engine step at which it was scheduled
         self.stats = DriverStats()
+        # seq ids to cancel, appended from any thread (or a stream consumer), applied between steps:
+        # deque append/popleft are atomic, and the scheduler is only ever touched by the loop.
+        self._aborts: deque[int] = deque()
+
+    def abort(self, seq_id: int) -> None:
+        """Cancel a request (waiting, running, in flight or not yet arrived) at the next step boundary."""
+        self._aborts.append(seq_id)
 
     def schedule(self) -> None:
         while len(self.in_flight) < self.max_in_flight:
@@ -86,19 +93,48 @@ class Engine:
                        arrivals: list[tuple[float, Request]] | None = None) -> None:
         """Run until every request is finished. ``arrivals``: (seconds after start, request) pairs
         that join the scheduler when their time comes (an empty pipeline sleeps until then)."""
+        for finished in self.iterate(arrivals):
+            for req in finished:
+                if on_finish:
+                    on_finish(req)
+
+    def iterate(self, arrivals: list[tuple[float, Request]] | None = None) -> Iterator[list[Request]]:
+        """``run_until_done`` one step at a time: yields after every pipeline step (and whenever an
+        idle pipeline finished something) the requests finished since the last yield, rejected on
+        arrival and aborted ones included. Streams read the new tokens between yields."""
         pending = deque(sorted(arrivals or [], key=lambda x: x[0]))
         start = time.perf_counter()
         while pending or self.scheduler.has_unfinished() or self.in_flight:
-            now = time.perf_counter()
-            while pending and start + pending[0][0] <= now:
-                offset, req = pending.popleft()
-                req.arrival_time = start + offset
-                if not self.scheduler.add(req) and on_finish:
-                    on_finish(req)  # rejected on arrival: finished with an error already
+            finished = self._arrive(pending, start) + self._apply_aborts(pending)
             if not self.in_flight and not self.scheduler.has_unfinished():
-                if pending:
-                    time.sleep(max(0.0, start + pending[0][0] - time.perf_counter()))
+                if finished:
+                    yield finished
+                if pending:  # short naps: an abort or a signal is not held up by a late arrival
+                    time.sleep(min(0.05, max(0.0, start + pending[0][0] - time.perf_counter())))
                 continue
-            for req in self.step():
-                if on_finish:
-                    on_finish(req)
+            yield finished + self.step()
+
+    def _arrive(self, pending: deque, start: float) -> list[Request]:
+        """Hand the requests whose time has come to the scheduler; returns those it rejected."""
+        rejected = []
+        now = time.perf_counter()
+        while pending and start + pending[0][0] <= now:
+            offset, req = pending.popleft()
+            req.arrival_time = start + offset
+            if not self.scheduler.add(req):
+                rejected.append(req)  # finished with an error already
+        return rejected
+
+    def _apply_aborts(self, pending: deque) -> list[Request]:
+        """Cancel the requests asked for; one in flight finishes when its micro-batch returns."""
+        finished = []
+        while self._aborts:
+            seq_id = self._aborts.popleft()
+            for item in [x for x in pending if x[1].seq_id == seq_id]:  # not arrived yet: never ran
+                pending.remove(item)
+                item[1].finish("cancelled", "request aborted")
+                finished.append(item[1])
+            req = self.scheduler.abort(seq_id)
+            if req is not None:
+                finished.append(req)
+        return finished

@@ -30,6 +30,13 @@ def _reject_constant(name: str) -> float:
 
 
 def parse_line(line: str | bytes, lineno: int, defaults: SamplingParams | None = None) -> ParsedLine:
+    try:
+        return _parse_line(line, lineno, defaults)
+    except RecursionError:  # "[[[[…" a thousand deep: the decoder (or a repr of what it made) gives up
+        return ParsedLine(f"line{lineno}", None, None, f"line {lineno}: malformed JSON (nested too deeply)")
+
+
+def _parse_line(line: str | bytes, lineno: int, defaults: SamplingParams | None) -> ParsedLine:
     rid = f"line{lineno}"
     if isinstance(line, bytes):
         try:

@@ -3,14 +3,24 @@
     from pp_runtime import LLM, SamplingParams
     llm = LLM(model="smollm2-135m", pp=1, scheduler="sarathi", chunk_size=256)
     outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=16))
+    for out in llm.generate_stream([[1, 2, 3]], SamplingParams(max_tokens=16)):
+        out.request_id, out.token_ids, out.finished   # llm.abort(out.request_id) cancels it
     llm.shutdown()
+
+Every request comes out, with tokens or with a reason: a bad one with finish_reason "error",
+an aborted one "cancelled"; a dead worker finishes the rest with its error, and a
+KeyboardInterrupt (Ctrl-C; the CLI turns SIGTERM into one) cancels them and kills the workers.
 """
 from __future__ import annotations
 
+import inspect
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from pp_runtime.config import (CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig)
 from pp_runtime.engine import Engine
@@ -20,6 +30,38 @@ from pp_runtime.request import Request, RequestOutput, SamplingParams
 from pp_runtime.scheduler import Scheduler
 
 DEFAULT_MAX_BATCH = 64
+INTERRUPTED = "interrupted (Ctrl-C or SIGTERM) before this request finished"
+STREAM_CLOSED = "the stream was closed before this request finished"
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """``LLM.run`` stopped by a KeyboardInterrupt. ``outputs``: every request of the run, in order,
+    the finished ones with their tokens and the rest ``cancelled`` (with the tokens they had);
+    ``scheduler`` and ``workers`` say what ran. The LLM's workers are already shut down: an
+    interrupt can land between the stages' copies of one plan, so the pipeline is not reusable."""
+
+    def __init__(self, outputs: list[RequestOutput], scheduler: str, workers: list[dict]) -> None:
+        cancelled = sum(o.finish_reason == "cancelled" for o in outputs)
+        super().__init__(f"{cancelled} of {len(outputs)} requests cancelled")
+        self.outputs, self.scheduler, self.workers = outputs, scheduler, workers
+
+
+@dataclass
+class StreamOutput(RequestOutput):
+    """One item of ``LLM.generate_stream``: a request's tokens so far. ``finished`` False: a partial
+    output (finish_reason None, more tokens to come); True: the request's last item, equal to what
+    ``generate`` returns for it."""
+
+    finish_reason: str | None = None
+    finished: bool = False
+
+    @classmethod
+    def partial(cls, req: Request) -> "StreamOutput":
+        return cls(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), None)
+
+    @classmethod
+    def final(cls, req: Request) -> "StreamOutput":
+        return cls(**vars(RequestOutput.from_request(req)), finished=True)
 
 
 @dataclass(frozen=True)
@@ -103,15 +145,19 @@ class LLM:
             block_size, memory_budget_gb, max_model_len, partition, threads)
         parallel, max_len = self.config.parallel, self.config.scheduler.max_model_len
         self.launcher = launcher or ("local" if parallel.world_size == 1 else "ray")
-        self.executor = _make_executor(self.launcher, self.config, self.source)
+        with _keep_sigterm_handler():
+            self.executor = _make_executor(self.launcher, self.config, self.source)
         try:
             self.memory = plan_memory(self.executor.memory_profiles(), block_size, max_len)
             if self.memory.num_blocks * block_size < max_len:
                 raise ValueError(f"memory budget too small: {self.memory.num_blocks} KV blocks hold "
                                  f"{self.memory.num_blocks * block_size} tokens, one request of max length "
                                  f"{max_len} needs {max_len}")
-            mbs = max_batch_size or max(1, min(self.memory.max_batch_b, DEFAULT_MAX_BATCH))
-            self.sched_config = SchedulerConfig(scheduler, chunk_size, mbs, tile_align, max_len)
+            # B requests fit in memory at full length; with pp micro-batches in flight each one
+            # carries B/pp of them (the paper's TP-PP: 219 running, 27 per micro-batch).
+            pp = self.config.parallel.pp
+            mbs = max_batch_size or max(1, min(self.memory.max_batch_b // pp, DEFAULT_MAX_BATCH))
+            self.sched_config = SchedulerConfig(scheduler, chunk_size, mbs, tile_align, max_len, max_running=mbs * pp)
             self.config = replace(self.config, scheduler=self.sched_config)
             self.executor.allocate_cache(self.memory.num_blocks)
         except BaseException:
@@ -121,7 +167,10 @@ class LLM:
             print(self.memory.describe(), file=sys.stderr)
         self._tokenizer = None
         self._next_seq = 0
-        self.broken: str | None = None  # set when a worker died: the executor is shut down
+        self.broken: str | None = None  # set when a worker died or a run was interrupted: workers are gone
+        self.engine: Engine | None = None
+        self._active: dict[str, list[Request]] = {}  # request id -> the current run's requests (abort)
+        self._open: Iterator | None = None  # the run under way (a stream may be left half-read)
 
     @property
     def tokenizer(self) -> object:
@@ -162,44 +211,143 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = False, ids: Sequence[str] | None = None) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``; bad prompts come back with finish_reason 'error'."""
-        params = params or SamplingParams()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        reqs = [self.make_request(ids[i] if ids else str(i), p, plist[i]) for i, p in enumerate(prompts)]
-        return self.run(reqs, progress)
+        return self.run(self._requests(prompts, params, ids), progress)
+
+    def generate_stream(self, prompts: Sequence[list[int] | str],
+                        params: SamplingParams | Sequence[SamplingParams] | None = None,
+                        ids: Sequence[str] | None = None) -> Iterator[StreamOutput]:
+        """Outputs as they come. After every pipeline step: a partial output (``finished`` False,
+        every token so far) for each request that got tokens, then a final one (``finished`` True,
+        equal to ``generate``'s) for each request that finished; every request ends with exactly one
+        final output. ``abort(request_id)`` inside the loop (or from another thread) cancels a
+        request; leaving the loop early cancels the rest once the stream is closed or the next run
+        starts."""
+        reqs = self._requests(prompts, params, ids)
+        steps = self._start(reqs)
+        sent: dict[int, int] = {}  # seq id -> tokens already streamed
+        try:
+            for finished in steps:
+                # Tokens arrive only in a running request's postprocess, so after each step the
+                # running list (plus the finished) holds every request that got something new.
+                for req in self.engine.scheduler.running:
+                    if len(req.output_token_ids) > sent.get(req.seq_id, 0):
+                        sent[req.seq_id] = len(req.output_token_ids)
+                        yield StreamOutput.partial(req)
+                for req in finished:
+                    yield StreamOutput.final(req)
+        finally:
+            steps.close()
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request of the run under way (waiting, running or in flight): it finishes with
+        finish_reason "cancelled" at the next step (one in flight when its micro-batch returns).
+        Safe from inside a ``generate_stream`` loop and from other threads. False when no
+        unfinished request of the current run has this id."""
+        reqs = [r for r in self._active.get(request_id, ()) if not r.finished]
+        engine = self.engine
+        for req in reqs:
+            engine.abort(req.seq_id)
+        return bool(reqs)
 
     def run(self, reqs: list[Request], progress: bool = False,
             on_finish: Callable[[Request], None] | None = None,
             arrivals: Sequence[float] | None = None) -> list[RequestOutput]:
         """Run prepared requests; ``arrivals`` (seconds from start, one per request) spreads them
-        over time, else all arrive at once. The run's record stays in ``self.last_run``."""
+        over time, else all arrive at once. ``on_finish`` sees every request as it finishes (those
+        finished with an error before the run first). The run's record stays in ``self.last_run``.
+        A KeyboardInterrupt comes out as ``RunInterrupted``, carrying every request's output."""
+        bar = _progress(len(reqs), progress)
+        steps = self._start(reqs, arrivals)
+        try:
+            try:
+                for finished in steps:
+                    bar.update(len(finished))
+                    for req in finished:
+                        if on_finish:
+                            on_finish(req)
+            except KeyboardInterrupt as e:
+                if isinstance(e, RunInterrupted):
+                    raise
+                steps.throw(e)  # it landed out here (progress bar, on_finish): let the run handle it
+        finally:
+            bar.close()
+        return [RequestOutput.from_request(r) for r in reqs]
+
+    def _requests(self, prompts: Sequence[list[int] | str],
+                  params: SamplingParams | Sequence[SamplingParams] | None,
+                  ids: Sequence[str] | None) -> list[Request]:
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        return [self.make_request(ids[i] if ids else str(i), p, plist[i]) for i, p in enumerate(prompts)]
+
+    def _start(self, reqs: list[Request], arrivals: Sequence[float] | None = None) -> Iterator[list[Request]]:
+        """A new run, as a generator of engine steps. A run left half-read (an abandoned stream)
+        is closed first: the pipeline must be idle before a new scheduler drives it."""
+        if self._open is not None:
+            self._open.close()
+        self._open = self._steps(reqs, arrivals)
+        return self._open
+
+    def _steps(self, reqs: list[Request], arrivals: Sequence[float] | None) -> Iterator[list[Request]]:
+        """One run, one engine step at a time: yields the requests finished by each (first those
+        finished with an error already). Every request comes out finished: a dead worker finishes
+        the rest with its error, a KeyboardInterrupt with 'cancelled' (and the workers are killed),
+        closing the generator early with 'cancelled' (and the pipeline drained)."""
+        if self.broken:
+            raise WorkerError(f"this LLM's workers are gone ({self.broken}); create a new LLM")
         scheduler = Scheduler(self.sched_config, BlockManager(self.memory.num_blocks, self.config.cache.block_size),
                               self.source.config.eos_token_ids, self.config.seed)
         self.engine = Engine(scheduler, self.executor, self.config.parallel.pp)
-        self.executor.drain_timings()  # drop records of earlier runs
-        bar = _progress(len(reqs), progress)
-        bar.update(sum(r.finished for r in reqs))
-
-        def finished(req: Request) -> None:
-            bar.update(1)
-            if on_finish:
-                on_finish(req)
         offsets = [0.0] * len(reqs) if arrivals is None else list(arrivals)
-        if self.broken:
-            raise WorkerError(f"this LLM's workers are gone ({self.broken}); create a new LLM")
+        self._active = {}
+        for r in reqs:
+            self._active.setdefault(r.request_id, []).append(r)
         start_wall, start = time.time(), time.perf_counter()
         try:
-            self.engine.run_until_done(finished, [(offsets[i], r) for i, r in enumerate(reqs) if not r.finished])
+            self.executor.drain_timings()  # drop records of earlier runs
+            yield [r for r in reqs if r.finished]
+            yield from self.engine.iterate([(offsets[i], r) for i, r in enumerate(reqs) if not r.finished])
         except WorkerError as e:
-            # Every request still comes out: the unfinished ones with the error that stopped them.
-            self.broken = str(e)
-            for r in reqs:
-                if not r.finished:
-                    r.finish("error", str(e))
-                    bar.update(1)
-            self.executor.shutdown()
-        self.last_run = RunRecord(reqs, self.engine, start_wall, time.time(), start, time.perf_counter())
-        bar.close()
-        return [RequestOutput.from_request(r) for r in reqs]
+            yield self._worker_died(reqs, e)
+        except KeyboardInterrupt:
+            raise self._interrupted(reqs) from None
+        except GeneratorExit:
+            self._drain(reqs)
+            raise
+        finally:
+            self._active = {}
+            self._open = None
+            self.last_run = RunRecord(reqs, self.engine, start_wall, time.time(), start, time.perf_counter())
+
+    def _worker_died(self, reqs: list[Request], e: WorkerError) -> list[Request]:
+        # Every request still comes out: the unfinished ones with the error that stopped them.
+        self.broken = str(e)
+        finished = _finish_rest(reqs, "error", str(e))
+        self.executor.shutdown()
+        return finished
+
+    def _interrupted(self, reqs: list[Request]) -> RunInterrupted:
+        _finish_rest(reqs, "cancelled", INTERRUPTED)
+        self.broken = "a run was interrupted"
+        workers = self.executor.workers_info()
+        _kill_workers(self.executor)
+        return RunInterrupted([RequestOutput.from_request(r) for r in reqs], self.sched_config.policy, workers)
+
+    def _drain(self, reqs: list[Request]) -> None:
+        """A run left early: cancel what is left and collect the micro-batches still in flight, so
+        that the next run starts on an idle pipeline."""
+        rest = [r for r in reqs if not r.finished]
+        for r in rest:
+            self.engine.abort(r.seq_id)
+        try:
+            for _ in self.engine.iterate():
+                pass
+        except WorkerError as e:
+            self._worker_died(reqs, e)
+        _finish_rest(reqs, "cancelled", STREAM_CLOSED)  # not arrived yet: the scheduler never saw them
+        for r in rest:
+            if r.finish_reason == "cancelled":  # say why, rather than the scheduler's "request aborted"
+                r.error = STREAM_CLOSED
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -207,8 +355,41 @@ class LLM:
     def __enter__(self) -> "LLM":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            _kill_workers(self.executor)  # no goodbye: a half-delivered plan could hold it up
+        else:
+            self.shutdown()
+
+
+def _finish_rest(reqs: list[Request], reason: str, error: str) -> list[Request]:
+    rest = [r for r in reqs if not r.finished]
+    for r in rest:
+        r.finish(reason, error)
+    return rest
+
+
+def _kill_workers(executor: object) -> None:
+    """Shut the workers down without their graceful goodbye, which an interrupt can leave queued
+    behind a plan that only some stages received (they would wait for activations that never come)."""
+    if "graceful" in inspect.signature(executor.shutdown).parameters:
+        executor.shutdown(graceful=False)
+    else:
+        executor.shutdown()
+
+
+@contextmanager
+def _keep_sigterm_handler() -> Iterator[None]:
+    """Starting the workers may replace the process's SIGTERM handler (ray.init installs one that
+    calls sys.exit); a handler the caller installed itself (the CLI's: SIGTERM → cancel the run)
+    is put back. The default handler is left to whoever replaced it."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if callable(before) and signal.getsignal(signal.SIGTERM) is not before:
+            signal.signal(signal.SIGTERM, before)
 
 
 def validate_prompt(ids: object, vocab_size: int) -> str | None:

@@ -138,7 +138,7 @@ class Scheduler:
             if not chunked and budget is not None and n > budget and any(r.is_prefilling for r, _ in plan):
                 return  # whole prompts only: the next one does not fit this batch
             if req.phase is Phase.WAITING:
-                if len(self.running) >= self.cfg.max_batch_size:
+                if len(self.running) >= self.cfg.running_cap:
                     return
                 # Admit only what fits in free blocks now: a newcomer never preempts older work.
                 if blocks_for(req.num_tokens, self.blocks.block_size) > self.blocks.num_free:
@@ -183,7 +183,7 @@ class Scheduler:
         # Leave one slot for a prefill chunk, but only when one could use it: with every running
         # request decoding and no room to admit, a reserved slot would just halve the decode rate.
         prefill_possible = any(r.is_prefilling for r in self.running) or (
-            self.waiting and len(self.running) < self.cfg.max_batch_size)
+            self.waiting and len(self.running) < self.cfg.running_cap)
         limit = self.cfg.max_batch_size - 1 if prefill_possible else self.cfg.max_batch_size
         self._take_decodes(plan, max(1, limit))
         budget = self.cfg.chunk_size - (len(plan) if self.cfg.tile_align else 0)

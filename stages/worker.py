@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pp_runtime.batch import MicroBatch
@@ -89,14 +90,19 @@ class StageWorker:
     def allocate_cache(self, num_blocks: int) -> int:
         """One (K, V) pair of (num_blocks, block_size, H_kv/tp, D) per layer; returns bytes.
 
-        Left uninitialised (zeroing GiBs costs seconds): attention reads only slots that were
-        written, padding included (see build_metadata)."""
+        Zero-filled, because attention reads whole blocks and masks the unused tail: a masked
+        key must still be finite (NaN × 0 weight is NaN). On CPU the zeros come from the OS's
+        zero pages (numpy's calloc), so GiBs cost nothing until they are written."""
         cfg = self.spec.source.config
         shape = (num_blocks, self.block_size, cfg.num_kv_heads // self.tp.size, cfg.head_size)
-        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                           torch.empty(shape, dtype=self.dtype, device=self.device))
-                          for _ in self.model.layers]
+        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in self.model.layers]
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        same_width = {4: np.int32, 2: np.int16}[self.dtype.itemsize]  # all-zero bits are 0.0
+        return torch.from_numpy(np.zeros(shape, dtype=same_width)).view(self.dtype)
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -75,8 +75,8 @@ def build_metadata(chunks: tuple[SeqChunk, ...], block_size: int, device: torch.
     decode_tables = decode_mask = None
     if decode_rows:
         nb_max = max(len(t) for t in decode_rows)
-        # Pad with the row's own first block: the cache is allocated uninitialised, and a
-        # masked-out key must still be finite (NaN × 0 weight is NaN).
+        # Pad with the row's own first block: any block would do (the padding is masked), one
+        # the sequence owns keeps the read local.
         decode_tables = torch.stack([torch.cat([t, t[:1].expand(nb_max - len(t))]) for t in decode_rows])
         lens = torch.tensor(ctx_lens[num_prefills:])
         decode_mask = torch.arange(nb_max * block_size).unsqueeze(0) < lens.unsqueeze(1)

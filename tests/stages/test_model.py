@@ -99,3 +99,14 @@ def test_half_precision_stays_in_dtype_and_tracks_float32(hf_models: dict, dtype
             logits[dt] = w.model.logits(h)
     err = (logits[dtype] - logits["float32"]).abs().max() / logits["float32"].abs().max()
     assert err < 0.05, f"{dtype} relative error {err:.3f}"
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_kv_cache_starts_zeroed(hf_models: dict, dtype: str) -> None:
+    """Attention reads whole blocks and masks the tail: every unwritten slot must be finite (zero)."""
+    spec = WorkerSpec(resolve_model(str(hf_models["llama"])), 0, 0, ParallelConfig(1), CacheConfig(BLOCK, 1 << 26),
+                      DeviceConfig("cpu", dtype, "torch"))
+    w = StageWorker(spec, TPContext(), None)
+    w.allocate_cache(32)
+    for k, v in w.kv_caches:
+        assert k.dtype == getattr(torch, dtype) and not k.any() and not v.any()

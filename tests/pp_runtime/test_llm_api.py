@@ -1,0 +1,170 @@
+"""The LLM API's reliability surface: streaming (final outputs equal ``generate``'s, partial ones
+grow), ``abort`` of waiting / running / in-flight requests (from the stream loop and from another
+thread), a stream left early, and memory pressure (a KV cache far below demand: preemptions
+happen, outputs do not change; a request that can never fit gets an error, the rest complete).
+
+Everything runs the in-process executor at pp=2: the engine keeps two micro-batches in flight,
+so "in flight" is a real state here, without a Ray start."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pp_runtime.llm import LLM, StreamOutput
+from pp_runtime.request import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=9, temperature=0.8, top_k=40, seed=7, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    with LLM(model="llama-tiny", pp=2, launcher="local", chunk_size=8, max_batch_size=3, memory_budget_gb=0.05,
+             max_model_len=128) as m:
+        yield m
+
+
+def prompts() -> list[list[int]]:
+    return [[3 + (i * 13 + k) % 500 for k in range(n)] for i, n in enumerate((5, 23, 1, 40, 12, 17, 9))]
+
+
+def check_stream(items: list[StreamOutput], ids: list[str]) -> dict[str, StreamOutput]:
+    """Every id ends with exactly one final item, after its partial ones; partials only grow."""
+    finals: dict[str, StreamOutput] = {}
+    seen: dict[str, list[int]] = {}
+    for it in items:
+        assert it.request_id not in finals, f"{it.request_id}: an item after its final one"
+        prev = seen.get(it.request_id, [])
+        assert it.token_ids[:len(prev)] == prev, "a stream item rewrote tokens it already gave"
+        if it.finished:
+            assert it.finish_reason is not None
+            finals[it.request_id] = it
+        else:
+            assert it.finish_reason is None and len(it.token_ids) > len(prev)
+        seen[it.request_id] = list(it.token_ids)
+    assert sorted(finals) == sorted(ids)
+    return finals
+
+
+def fields(o: object) -> tuple:
+    return o.request_id, o.token_ids, o.finish_reason, o.error
+
+
+def test_stream_finals_equal_generate(llm: LLM) -> None:
+    ps = prompts() + [[], [9999]]  # two bad ones: empty, outside the vocabulary
+    params = [GREEDY, SEEDED] * 4 + [GREEDY]
+    expected = llm.generate(ps, params)
+    items = list(llm.generate_stream(ps, params))
+    finals = check_stream(items, [str(i) for i in range(len(ps))])
+    assert [fields(finals[o.request_id]) for o in expected] == [fields(o) for o in expected]
+    assert sum(not it.finished for it in items) > len(ps), "no partial outputs were streamed"
+    assert finals["7"].finish_reason == "error" and "empty prompt" in finals["7"].error
+    assert finals["8"].finish_reason == "error" and "outside the vocabulary" in finals["8"].error
+
+
+def test_abort_waiting_running_and_in_flight_from_the_stream(llm: LLM) -> None:
+    ps = prompts()
+    expected = {o.request_id: o for o in llm.generate(ps, GREEDY)}
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    aborted: dict[str, str] = {}  # request id -> its state when aborted
+    items = []
+    for it in llm.generate_stream(ps, params):
+        items.append(it)
+        if not aborted and not it.finished:  # the first tokens: pick one request in each state
+            sched = llm.engine.scheduler
+            in_flight = next(r for r in sched.running if r.in_flight)
+            idle = next((r for r in sched.running if not r.in_flight), None)
+            waiting = sched.waiting[-1]
+            for state, req in (("in_flight", in_flight), ("running", idle), ("waiting", waiting)):
+                if req is not None:
+                    aborted[req.request_id] = state
+                    assert llm.abort(req.request_id)
+            assert "waiting" in aborted.values() and "in_flight" in aborted.values()
+            assert not llm.abort("no-such-id")
+    finals = check_stream(items, [str(i) for i in range(len(ps))])
+    for rid, out in finals.items():
+        if rid in aborted:
+            assert (out.finish_reason, out.error) == ("cancelled", "request aborted"), (aborted[rid], out)
+            assert len(out.token_ids) < 60
+            assert out.token_ids == expected[rid].token_ids[:len(out.token_ids)]
+        else:  # the others are untouched by the aborts
+            assert out.finish_reason == "length" and out.token_ids[:12] == expected[rid].token_ids
+    assert not llm.abort("0"), "nothing to abort once the run is over"
+
+
+def test_abort_from_another_thread_during_generate(llm: LLM) -> None:
+    params = [SamplingParams(max_tokens=100, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True)]
+    short_done, issued = threading.Event(), threading.Event()
+    answers: list[bool] = []
+
+    def abort_when_running() -> None:
+        short_done.wait(30)
+        answers.append(llm.abort("long"))
+        issued.set()
+
+    def on_finish(req: object) -> None:
+        if req.request_id == "short":  # "long" is mid-decode now; hold the loop until the abort is in
+            short_done.set()
+            issued.wait(30)
+    t = threading.Thread(target=abort_when_running)
+    t.start()
+    reqs = [llm.make_request(i, p, sp) for i, p, sp in zip(("long", "short"), prompts()[:2], params)]
+    outs = llm.run(reqs, on_finish=on_finish)
+    t.join()
+    assert answers == [True]
+    assert outs[0].finish_reason == "cancelled" and 4 <= len(outs[0].token_ids) < 10, outs[0]
+    assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 4
+
+
+def test_stream_left_early_cancels_the_rest_and_the_llm_stays_usable(llm: LLM) -> None:
+    ps = prompts()
+    expected = [fields(o) for o in llm.generate(ps, GREEDY)]
+    stream = llm.generate_stream(ps, SamplingParams(max_tokens=50, ignore_eos=True))
+    first = next(stream)
+    assert not first.finished
+    stream.close()  # the micro-batches in flight are collected, the requests cancelled
+    run = llm.last_run
+    assert all(r.finished for r in run.requests) and not llm.engine.in_flight
+    assert {r.finish_reason for r in run.requests} == {"cancelled"}
+    assert {r.error for r in run.requests} == {"the stream was closed before this request finished"}
+    assert [fields(o) for o in llm.generate(ps, GREEDY)] == expected
+    # a stream merely abandoned (never closed) is closed by the next run
+    abandoned = llm.generate_stream(ps, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _, _ in zip(range(5), abandoned):
+        pass
+    assert [fields(o) for o in llm.generate(ps, GREEDY)] == expected
+
+
+# ---- memory pressure ----------------------------------------------------------------------------
+@pytest.mark.parametrize("scheduler", ["sarathi", "orca"])
+def test_kv_cache_far_below_demand_preempts_without_changing_outputs(scheduler: str, tmp_path: Path) -> None:
+    from pp_runtime.rundir import write_run_dir
+    block, max_len = 8, 128
+    kw = dict(model="llama-tiny", pp=2, launcher="local", chunk_size=16, block_size=block, max_model_len=max_len,
+              scheduler=scheduler)
+    big = LLM(**kw, memory_budget_gb=0.05)
+    # Just one max-length request's worth of blocks (16), against demand of ~10 times that.
+    plan = big.memory
+    budget = (plan.weight_bytes + (max_len // block) * block * plan.kv_bytes_per_token) / (1 << 30)
+    small = LLM(**kw, memory_budget_gb=budget, max_batch_size=8)
+    assert small.memory.num_blocks == max_len // block < big.memory.num_blocks // 100
+    ps = [[3 + (i * 31 + k) % 500 for k in range(10 + 7 * i % 40)] for i in range(12)]
+    params = [SamplingParams(max_tokens=60 - len(p) % 20, ignore_eos=True, **(
+        {"temperature": 0.9, "seed": i} if i % 3 == 0 else {})) for i, p in enumerate(ps)]
+    ps.insert(5, [7] * 100)  # 100 + 40 > 128 tokens: it can never fit
+    params.insert(5, SamplingParams(max_tokens=40))
+    try:
+        expected = big.generate(ps, params)
+        got = small.generate(ps, params)
+        summary = write_run_dir(str(tmp_path), small)
+    finally:
+        big.shutdown()
+        small.shutdown()
+    assert [fields(o) for o in got] == [fields(o) for o in expected]
+    assert got[5].finish_reason == "error" and "exceeds the model's max length 128" in got[5].error
+    assert all(o.finish_reason == "length" for i, o in enumerate(got) if i != 5)
+    preemptions = sum(r.num_preemptions for r in small.last_run.requests)
+    assert preemptions >= 5 and summary["preemptions"] == preemptions
