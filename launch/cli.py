@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="plots (PNG) from run, bench or profile directories")
     r.add_argument("dirs", nargs="+")
     r.add_argument("--out", default=None, help="where combined plots go (default: the first directory)")
+    sm = sub.add_parser("simulate", help="cluster-scale simulation with the real scheduler (configs/sim/*.yaml)")
+    sm.add_argument("--config", required=True)
+    sm.add_argument("--out", default=None, help="output directory (default runs/sim_<config name>)")
+    sm.add_argument("--quiet", action="store_true")
     pr = sub.add_parser("profile", help="per-operation times of prefill, decode and mixed batches")
     pr.add_argument("--model", default=None)
     pr.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -283,6 +287,17 @@ def cmd_report(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(a: argparse.Namespace) -> int:
+    from pp_runtime.sim import run_simulation
+    if not Path(a.config).is_file():
+        raise ValueError(f"--config {a.config}: no such file")
+    out = a.out or str(Path("runs") / f"sim_{Path(a.config).stem}")
+    _check_writable("--out", out, is_dir=True)
+    run_simulation(a.config, out, progress=not a.quiet)
+    print(f"simulated run directories and comparison.json in {out}")
+    return 0
+
+
 def cmd_profile(a: argparse.Namespace) -> int:
     from stages.profile import run_profile
     _check_writable("--out", a.out, is_dir=True)
@@ -341,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupts.install()
     try:
         return {"generate": cmd_generate, "bench": cmd_bench, "report": cmd_report,
-                "profile": cmd_profile}[args.command](args)
+                "profile": cmd_profile, "simulate": cmd_simulate}[args.command](args)
     except (ValueError, OSError) as e:  # user-caused (bad value, unreadable/unwritable path): one line
         print(f"pp-runtime: error: {_one_line(e)}", file=sys.stderr)
         return 2
