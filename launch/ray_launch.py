@@ -10,9 +10,13 @@ driver places on rank 0's node; Ray carries only the compact plans and the sampl
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import threading
 import time
+from typing import Iterator
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -247,10 +251,30 @@ def _ensure_ray(world_size: int) -> bool:
         ray.init(address=address, log_to_driver=False)
         return True
     # address="local": always a fresh embedded instance, never an unrelated cluster that happens
-    # to run on this machine (plain ray.init() would join it).
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
-             log_to_driver=False, _node_ip_address="127.0.0.1")
+    # to run on this machine (plain ray.init() would join it). A Ctrl-C in the middle of starting
+    # the node would leave its agents running with no one to stop them: hold it until the node
+    # is up, then shut the node down and deliver it.
+    with _deferred_sigint() as interrupted:
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
+                 log_to_driver=False, _node_ip_address="127.0.0.1")
+    if interrupted:
+        ray.shutdown()
+        raise KeyboardInterrupt
     return True
+
+
+@contextlib.contextmanager
+def _deferred_sigint() -> Iterator[list]:
+    """Record SIGINT instead of raising it inside the block (main thread only)."""
+    caught: list = []
+    if threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield caught
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _placeable_stages(per_worker: dict, tp: int) -> int:

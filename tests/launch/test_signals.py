@@ -148,3 +148,15 @@ def test_sigint_and_sigterm_write_results_and_leave_no_processes(inputs: Path) -
     assert (tmp / "run" / "results.jsonl").read_text() == (tmp / "out.jsonl").read_text()
     check_results(tmp / "bench" / "sarathi" / "results.jsonl")
     assert len(json.loads((tmp / "bench" / "sarathi" / "workers.json").read_text())) == 2
+
+
+def test_sigint_during_ray_start_is_held_until_the_node_is_up() -> None:
+    """Ctrl-C while Ray starts its node is recorded, not raised mid-start (which orphaned agents)."""
+    import os
+    import signal
+
+    from launch.ray_launch import _deferred_sigint
+    before = signal.getsignal(signal.SIGINT)
+    with _deferred_sigint() as caught:
+        os.kill(os.getpid(), signal.SIGINT)
+    assert caught == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is before
