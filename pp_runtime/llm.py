@@ -268,7 +268,12 @@ class LLM:
             except KeyboardInterrupt as e:
                 if isinstance(e, RunInterrupted):
                     raise
-                steps.throw(e)  # it landed out here (progress bar, on_finish): let the run handle it
+                try:
+                    steps.throw(e)  # it landed out here (progress bar, on_finish): let the run handle it
+                except RunInterrupted:
+                    raise
+                except KeyboardInterrupt:  # the run had not started or had just ended: same outcome
+                    raise self._interrupted(reqs) from None
         finally:
             bar.close()
         return [RequestOutput.from_request(r) for r in reqs]
