@@ -32,10 +32,10 @@ def gemm_rate(hidden: int, inter: int, q: int, kv: int, tokens: int, reps: int) 
     return flops * reps / (time.perf_counter() - t)
 
 
-def ours(model: str | None, prompts: list[list[int]], max_tokens: int, chunk: int, batch: int) -> float:
-    """Wall seconds for our engine on ``prompts`` (all submitted at once)."""
+def ours(model: str | None, prompts: list[list[int]], max_tokens: int, **engine: object) -> float:
+    """Wall seconds for our engine on ``prompts`` (all submitted at once), after a warm-up."""
     from pp_runtime import LLM, SamplingParams
-    with LLM(model=model, chunk_size=chunk, max_batch_size=batch, memory_budget_gb=2.0, max_model_len=2048) as llm:
+    with LLM(model=model, memory_budget_gb=2.0, max_model_len=2048, **engine) as llm:
         llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
         t = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
@@ -45,9 +45,12 @@ def ours(model: str | None, prompts: list[list[int]], max_tokens: int, chunk: in
 
 
 def hf_model(model: str | None) -> object:
+    """The same checkpoint in transformers (fp32, eval); a random preset has no HF form."""
     import transformers
     from stages.weights import resolve_model
     src = resolve_model(model)
+    if src.kind == "random":
+        raise SystemExit("the HF comparison needs a real checkpoint (HF folder or GGUF)")
     path = __import__("pathlib").Path(src.path)
     kw = {"gguf_file": path.name} if src.kind == "gguf" else {}
     folder = path.parent if src.kind == "gguf" else path
@@ -90,11 +93,11 @@ def main() -> None:
     flops_tok = 2 * cfg.params_per_token_flops(lm_head=False)  # prefill positions skip the LM head
     r: dict[str, float] = {"gemm_flops": gemm_rate(cfg.hidden_size, cfg.intermediate_size, cfg.q_size,
                                                     cfg.kv_size, 256, 3 if a.smoke else 20)}
-    prefill_s = ours(a.model, long, 1, 256, 8)
+    prefill_s = ours(a.model, long, 1, chunk_size=256, max_batch_size=8)
     r["prefill_tok_s"] = n_prefill * plen / prefill_s
     r["prefill_flops"] = r["prefill_tok_s"] * flops_tok
-    r["decode_b1_tok_s"] = dec_new / ours(a.model, short[:1], dec_new, 256, 1)
-    r["decode_b16_tok_s"] = 16 * dec_new / ours(a.model, short, dec_new, 256, 16)
+    r["decode_b1_tok_s"] = dec_new / ours(a.model, short[:1], dec_new, chunk_size=256, max_batch_size=1)
+    r["decode_b16_tok_s"] = 16 * dec_new / ours(a.model, short, dec_new, chunk_size=256, max_batch_size=16)
     m = hf_model(a.model)
     r["hf_prefill_tok_s"] = n_prefill * plen / hf_prefill(m, long)
     r["hf_decode_b1_tok_s"] = dec_new / hf_decode(m, short[:1], dec_new)

@@ -16,18 +16,11 @@ import time
 from pathlib import Path
 
 import torch
+from core_throughput import hf_model, ours  # same directory: run as a script
 
 
 def hf_generate(model_spec: str | None, prompts: list[list[int]], new_tokens: int) -> float:
-    import transformers
-    from stages.weights import resolve_model
-    src = resolve_model(model_spec)
-    if src.kind == "random":
-        raise SystemExit("the HF comparison needs a real checkpoint (HF folder or GGUF)")
-    path = Path(src.path)
-    kw = {"gguf_file": path.name} if src.kind == "gguf" else {}
-    m = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent if kw else path), dtype=torch.float32,
-                                                          **kw).eval()
+    m = hf_model(model_spec)
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -38,17 +31,6 @@ def hf_generate(model_spec: str | None, prompts: list[list[int]], new_tokens: in
                          do_sample=False, pad_token_id=0)
         dt = time.perf_counter() - t
     assert out.shape[1] == width + new_tokens
-    return dt
-
-
-def ours(model_spec: str | None, prompts: list[list[int]], new_tokens: int, **engine: object) -> float:
-    from pp_runtime import LLM, SamplingParams
-    with LLM(model=model_spec, memory_budget_gb=2.0, max_model_len=1024, **engine) as llm:
-        llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
-        t = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-        dt = time.perf_counter() - t
-    assert all(len(o.token_ids) == new_tokens for o in outs)
     return dt
 
 
