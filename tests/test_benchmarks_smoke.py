@@ -30,3 +30,9 @@ def test_pipeline_smoke(tmp_path: Path) -> None:
 def test_core_throughput_smoke(hf_models: dict, tmp_path: Path) -> None:
     r = run(["benchmarks/core_throughput.py", "--smoke", "--model", str(hf_models["llama"])], tmp_path)
     assert r["prefill_tok_s"] > 0 and r["decode_b16_tok_s"] > 0 and r["hf_decode_b16_tok_s"] > 0
+
+
+def test_chunk_overhead_smoke(hf_models: dict, tmp_path: Path) -> None:
+    r = run(["benchmarks/chunk_overhead.py", "--smoke", "--model", str(hf_models["llama"])], tmp_path)
+    assert r["forward_ms_min"] > 0 and r["matmul_ms_min"] > 0 and r["ratio_median"] > 0
+    assert r["bucketed_linears_ms"] > 0 and r["bucketed_attention_ms"] > 0
