@@ -25,7 +25,9 @@ Scenario keys: name, scheduler (sarathi|orca|prefill_first|request_level), tp, p
 router (round_robin|least_loaded), chunk_size, max_batch_size (an integer, ``auto`` = the memory
 model's B, the runtime's default, or ``auto_per_microbatch`` = ⌊B/pp⌋, the paper's per-micro-batch
 figure), tile_align, partition (layers per stage), dispatch_us (plan delivery to stage 0 per
-micro-batch), return_us (sampled tokens back to the driver).
+micro-batch), return_us (sampled tokens back to the driver), max_running (how many sequences may
+run at once; default max(max_batch_size, the memory model's B); the real ``LLM`` runs
+max_batch_size × pp, which a scenario mimicking a real run sets here).
 """
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ class Scenario:
     partition: tuple[int, ...] | None = None
     dispatch_us: float = 0.0
     return_us: float = 0.0
+    max_running: int | None = None  # sequences that may run at once; None: max(max_batch_size, B)
 
     def __post_init__(self) -> None:
         where = f"scenario {self.name!r}"
@@ -105,6 +108,8 @@ class Scenario:
             object.__setattr__(self, "partition", tuple(_int(f"{where}: partition", n) for n in self.partition))
         _num(f"{where}: dispatch_us", self.dispatch_us)
         _num(f"{where}: return_us", self.return_us)
+        if self.max_running is not None:
+            _int(f"{where}: max_running", self.max_running)
 
     @property
     def gpus(self) -> int:
