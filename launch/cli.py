@@ -12,7 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -165,9 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--dtype", choices=DTYPES, default="float32")
     pr.add_argument("--attention", choices=("torch", "xformers", "auto"), default="auto")
     pr.add_argument("--threads", type=_nonnegative_int, default=0)
-    pr.add_argument("--grid", choices=("default", "quick"), default="default")
+    pr.add_argument("--grid", default="default",
+                    help="default, quick, or overrides such as 'decode=1,4,16;context=768;prefill=' "
+                         "(stages/profile.py: parse_grid)")
     pr.add_argument("--out", required=True)
+    pr.add_argument("--colocate", type=_positive_int, default=1,
+                    help="run N identical profiles at once (this one plus N-1 siblings writing OUT/colocated-K), "
+                         "so the figures include the memory and core contention of N co-located stage workers")
     pr.add_argument("--quiet", action="store_true")
+    pr.add_argument("--barrier", nargs=2, metavar=("DIR", "N"), default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -299,11 +308,47 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
-    from stages.profile import run_profile
+    from stages.profile import parse_grid, run_profile
     _check_writable("--out", a.out, is_dir=True)
-    run_profile(a.model, a.device, a.dtype, a.out, grid=a.grid, threads=a.threads, attention=a.attention,
-                progress=not a.quiet)
+    parse_grid(a.grid)  # a bad grid fails here, before any sibling starts
+    barrier = a.barrier
+    if a.colocate > 1:
+        barrier = (str(Path(a.out) / ".barrier"), str(a.colocate))
+        shutil.rmtree(barrier[0], ignore_errors=True)
+    siblings = [_profile_sibling(a, k, barrier) for k in range(1, a.colocate)]
+    try:
+        run_profile(a.model, a.device, a.dtype, a.out, grid=a.grid, threads=a.threads, attention=a.attention,
+                    progress=not a.quiet, ready=(lambda: _file_barrier(barrier[0], int(barrier[1])))
+                    if barrier else None)
+    finally:
+        failed = [k for k, p in enumerate(siblings, 1) if p.wait() != 0]
+    if failed:
+        raise RuntimeError(f"co-located profile(s) {failed} failed; see {a.out}/colocated-K/profile.log")
     return 0
+
+
+def _profile_sibling(a: argparse.Namespace, k: int, barrier: tuple[str, str]) -> subprocess.Popen:
+    """The same profile in another process (its own model copy and cache), output in OUT/colocated-K."""
+    out = Path(a.out) / f"colocated-{k}"
+    out.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-m", "launch.cli", "profile", "--device", a.device, "--dtype", a.dtype,
+            "--attention", a.attention, "--threads", str(a.threads), "--grid", a.grid, "--out", str(out), "--quiet",
+            "--barrier", *barrier]
+    if a.model:
+        args += ["--model", a.model]
+    with open(out / "profile.log", "w") as log:
+        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _file_barrier(folder: str, parties: int, timeout_s: float = 600.0) -> None:
+    """Co-located profiles start timing together: each drops a file, then waits for all N."""
+    os.makedirs(folder, exist_ok=True)
+    Path(folder, f"ready-{os.getpid()}").touch()
+    deadline = time.monotonic() + timeout_s
+    while len(os.listdir(folder)) < parties:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"co-located profiles: only {len(os.listdir(folder))} of {parties} became ready")
+        time.sleep(0.05)
 
 
 def sampling_defaults(a: argparse.Namespace) -> object:

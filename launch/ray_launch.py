@@ -30,6 +30,18 @@ from pp_runtime.executor import WorkerError
 PLACEMENT_TIMEOUT_S = 60.0
 
 
+def _unnice() -> None:
+    """Ray starts worker processes at nice 15 so that its own daemons win the CPU; a stage
+    worker *is* the compute, and at nice 15 every background process on its cores (Ray's own,
+    the driver, the OS) preempts it. Back to 0 where allowed (raising priority may need
+    CAP_SYS_NICE; embedded Ray is also started with worker_niceness 0)."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except (PermissionError, OSError, AttributeError):
+        pass
+
+
 @ray.remote(concurrency_groups={"control": 1})
 class StageActor:
     """Hosts one StageWorker; Ray runs its calls one at a time, in submission order.
@@ -42,6 +54,7 @@ class StageActor:
         self.rank, self.topo = rank, topo
         if threads:
             torch.set_num_threads(threads)
+        _unnice()
         self.worker = None
 
     def address(self) -> tuple[str, int, str, int]:
@@ -256,7 +269,7 @@ def _ensure_ray(world_size: int) -> bool:
     # is up, then shut the node down and deliver it.
     with _deferred_sigint() as interrupted:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
-                 log_to_driver=False, _node_ip_address="127.0.0.1")
+                 log_to_driver=False, _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0})
     if interrupted:
         ray.shutdown()
         raise KeyboardInterrupt

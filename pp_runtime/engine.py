@@ -41,6 +41,9 @@ class Engine:
         self.history: list[MicroBatch] = []  # every plan issued, in issue order
         self.in_flight_log: list[tuple[int, ...]] = []  # mb ids in flight after each schedule call
         self.submit_times: dict[int, float] = {}  # mb id -> wall clock when handed to the executor
+        # mb id -> wall clock (when the driver asked for its tokens, when it had them): with the last
+        # stage's end time this gives the token-return leg of the control plane
+        self.collect_times: dict[int, tuple[float, float]] = {}
         self.mb_iter: dict[int, int] = {}  # mb id -> engine step at which it was scheduled
         self.stats = DriverStats()
         # seq ids to cancel, appended from any thread (or a stream consumer), applied between steps:
@@ -65,7 +68,10 @@ class Engine:
 
     def run(self) -> tuple[MicroBatch, list[int]]:
         mb = self.in_flight.popleft()
-        return mb, self.executor.collect()
+        t_ask = time.time()
+        tokens = self.executor.collect()
+        self.collect_times[mb.mb_id] = (t_ask, time.time())
+        return mb, tokens
 
     def postprocess(self, mb: MicroBatch, tokens: list[int]) -> list[Request]:
         return self.scheduler.postprocess(mb, tokens)

@@ -14,8 +14,8 @@ as ``StageWorker.execute`` does (sampling itself is left out). Time goes to six 
     attn      the attention backend call  ffn_ln1   mlp.gate_up_proj
               (KV write included)         ffn_ln2   mlp.down_proj
     others    everything else: embedding, RMSNorms, RoPE, SiLU·mul, residual adds, final norm
-              and the LM head (the LM head alone is also reported as ``lm_head_ms`` in the
-              returned rows, not in the CSV)
+              and the LM head (the LM head alone is also reported as ``lm_head_ms``, a part
+              of ``others_ms``: the simulator charges it to the last stage only)
 
 Linears are timed with forward pre/post hooks, the backend by wrapping its ``forward``; on
 CUDA every boundary synchronizes. The grid is run in interleaved rounds (every grid point once
@@ -56,7 +56,7 @@ OPS = ("preproj", "attn", "postproj", "ffn_ln1", "ffn_ln2")
 BUCKETS = OPS + ("others",)
 CSV_COLUMNS = ("kind", "prefill_tokens", "decode_tokens", "context_len", "preproj_ms", "attn_ms",
                "postproj_ms", "ffn_ln1_ms", "ffn_ln2_ms", "others_ms", "total_ms", "per_token_ms",
-               "per_decode_token_ms")
+               "per_decode_token_ms", "lm_head_ms")
 KINDS = ("prefill", "decode", "mixed")
 _LINEARS = {"preproj": "self_attn.qkv_proj", "postproj": "self_attn.o_proj",
             "ffn_ln1": "mlp.gate_up_proj", "ffn_ln2": "mlp.down_proj"}
@@ -293,9 +293,11 @@ def fill_cache(worker: StageWorker, seed: int = 0) -> None:
         v.normal_(generator=g)
 
 
-def measure(worker: StageWorker, grid: Grid, progress: bool = False, seed: int = 0) -> list[dict]:
+def measure(worker: StageWorker, grid: Grid, progress: bool = False, seed: int = 0,
+            ready: Callable[[], None] | None = None) -> list[dict]:
     """Allocate and fill the worker's cache for ``grid``, run it, return one row per point
-    (CSV_COLUMNS plus ``lm_head_ms``, ``measured_total_ms``, ``reps``). Hooks are gone after."""
+    (CSV_COLUMNS plus ``measured_total_ms``, ``reps``). Hooks are gone after. ``ready`` is called
+    just before the first timed forward (co-located profiles meet there, so they overlap)."""
     cfg = worker.spec.source.config
     if grid.max_len() > cfg.max_position_embeddings:
         raise ValueError(f"grid needs {grid.max_len()} positions, the model has "
@@ -319,6 +321,8 @@ def measure(worker: StageWorker, grid: Grid, progress: bool = False, seed: int =
     from tqdm import tqdm
     bar = tqdm(total=(grid.warmup + grid.reps) * len(points), file=sys.stderr, disable=not progress,
                desc="profile", unit="fwd", leave=False)
+    if ready is not None:
+        ready()
     gc.collect()
     gc_was = gc.isenabled()
     gc.disable()
@@ -439,13 +443,14 @@ def format_summary(t2: dict) -> str:
 
 
 def run_profile(model: str | None, device: str, dtype: str, out_dir: str, grid: str | Grid = "default",
-                threads: int = 0, attention: str = "auto", progress: bool = True) -> dict:
+                threads: int = 0, attention: str = "auto", progress: bool = True,
+                ready: Callable[[], None] | None = None) -> dict:
     """Profile ``model`` (None: the embedded default) on ``device``; write ``out_dir/profile.csv``
     and ``out_dir/table2.json``; print the per-op table and the Table-2 line to stdout.
 
     ``grid``: ``default``, ``quick`` or overrides (see ``parse_grid``). ``threads`` > 0 sets
     torch's intra-op threads for the run (restored afterwards); ``attention``: torch|xformers|auto.
-    Returns the table2.json fields plus ``rows`` (every row: CSV_COLUMNS + ``lm_head_ms``,
+    Returns the table2.json fields plus ``rows`` (every row: CSV_COLUMNS +
     ``measured_total_ms``, ``reps``, ``stat``) and ``files`` (the two paths). ``elapsed_s``
     includes loading the model. Raises ValueError (ModelError included) on a bad grid, model,
     device, dtype or attention backend."""
@@ -457,7 +462,7 @@ def run_profile(model: str | None, device: str, dtype: str, out_dir: str, grid: 
     try:
         worker = build_worker(model, device, dtype, attention, threads, g.block_size)
         used_threads = torch.get_num_threads()
-        rows = measure(worker, g, progress=progress)
+        rows = measure(worker, g, progress=progress, ready=ready)
         backend = worker.model.backend.name
         del worker
     finally:

@@ -36,3 +36,26 @@ def test_chunk_overhead_smoke(hf_models: dict, tmp_path: Path) -> None:
     r = run(["benchmarks/chunk_overhead.py", "--smoke", "--model", str(hf_models["llama"])], tmp_path)
     assert r["forward_ms_min"] > 0 and r["matmul_ms_min"] > 0 and r["ratio_median"] > 0
     assert r["bucketed_linears_ms"] > 0 and r["bucketed_attention_ms"] > 0
+
+
+def test_decode_maximal_smoke(hf_models: dict, tmp_path: Path) -> None:
+    r = run(["benchmarks/decode_maximal.py", "--smoke", "--model", str(hf_models["llama"])], tmp_path)
+    row = r["by_batch"]["2"]
+    assert r["chunk_ms"] > 0 and row["alone_ms"] > 0 and row["decode_only_ms"] > 0 and row["mixed_ms"] > 0
+
+
+def test_pp_scaling_smoke(tmp_path: Path) -> None:
+    r = run(["benchmarks/pp_scaling.py", "--smoke"], tmp_path)
+    assert set(r["throughput_tok_s"]) == {"sarathi_pp1", "sarathi_pp2", "orca_pp1", "orca_pp2"}
+    c = r["control_plane_pp2"]
+    assert c["microbatches"] > 0 and c["mean_step_ms"] > 0 and c["return_ms_per_mb"] >= 0
+    m = r["memory_pp2"]
+    assert sum(w["layer_bytes"] for w in m["workers"]) == m["layer_stack_bytes"]
+    assert 0 <= m["unused_bytes"] < m["block_bytes"]  # the KV cache is the budget, to one block
+
+
+def test_validate_sim_smoke(tmp_path: Path) -> None:
+    r = run(["benchmarks/validate_sim.py", "--smoke", "--out", str(tmp_path / "v")], tmp_path)
+    assert len(r["profiles"]) == 4  # two grids, each profiled by two co-located processes
+    for row in r["comparison"].values():
+        assert row["throughput_tok_s"]["real"] > 0 and row["throughput_tok_s"]["sim"] > 0

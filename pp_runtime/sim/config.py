@@ -9,6 +9,7 @@
     memory: {utilization: 0.9, reserve_gb: 0, block_size: 16}
     max_model_len: 4096
     cost_model: roofline           # or {kind: profile, csv: runs/profile/profile.csv, profiled_layers: 30}
+                                   # (csv may list several profiles, e.g. at two contexts: one fit)
     seed: 0
     workload: {kind: zipf, num_requests: 10000, ...}      # pp_runtime.workload.WorkloadConfig
     scenarios:
@@ -168,14 +169,19 @@ def _cost_model(spec: object, where: Path) -> dict:
     if kind != "profile":
         raise ValueError(f"cost_model.kind must be roofline or profile, got {kind!r}")
     csv = spec.get("csv")
-    if not isinstance(csv, str) or not csv:
-        raise ValueError("cost_model.csv (a profile.csv from `pp-runtime profile`) is required for kind 'profile'")
-    p = Path(csv)
-    if not p.is_absolute() and (where.parent / p).is_file():
-        p = where.parent / p
-    if not p.is_file():
-        raise ValueError(f"cost_model.csv {csv!r} is not a file")
-    out = {"kind": "profile", "csv": str(p)}
+    paths = csv if isinstance(csv, list) else [csv]
+    if not paths or not all(isinstance(c, str) and c for c in paths):
+        raise ValueError("cost_model.csv (a profile.csv from `pp-runtime profile`, or a list of them fitted "
+                         "together) is required for kind 'profile'")
+    found = []
+    for c in paths:
+        p = Path(c)
+        if not p.is_absolute() and (where.parent / p).is_file():
+            p = where.parent / p
+        if not p.is_file():
+            raise ValueError(f"cost_model.csv {c!r} is not a file")
+        found.append(str(p))
+    out = {"kind": "profile", "csv": found[0] if len(found) == 1 else found}
     if spec.get("profiled_layers") is not None:
         out["profiled_layers"] = _int("cost_model.profiled_layers", spec["profiled_layers"])
     return out

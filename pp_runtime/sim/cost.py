@@ -245,14 +245,22 @@ class ProfileFit:
     rows: int
     r2: dict  # op -> coefficient of determination on the profile rows
     max_rel_err: float  # of the total over the rows
+    # The LM head over the sampled rows, fitted on its own when the profile has lm_head_ms (then
+    # others' c is 0): a GEMM of 1-32 rows is far from linear in them on a CPU.
+    head: FloorLine | None = None
+
+    def head_ms(self, sampled: int) -> float:
+        if not sampled:
+            return 0.0
+        return self.head(sampled) if self.head is not None else self.others[2] * sampled
 
     def op_ms(self, shape: BatchShape) -> dict[str, float]:
         T = shape.tokens
         out = {op: self.linear[op](T) if T else 0.0 for op in LINEAR_OPS}
         a, b, c = self.attn
         out["attn"] = (a + b * shape.prefill_pairs + c * shape.decode_kv) if T else 0.0
-        a, b, c = self.others
-        out["others"] = (a + b * T + c * shape.sampled) if T else 0.0
+        a, b, _ = self.others
+        out["others"] = (a + b * T + self.head_ms(shape.sampled)) if T else 0.0
         return out
 
 
@@ -287,8 +295,17 @@ def fit_profile(rows: list[dict]) -> ProfileFit:
     linear = {op: FloorLine.fit(T, ms[op]) for op in LINEAR_OPS}
     ones = np.ones(len(rows))
     attn = nnls(np.column_stack([ones, [s.prefill_pairs for s in shapes], [s.decode_kv for s in shapes]]), ms["attn"])
-    others = nnls(np.column_stack([ones, T, [s.sampled for s in shapes]]), ms["others"])
-    fit = ProfileFit(linear, tuple(float(x) for x in attn), tuple(float(x) for x in others), len(rows), {}, 0.0)
+    sampled = np.array([s.sampled for s in shapes], float)
+    head = None
+    if all(r.get("lm_head_ms") not in (None, "") for r in rows):  # profiles since the column exists
+        lm = np.array([float(r["lm_head_ms"]) for r in rows])
+        head = FloorLine.fit(sampled, lm)
+        a, b = nnls(np.column_stack([ones, T]), ms["others"] - lm)
+        others = (a, b, 0.0)
+    else:  # older profiles: the head is the c·sampled part of others
+        others = nnls(np.column_stack([ones, T, sampled]), ms["others"])
+    fit = ProfileFit(linear, tuple(float(x) for x in attn), tuple(float(x) for x in others), len(rows), {}, 0.0,
+                     head)
     pred = [fit.op_ms(s) for s in shapes]
     r2 = {}
     for op in OPS:
@@ -299,7 +316,7 @@ def fit_profile(rows: list[dict]) -> ProfileFit:
     totals = np.array([sum(ms[op][i] for op in OPS) for i in range(len(rows))])
     ptot = np.array([sum(p.values()) for p in pred])
     rel = float(np.max(np.abs(ptot - totals) / np.maximum(totals, 1e-12)))
-    return ProfileFit(linear, fit.attn, fit.others, len(rows), r2, rel)
+    return ProfileFit(linear, fit.attn, fit.others, len(rows), r2, rel, head)
 
 
 class ProfileCostModel:
@@ -317,8 +334,11 @@ class ProfileCostModel:
         self.fit, self.layers, self.source = fit, profiled_layers, source
 
     @classmethod
-    def from_csv(cls, path: str | Path, profiled_layers: int) -> "ProfileCostModel":
-        return cls(fit_profile(read_profile(path)), profiled_layers, str(path))
+    def from_csv(cls, path: str | Path | Sequence[str | Path], profiled_layers: int) -> "ProfileCostModel":
+        """One profile.csv, or several (e.g. taken at different contexts) fitted as one set of rows."""
+        paths = [path] if isinstance(path, (str, Path)) else list(path)
+        rows = [row for p in paths for row in read_profile(p)]
+        return cls(fit_profile(rows), profiled_layers, ", ".join(str(p) for p in paths))
 
     def layer_ops(self, shape: BatchShape, tp: int) -> tuple[float, ...]:
         if shape.tokens <= 0:
@@ -333,7 +353,7 @@ class ProfileCostModel:
         return 0.0  # inside the fitted per-layer "others"
 
     def head_s(self, shape: BatchShape, tp: int) -> float:
-        return self.fit.others[2] * shape.sampled * 1e-3 / tp
+        return self.fit.head_ms(shape.sampled) * 1e-3 / tp
 
     def describe(self) -> dict:
         f = self.fit
@@ -341,6 +361,8 @@ class ProfileCostModel:
                 "linear_ms": {op: {"floor": l.floor, "a": l.a, "b_per_token": l.b} for op, l in f.linear.items()},
                 "attn_ms": {"a": f.attn[0], "b_per_prefill_pair": f.attn[1], "c_per_decode_kv": f.attn[2]},
                 "others_ms": {"a": f.others[0], "b_per_token": f.others[1], "c_per_sampled": f.others[2]},
+                "lm_head_ms": None if f.head is None else {"floor": f.head.floor, "a": f.head.a,
+                                                           "b_per_sampled": f.head.b},
                 "r2": f.r2, "max_rel_err_total": f.max_rel_err}
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from launch.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -24,6 +26,23 @@ def test_profile_quick(tmp_path: Path) -> None:
     assert main(["profile", "--model", "llama-tiny", "--grid", "quick", "--out", str(tmp_path), "--quiet"]) == 0
     assert (tmp_path / "profile.csv").read_text().startswith("kind,prefill_tokens,decode_tokens,context_len")
     assert "ratio" in json.loads((tmp_path / "table2.json").read_text())
+
+
+def test_profile_colocated_grid_overrides(tmp_path: Path) -> None:
+    """--colocate 2: a sibling process profiles the same grid at the same time, into colocated-1."""
+    grid = "quick;decode=1,2;context=12"
+    assert main(["profile", "--model", "llama-tiny", "--grid", grid, "--colocate", "2", "--out", str(tmp_path),
+                 "--quiet"]) == 0
+    for d in (tmp_path, tmp_path / "colocated-1"):
+        rows = (d / "profile.csv").read_text().splitlines()
+        assert rows[0].endswith(",lm_head_ms") and any(r.startswith("decode,0,2,12,") for r in rows)
+    assert len(list((tmp_path / ".barrier").iterdir())) == 2
+
+
+def test_profile_bad_grid_one_line(capsys: pytest.CaptureFixture) -> None:
+    assert main(["profile", "--model", "llama-tiny", "--grid", "decode=x", "--out", "/tmp/never"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad grid value" in err[0]
 
 
 def test_simulate_missing_config_exits_2(tmp_path: Path, capsys: object) -> None:

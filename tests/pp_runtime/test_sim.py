@@ -3,6 +3,7 @@ pipelines, the same plans as the real engine, cost models (roofline, fitted prof
 model, and a reduced Figure 12 through the run-directory writer."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import fields
@@ -174,8 +175,11 @@ def test_memory_model_gives_the_papers_batch_sizes() -> None:
         plan_memory(m, hw, pp=1, tp=1, max_model_len=4096)
 
 
-def _write_profile(path: Path) -> dict:
-    """A hand-made profile.csv (the columns `pp-runtime profile` writes) from known formulas (ms)."""
+def _write_profile(path: Path, head: tuple[float, float, float] | None = None) -> dict:
+    """A hand-made profile.csv (the columns `pp-runtime profile` writes) from known formulas (ms).
+    ``head`` (floor, a, b): the LM head is max(floor, a + b·sampled), written as lm_head_ms and
+    inside others_ms (as the profiler does); without it the head is others' c·sampled and the
+    CSV has no lm_head_ms column (profiles written before the column existed)."""
     lin = {"preproj": (0.3, 0.1, 0.002), "postproj": (0.2, 0.05, 0.001), "ffn_ln1": (0.5, 0.2, 0.004),
            "ffn_ln2": (0.4, 0.1, 0.003)}  # (floor, a, b)
     attn, others = (0.05, 2e-6, 3e-5), (0.1, 0.0005, 0.02)
@@ -183,6 +187,7 @@ def _write_profile(path: Path) -> dict:
     rows += [("decode", 0, b, 256) for b in (1, 2, 4, 8, 16, 32)] + [("mixed", 256, b, 256) for b in (1, 4, 16)]
     cols = ("kind", "prefill_tokens", "decode_tokens", "context_len", "preproj_ms", "attn_ms", "postproj_ms",
             "ffn_ln1_ms", "ffn_ln2_ms", "others_ms", "total_ms", "per_token_ms", "per_decode_token_ms")
+    cols += ("lm_head_ms",) if head else ()
     lines = [",".join(cols)]
     for kind, p, d, c in rows:
         T = p + d
@@ -190,11 +195,12 @@ def _write_profile(path: Path) -> dict:
         sampled = (1 if p else 0) + d
         ms = {op: max(f, a + b * T) for op, (f, a, b) in lin.items()}
         ms["attn"] = attn[0] + attn[1] * pairs + attn[2] * d * (c + 1)
-        ms["others"] = others[0] + others[1] * T + others[2] * sampled
+        lm = max(head[0], head[1] + head[2] * sampled) if head else others[2] * sampled
+        ms["others"] = others[0] + others[1] * T + lm
         total = sum(ms.values())
         lines.append(",".join(str(x) for x in (kind, p, d, c, ms["preproj"], ms["attn"], ms["postproj"],
                                                ms["ffn_ln1"], ms["ffn_ln2"], ms["others"], total, total / T,
-                                               total / d if kind == "decode" else "")))
+                                               total / d if kind == "decode" else "") + ((lm,) if head else ())))
     path.write_text("\n".join(lines) + "\n")
     return {"lin": lin, "attn": attn, "others": others}
 
@@ -219,6 +225,35 @@ def test_profile_fit_recovers_hand_made_costs(tmp_path: Path) -> None:
     assert sum(compute) == pytest.approx(whole, rel=1e-9)
     assert compute[1] - compute[0] == pytest.approx(truth["others"][2] * 5 * 1e-3, rel=1e-9)
     assert set(cost.describe()["linear_ms"]) == set(OPS) - {"attn", "others"}
+
+
+def test_profile_fit_lm_head_column_and_several_csvs(tmp_path: Path) -> None:
+    """With lm_head_ms the head gets its own floor-line over sampled rows and the last stage
+    alone pays it; several CSVs fit as one set of rows."""
+    head = (9.0, 6.0, 1.5)  # a 1-row GEMM floor, then linear in rows
+    truth = _write_profile(tmp_path / "a.csv", head)
+    _write_profile(tmp_path / "b.csv", head)
+    fit = fit_profile(read_profile(tmp_path / "a.csv"))
+    assert fit.head is not None and fit.max_rel_err < 1e-6
+    for n in (1, 2, 5, 17, 33):
+        assert fit.head_ms(n) == pytest.approx(max(head[0], head[1] + head[2] * n), rel=1e-6)
+    assert fit.others[:2] == pytest.approx(truth["others"][:2], rel=1e-6) and fit.others[2] == 0.0
+    m = model_preset("smollm2-135m")
+    cost = ProfileCostModel.from_csv([tmp_path / "a.csv", tmp_path / "b.csv"], m.num_layers)
+    assert cost.fit.rows == 2 * fit.rows and cost.describe()["lm_head_ms"]["floor"] == pytest.approx(head[0])
+    pipe = PipelineCost(cost, m, hardware_preset("a100-80gb"), pp=2, tp=1, inter_node=[False])
+    shape = BatchShape.build([], [300] * 12)
+    compute, _ = pipe.shape_times(shape)
+    assert compute[1] - compute[0] == pytest.approx((head[1] + head[2] * 12) * 1e-3, rel=1e-9)
+
+
+def test_scenario_max_running_caps_running_sequences(tmp_path: Path) -> None:
+    from pp_runtime.sim.run import plan_deployment
+    cfg = load_sim_config(REPO / "configs/sim/smoke.yaml")
+    sc = dataclasses.replace(cfg.scenarios[0], max_batch_size=8, max_running=16)
+    assert plan_deployment(cfg, sc).sched_cfg.max_running == 16
+    with pytest.raises(ValueError, match="max_running"):
+        dataclasses.replace(sc, max_running=0)
 
 
 # ---- workload, config, run directories ----------------------------------------------------------

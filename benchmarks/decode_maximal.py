@@ -1,0 +1,98 @@
+"""Decode-maximal batching on this box: the paper's Table 2 with paired rounds (issue 8, target 3).
+
+    .venv/bin/python benchmarks/decode_maximal.py                # embedded model, 1 thread
+    .venv/bin/python benchmarks/decode_maximal.py --threads 2
+    .venv/bin/python benchmarks/decode_maximal.py --smoke --model HF_FOLDER   # CI smoke test
+
+One one-stage worker runs, in alternating rounds, the micro-batches whose difference is the
+answer: a fresh prefill chunk of P tokens alone; the same chunk plus B decodes (each after
+--context cached tokens); and the B decodes alone. Per round,
+
+    marginal cost of a piggybacked decode = (t[chunk + B decodes] − t[chunk]) / B
+    cost of a decode alone               = t[B decodes] / B
+
+and the figures are medians over rounds (the difference of two ~1 s forwards on a shared box
+is noisy; pairing within a round cancels the drift). Target: marginal ≤ ¼ of alone at B = 4.
+Each forward is what ``stages.profile`` times: the layers plus the LM head on sampled rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from stages.profile import Grid, Point, _Layout, build_worker, fill_cache, forward_step, plan_chunks
+from stages.attention import build_metadata
+
+
+def measure(model: str | None, chunk: int, decodes: list[int], context: int, threads: int, rounds: int) -> dict:
+    torch.set_num_threads(threads)
+    w = build_worker(model, threads=threads)
+    grid = Grid(prefill=(chunk,), prefill_with_context=(), decode=tuple(decodes), mixed_decode=tuple(decodes),
+                mixed_prefill=chunk, context=context)
+    layout = _Layout(grid)
+    w.allocate_cache(layout.num_blocks)
+    fill_cache(w)
+    vocab = w.spec.source.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    points = {"chunk": Point("prefill", chunk, 0, 0)}
+    for b in decodes:
+        points[f"mixed{b}"] = Point("mixed", chunk, b, context)
+        points[f"decode{b}"] = Point("decode", 0, b, context)
+    plans = {k: plan_chunks(p, layout, vocab, gen) for k, p in points.items()}
+
+    def run(chunks: tuple) -> float:
+        t = time.perf_counter()
+        meta = build_metadata(chunks, w.block_size, w.device)
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
+        with torch.inference_mode():
+            forward_step(w.model, ids, meta, w.kv_caches)
+        return time.perf_counter() - t
+
+    for chunks in plans.values():  # warm-up
+        run(chunks)
+    times: dict[str, list[float]] = {k: [] for k in plans}
+    for _ in range(rounds):
+        for k, chunks in plans.items():
+            times[k].append(run(chunks))
+    out: dict = {"chunk": chunk, "context": context, "threads": threads, "rounds": rounds,
+                 "chunk_ms": statistics.median(times["chunk"]) * 1e3, "by_batch": {}}
+    for b in decodes:
+        marg = [(m - c) / b for m, c in zip(times[f"mixed{b}"], times["chunk"])]
+        alone = [d / b for d in times[f"decode{b}"]]
+        out["by_batch"][b] = {"marginal_ms": statistics.median(marg) * 1e3, "alone_ms": statistics.median(alone) * 1e3,
+                              "ratio": statistics.median(marg) / statistics.median(alone),
+                              "mixed_ms": statistics.median(times[f"mixed{b}"]) * 1e3,
+                              "decode_only_ms": statistics.median(times[f"decode{b}"]) * 1e3}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--decodes", default="4,8,16")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
+    ap.add_argument("--json", default=None, help="write the figures here too")
+    a = ap.parse_args()
+    if a.smoke:
+        a.chunk, a.decodes, a.context, a.rounds = 16, "2", 16, 2
+    r = measure(a.model, a.chunk, [int(b) for b in a.decodes.split(",")], a.context, a.threads, a.rounds)
+    print(f"chunk {r['chunk']} (fresh) ± decodes at context {r['context']}, {r['threads']} thread(s), "
+          f"{r['rounds']} rounds; chunk alone {r['chunk_ms']:.1f} ms")
+    print("   B   piggybacked ms/decode   alone ms/decode   ratio (target <= 0.25 at B = 4)")
+    for b, row in r["by_batch"].items():
+        print(f"{b:4d}   {row['marginal_ms']:21.2f}   {row['alone_ms']:15.2f}   {row['ratio']:.3f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Does pipeline parallelism pay on this box? pp=2 against pp=1 on a P:D = 10 Zipf workload
+(issue 8: targets 4 pipeline efficiency, 5 control plane, 6 memory).
+
+    .venv/bin/python benchmarks/pp_scaling.py             # embedded model, 24 requests, ~15 min
+    .venv/bin/python benchmarks/pp_scaling.py --smoke     # llama-tiny, seconds (CI)
+
+For sarathi and orca: the same requests (total lengths Zipf θ = 0.4 in --min-len..--max-len,
+P:D = 10, all at t = 0) at pp=1 (in process, one thread) and pp=2 (two Ray workers, one thread
+each); throughput = (prompt + generated tokens) / wall seconds, and the pipeline efficiency
+tput(pp=2) / (2 × tput(pp=1)) (target ≥ 0.9 for sarathi). Same chunk, batch size and KV budget
+everywhere.
+
+At pp=2 (sarathi run), per micro-batch and as a fraction of the mean stage step:
+  * driver work: scheduling + plan packing + Ray submission + postprocess (Engine.stats);
+  * plan delivery: how long a free worker waited for a plan already sent;
+  * token return: from the last stage's end to the driver holding the tokens, counted from when
+    the driver started waiting for them (time it spent elsewhere is not return latency).
+Memory at pp=2: each worker's resident decoder-layer bytes against its 1/pp share of the whole
+layer stack, its process RSS, and the KV cache allocated against budget − weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from pp_runtime import LLM, SamplingParams
+from pp_runtime.workload import WorkloadConfig, generate_workload
+
+
+def run_once(llm: LLM, items: list, policy: str) -> float:
+    llm.reconfigure(policy=policy)
+    reqs = [llm.make_request(it.request_id, it.prompt_token_ids,
+                             SamplingParams(max_tokens=it.max_tokens, ignore_eos=True)) for it in items]
+    t = time.perf_counter()
+    outs = llm.run(reqs)
+    wall = time.perf_counter() - t
+    assert all(o.finish_reason == "length" for o in outs), [o.error for o in outs if o.error][:3]
+    return wall
+
+
+def control_plane(llm: LLM, timings: list[list]) -> dict:
+    eng, pp = llm.engine, llm.config.parallel.pp
+    steps, delivery, ends = [], [], {}
+    for rank, worker in enumerate(timings):
+        prev_end = None
+        for mb, t_ready, t_start, t_end in worker:
+            steps.append(t_end - t_start)
+            free_since = eng.submit_times[mb] if prev_end is None else max(eng.submit_times[mb], prev_end)
+            delivery.append(max(0.0, t_ready - free_since))
+            prev_end = t_end
+            if rank == len(timings) - 1:  # last stage (TP rank 0 of it with tp = 1)
+                ends[mb] = t_end
+    returns = [max(0.0, got - max(ask, ends[mb])) for mb, (ask, got) in eng.collect_times.items() if mb in ends]
+    st = eng.stats
+    step = statistics.mean(steps)
+    out = {"pp": pp, "microbatches": st.steps, "mean_step_ms": step * 1e3,
+           "driver_ms_per_mb": st.driver_s / st.steps * 1e3, "delivery_ms_per_mb": statistics.mean(delivery) * 1e3,
+           "return_ms_per_mb": statistics.mean(returns) * 1e3}
+    out["total_fraction"] = (out["driver_ms_per_mb"] + out["delivery_ms_per_mb"] + out["return_ms_per_mb"]) \
+        / out["mean_step_ms"]
+    return out
+
+
+def rss_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def memory(llm: LLM) -> dict:
+    infos = llm.executor.workers_info()
+    total_layers = sum(i["layer_weight_bytes"] for i in infos)
+    m = llm.memory
+    kv = m.num_blocks * llm.config.cache.block_size * m.kv_bytes_per_token
+    return {"layer_stack_bytes": total_layers,
+            "workers": [{"stage": i["stage"], "layers": i["layers"], "layer_bytes": i["layer_weight_bytes"],
+                         "share_bytes": total_layers / len(infos), "weight_bytes": i["weight_bytes"],
+                         "rss_bytes": rss_bytes(i["pid"])} for i in infos],
+            "budget_bytes": m.budget_bytes, "tightest_weight_bytes": m.weight_bytes, "kv_bytes": kv,
+            "unused_bytes": m.budget_bytes - m.weight_bytes - kv,
+            "block_bytes": llm.config.cache.block_size * m.kv_bytes_per_token}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--min-len", type=int, default=256)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--max-batch-size", type=int, default=24)
+    ap.add_argument("--schedulers", default="sarathi,orca")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    model = "llama-tiny" if a.smoke and a.model is None else a.model
+    if a.smoke:
+        a.num_requests, a.min_len, a.max_len, a.chunk = 6, 24, 64, 16
+    common = dict(model=model, chunk_size=a.chunk, max_batch_size=a.max_batch_size, memory_budget_gb=2.0,
+                  max_model_len=2048, threads=1)
+    wl = WorkloadConfig(kind="zipf", num_requests=a.num_requests, min_len=a.min_len, max_len=a.max_len, theta=0.4,
+                        pd_ratio=10, arrival="all", seed=0)
+    policies = a.schedulers.split(",")
+    r: dict = {"workload": {"num_requests": a.num_requests, "min_len": a.min_len, "max_len": a.max_len,
+                            "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "throughput_tok_s": {}}
+    for pp in (1, 2):
+        with LLM(pp=pp, launcher="local" if pp == 1 else "ray", **common) as llm:
+            items = generate_workload(wl, llm.source.config.vocab_size)
+            tokens = sum(len(it.prompt_token_ids) + it.max_tokens for it in items)
+            llm.generate([items[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2))  # warm-up
+            for policy in policies:
+                llm.executor.drain_timings()
+                wall = run_once(llm, items, policy)
+                r["throughput_tok_s"][f"{policy}_pp{pp}"] = tokens / wall
+                print(f"{policy:8s} pp={pp}: {tokens} tokens in {wall:7.1f} s = {tokens / wall:6.1f} tok/s", flush=True)
+                if pp == 2 and policy == policies[0]:
+                    r["control_plane_pp2"] = control_plane(llm, llm.executor.drain_timings())
+            if pp == 2:
+                r["memory_pp2"] = memory(llm)
+    tp = r["throughput_tok_s"]
+    r["efficiency"] = {p: tp[f"{p}_pp2"] / (2 * tp[f"{p}_pp1"]) for p in policies}
+    print("pipeline efficiency tput(pp=2) / (2 × tput(pp=1)), target >= 0.9 for sarathi: "
+          + ", ".join(f"{p} {e:.3f}" for p, e in r["efficiency"].items()))
+    c = r["control_plane_pp2"]
+    print(f"control plane at pp=2 ({c['microbatches']} micro-batches, mean stage step {c['mean_step_ms']:.1f} ms): "
+          f"driver {c['driver_ms_per_mb']:.2f} + delivery {c['delivery_ms_per_mb']:.2f} + token return "
+          f"{c['return_ms_per_mb']:.2f} ms = {c['total_fraction']:.1%} of a step (target < 5%)")
+    m = r["memory_pp2"]
+    for w in m["workers"]:
+        rss = "n/a" if w["rss_bytes"] is None else f"{w['rss_bytes'] / 2**20:.0f} MiB"
+        print(f"stage {w['stage']} layers {w['layers']}: layer weights {w['layer_bytes'] / 1e6:.1f} MB "
+              f"(share {w['share_bytes'] / 1e6:.1f} MB), all weights {w['weight_bytes'] / 1e6:.1f} MB, RSS {rss}")
+    print(f"KV cache {m['kv_bytes'] / 2**20:.1f} MiB = budget {m['budget_bytes'] / 2**20:.1f} MiB − weights "
+          f"{m['tightest_weight_bytes'] / 2**20:.1f} MiB − {m['unused_bytes']} B unused (< one block of "
+          f"{m['block_bytes']} B)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Does the simulator predict a real run? Profile → bench → simulate → compare (issue 6, item 5).
+
+    .venv/bin/python benchmarks/validate_sim.py                  # embedded model, pp=2, ~8 min
+    .venv/bin/python benchmarks/validate_sim.py --bench-dir runs/pp2_real   # reuse a bench run
+    .venv/bin/python benchmarks/validate_sim.py --smoke          # llama-tiny, seconds (CI)
+
+1. Profile this box at the bench's thread count, co-located like the deployment's stage workers
+   (``pp-runtime profile --colocate PP``: PP identical profiles at once, so memory-bandwidth and
+   core contention are in the figures), on the default grid and on a second grid whose decodes
+   and chunk sit at a longer context (--context2), all CSVs fitted together.
+2. ``pp-runtime bench`` of the run config (unless --bench-dir gives one).
+3. A simulation config derived from the same run config (model, pp, chunk, batch size, running
+   cap = batch size × pp as ``LLM`` sets it, KV budget, workload and seed; cost model fitted to
+   step 1's CSVs; the driver's per-micro-batch cost from --dispatch-us/--return-us), then
+   ``pp-runtime simulate``.
+4. Throughput and median bubble per request, real vs simulated, per scheduler; |error| ≤ 15% is
+   the target. Written to OUT/validation.json and printed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from pp_runtime.workload import load_run_config
+
+METRICS = ("throughput_tok_s", "bubble_s_per_request_p50")
+CONTEXT2_GRID = "prefill=;prefill_with_context=256;decode=1,4,8,16,24;mixed_decode=4,16;context={ctx}"
+
+
+def cli(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "launch.cli", *args], check=True)
+
+
+def profile(out: Path, run: dict, grids: list[str]) -> list[str]:
+    """Every CSV the co-located profiles wrote (the main one and its siblings', per grid)."""
+    csvs = []
+    for i, grid in enumerate(grids):
+        d = out / f"profile{i}"
+        args = ["profile", "--threads", str(run["engine"].get("threads", 0)), "--grid", grid,
+                "--colocate", str(run["engine"].get("pp", 1)), "--out", str(d), "--quiet"]
+        if run["engine"].get("model"):
+            args += ["--model", run["engine"]["model"]]
+        cli(*args)
+        csvs += [str(p) for p in sorted(d.glob("**/profile.csv"))]
+    return csvs
+
+
+def sim_config(run_path: str, csvs: list[str], dispatch_us: float, return_us: float) -> dict:
+    """The simulation of exactly what ``pp-runtime bench --config run_path`` runs."""
+    cfg = load_run_config(run_path)
+    e, w = cfg.engine, cfg.workload
+    pp, mbs = e.get("pp", 1), e["max_batch_size"]
+    budget_gib = e.get("memory_budget_gb", 4.0)
+    workload = {k: v for k, v in vars(w).items() if v is not None}
+    scen = [{"name": s, "scheduler": s, "pp": pp, "chunk_size": e.get("chunk_size", 256), "max_batch_size": mbs,
+             "max_running": mbs * pp, "tile_align": bool(e.get("tile_align", False)), "dispatch_us": dispatch_us,
+             "return_us": return_us} for s in cfg.schedulers]
+    return {"name": "validate", "description": f"simulation of `pp-runtime bench --config {run_path}`",
+            "model": e.get("model") or "smollm2-135m",
+            "hardware": {"preset": "cpu-2core", "memory_gb": budget_gib * (1 << 30) / 1e9},
+            "dtype": e.get("dtype", "float32"), "cluster": {"nodes": 1, "gpus_per_node": max(2, pp)},
+            "memory": {"utilization": 1.0, "block_size": e.get("block_size", 16)},
+            "max_model_len": e["max_model_len"], "cost_model": {"kind": "profile", "csv": csvs},
+            "seed": e.get("seed", 0), "workload": workload, "scenarios": scen, "base": cfg.schedulers[0]}
+
+
+def compare(bench: Path, sim: Path, schedulers: list[str]) -> dict:
+    out = {}
+    for s in schedulers:
+        if not (bench / s / "summary.json").is_file():  # a reused bench may hold fewer schedulers
+            continue
+        real = json.loads((bench / s / "summary.json").read_text())
+        pred = json.loads((sim / s / "summary.json").read_text())
+        out[s] = {m: {"real": real[m], "sim": pred[m], "error": pred[m] / real[m] - 1 if real[m] else None}
+                  for m in METRICS}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/runs/pp2_zipf.yaml", help="the bench run config")
+    ap.add_argument("--out", default="runs/validate_sim")
+    ap.add_argument("--bench-dir", default=None, help="an existing bench of --config (skips step 2)")
+    ap.add_argument("--context2", type=int, default=768, help="context of the second profile grid")
+    ap.add_argument("--dispatch-us", type=float, default=3620.0,
+                    help="driver scheduling + plan delivery per micro-batch (benchmarks/pipeline.py)")
+    ap.add_argument("--return-us", type=float, default=1000.0)
+    ap.add_argument("--smoke", action="store_true", help="configs/runs/smoke.yaml on quick grids (CI)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    if a.smoke:
+        a.config = "configs/runs/smoke.yaml"
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    run = {"engine": load_run_config(a.config).engine}
+    grids = ["quick", "quick;context=24;prefill="] if a.smoke else ["default", CONTEXT2_GRID.format(ctx=a.context2)]
+    csvs = profile(out, run, grids)
+    bench = Path(a.bench_dir) if a.bench_dir else out / "bench"
+    schedulers = list(load_run_config(a.config).schedulers)
+    if not a.bench_dir:
+        cli("bench", "--config", a.config, "--out", str(bench))
+    cfg_path = out / "sim_config.yaml"
+    cfg_path.write_text(yaml.safe_dump(sim_config(a.config, [str(Path(c).resolve()) for c in csvs],
+                                                  a.dispatch_us, a.return_us), sort_keys=False))
+    cli("simulate", "--config", str(cfg_path), "--out", str(out / "sim"), "--quiet")
+    result = {"config": a.config, "profiles": csvs, "bench_dir": str(bench), "comparison": compare(bench, out / "sim",
+                                                                                                  schedulers)}
+    print(f"{'scheduler':10s} {'metric':26s} {'real':>10s} {'simulated':>10s} {'error':>8s}")
+    for s, row in result["comparison"].items():
+        for m, v in row.items():
+            err = "n/a" if v["error"] is None else f"{v['error']:+.1%}"
+            print(f"{s:10s} {m:26s} {v['real']:10.4g} {v['sim']:10.4g} {err:>8s}")
+    (out / "validation.json").write_text(json.dumps(result, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
