@@ -79,18 +79,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out.to(x.dtype)
 
 
-# On CPU with several intra-op threads, the BLAS splits a skinny product X Wᵀ (few rows, as in a
-# decode batch) badly across threads; the same product taken as (W Xᵀ)ᵀ lets them split W's many
-# rows instead. Measured on the 2-core box (docs/BENCHMARKS.md, "skinny GEMM"): 1.1-1.4x faster
-# for 4-128 rows at 2 threads, no gain on one thread, slower from ~256 rows.
-SKINNY_ROWS = (2, 128)
+# On CPU the BLAS splits a skinny product X Wᵀ (few rows, as in a decode batch) badly: across
+# threads, and on one thread in its blocking for a handful of rows; the same product taken as
+# (W Xᵀ)ᵀ walks W's many rows instead. Measured on the 2-core box (docs/BENCHMARKS.md, "skinny
+# GEMM"): at 2 threads 1.1-1.4x faster for 4-128 rows (slower from ~256); at 1 thread 1.2-1.6x
+# for 2-6 rows (the LM head most), slower from 8.
+SKINNY_ROWS = {1: (2, 6), 2: (2, 128)}  # torch threads (2 = "more than one") -> rows where it pays
+
+
+def skinny(rows: int) -> bool:
+    lo, hi = SKINNY_ROWS[min(torch.get_num_threads(), 2)]
+    return lo <= rows <= hi
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias) for x (T, in), w (out, in) -> (T, out), contiguous."""
-    t = x.shape[0]
-    if (x.device.type == "cpu" and x.dim() == 2 and SKINNY_ROWS[0] <= t <= SKINNY_ROWS[1]
-            and torch.get_num_threads() > 1):
+    if x.device.type == "cpu" and x.dim() == 2 and skinny(x.shape[0]):
         y = torch.mm(w, x.t()).t().contiguous()  # (out, T) -> (T, out)
         return y if bias is None else y.add_(bias)
     return F.linear(x, w, bias)
