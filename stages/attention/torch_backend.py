@@ -1,14 +1,16 @@
 """Reference attention backend on torch SDPA: runs on any device.
 
 Prefill chunks: one SDPA per chunk over its gathered context, causal with the diagonal
-offset by the tokens already cached (bottom-right aligned). Decodes: one batched SDPA
-over their padded contexts with a padding mask. GQA through SDPA's ``enable_gqa``.
+offset by the tokens already cached (bottom-right aligned). Decodes: on CPU in fp32 the
+paged kernel of ``cpu_paged`` (reads the blocks in place); elsewhere one batched SDPA over
+their gathered, padded contexts with a padding mask. GQA through SDPA's ``enable_gqa``.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from stages.attention import cpu_paged
 from stages.attention.metadata import AttentionMetadata
 
 
@@ -26,11 +28,22 @@ def causal_offset_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.
     return torch.arange(ctx_len, device=device).unsqueeze(0) <= q_pos
 
 
+def _decode_lens(meta: AttentionMetadata) -> torch.Tensor:
+    """(D,) int64 context length of every decode, built once per step."""
+    if "decode_lens" not in meta.backend_cache:
+        meta.backend_cache["decode_lens"] = torch.tensor(meta.ctx_lens[meta.num_prefills:], dtype=torch.long)
+    return meta.backend_cache["decode_lens"]
+
+
 class TorchAttention:
     name = "torch"
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
+
+    @staticmethod
+    def _use_paged_kernel(q: torch.Tensor) -> bool:
+        return q.device.type == "cpu" and q.dtype == torch.float32 and cpu_paged.available()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -53,7 +66,10 @@ class TorchAttention:
                                                attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True)
             out[row:row + n] = o.squeeze(0).transpose(0, 1)
             row += n
-        if meta.num_decodes:
+        if meta.num_decodes and self._use_paged_kernel(q):  # K/V read in place, no gather
+            out[row:] = cpu_paged.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables,
+                                               _decode_lens(meta), self.scale)
+        elif meta.num_decodes:
             b = meta.num_decodes
             idx = meta.decode_tables.reshape(-1)
             kd = k_cache.index_select(0, idx).view(b, -1, h_kv, d).transpose(1, 2)  # (B, H_kv, L, D)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pp_runtime.batch import SeqChunk
-from stages.attention import TorchAttention, XFormersAttention, build_metadata, make_backend
+from stages.attention import TorchAttention, XFormersAttention, build_metadata, cpu_paged, make_backend
 
 BS, H, HKV, D = 4, 4, 2, 8
 
@@ -44,11 +44,40 @@ def dense_reference(chunks: tuple, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     return out
 
 
-def test_torch_backend_matches_dense() -> None:
+@pytest.mark.parametrize("paged_kernel", [True, False])
+def test_torch_backend_matches_dense(paged_kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both decode paths: the CPU paged kernel (K/V read in place) and gather + SDPA."""
+    if paged_kernel and not cpu_paged.available():
+        pytest.skip("CPU paged-attention kernel could not be built here")
+    monkeypatch.setattr(TorchAttention, "_use_paged_kernel", staticmethod(lambda q: paged_kernel))
     chunks, q, k, v, kc, vc = mixed_batch()
     meta = build_metadata(chunks, BS, torch.device("cpu"))
     out = TorchAttention(D ** -0.5).forward(q, k, v, kc, vc, meta)
     torch.testing.assert_close(out, dense_reference(chunks, q, kc, vc), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_kernel_matches_gather_sdpa_at_scale(threads: int) -> None:
+    """Real head shapes (9 query / 3 KV heads, D = 64), scattered blocks, ragged lengths."""
+    if not cpu_paged.available():
+        pytest.skip("CPU paged-attention kernel could not be built here")
+    g = torch.Generator().manual_seed(threads)
+    b, bs, hkv, grp, d, nb = 13, 16, 3, 3, 64, 9
+    kc, vc = torch.randn(200, bs, hkv, d, generator=g), torch.randn(200, bs, hkv, d, generator=g)
+    tables = torch.randperm(200, generator=g)[:b * nb].view(b, nb).contiguous()
+    lens = torch.randint(1, nb * bs + 1, (b,), generator=g)
+    q = torch.randn(b, hkv * grp, d, generator=g)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_paged.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
+    finally:
+        torch.set_num_threads(old)
+    kd = kc[tables.reshape(-1)].view(b, -1, hkv, d).transpose(1, 2)
+    vd = vc[tables.reshape(-1)].view(b, -1, hkv, d).transpose(1, 2)
+    mask = (torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :]
+    ref = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out, ref.squeeze(2), rtol=1e-5, atol=1e-5)
 
 
 def test_xformers_packing_and_mask_match_torch_backend() -> None:
