@@ -13,7 +13,9 @@ answer: a fresh prefill chunk of P tokens alone; the same chunk plus B decodes (
 
 and the figures are medians over rounds (the difference of two ~1 s forwards on a shared box
 is noisy; pairing within a round cancels the drift); the same from each batch's fastest round is
-printed next to it. Target: marginal ≤ ¼ of alone at B = 4.
+printed next to it, and so is the slope of forward time over B fitted within each round over
+all the mixed batches and the chunk alone (median over rounds; the steadiest of the three).
+Target: marginal ≤ ¼ of alone at B = 4.
 Each forward is what ``stages.profile`` times: the layers plus the LM head on sampled rows.
 """
 from __future__ import annotations
@@ -60,7 +62,8 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
         for k, chunks in plans.items():
             times[k].append(run(chunks))
     out: dict = {"chunk": chunk, "context": context, "threads": threads, "rounds": rounds,
-                 "chunk_ms": statistics.median(times["chunk"]) * 1e3, "by_batch": {}}
+                 "chunk_ms": statistics.median(times["chunk"]) * 1e3, "by_batch": {},
+                 "slope_ms_per_decode": statistics.median(_round_slopes(times, decodes)) * 1e3}
     for b in decodes:
         marg = [(m - c) / b for m, c in zip(times[f"mixed{b}"], times["chunk"])]
         alone = [d / b for d in times[f"decode{b}"]]
@@ -76,11 +79,25 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
     return out
 
 
+def _round_slopes(times: dict[str, list[float]], decodes: list[int]) -> list[float]:
+    """Per round, the least-squares slope of forward time over B (the chunk alone is B = 0):
+    the marginal cost of a piggybacked decode from every mixed batch of the round at once."""
+    bs = [0] + list(decodes)
+    mean_b = sum(bs) / len(bs)
+    den = sum((b - mean_b) ** 2 for b in bs)
+    slopes = []
+    for r in range(len(times["chunk"])):
+        ts = [times["chunk"][r]] + [times[f"mixed{b}"][r] for b in decodes]
+        mean_t = sum(ts) / len(ts)
+        slopes.append(sum((b - mean_b) * (t - mean_t) for b, t in zip(bs, ts)) / den)
+    return slopes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--decodes", default="4,8,16")
+    ap.add_argument("--decodes", default="2,4,6,8")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=20)
@@ -97,6 +114,9 @@ def main() -> None:
     for b, row in r["by_batch"].items():
         print(f"{b:4d}   {row['marginal_ms']:21.2f}   {row['alone_ms']:15.2f}   {row['ratio']:.3f}    "
               f"({row['marginal_ms_of_minima']:.2f}, {row['alone_ms_min']:.2f}, {row['ratio_of_minima']:.3f})")
+    slope = r["slope_ms_per_decode"]
+    print(f"slope over B = 0, {a.decodes} within each round (median of rounds): {slope:.2f} ms per piggybacked "
+          f"decode" + "".join(f"; / alone at B = {b}: {slope / row['alone_ms']:.3f}" for b, row in r["by_batch"].items()))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=1)
