@@ -36,15 +36,16 @@ def cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "launch.cli", *args], check=True)
 
 
-def profile(out: Path, run: dict, grids: list[str]) -> list[str]:
-    """Every CSV the co-located profiles wrote (the main one and its siblings', per grid)."""
+def profile(out: Path, engine: dict, grids: list[str]) -> list[str]:
+    """Every CSV the co-located profiles wrote (the main one and its siblings', per grid): at the
+    run's threads per worker, ``pp`` processes at once."""
     csvs = []
     for i, grid in enumerate(grids):
         d = out / f"profile{i}"
-        args = ["profile", "--threads", str(run["engine"].get("threads", 0)), "--grid", grid,
-                "--colocate", str(run["engine"].get("pp", 1)), "--out", str(d), "--quiet"]
-        if run["engine"].get("model"):
-            args += ["--model", run["engine"]["model"]]
+        args = ["profile", "--threads", str(engine.get("threads", 0)), "--grid", grid,
+                "--colocate", str(engine.get("pp", 1)), "--out", str(d), "--quiet"]
+        if engine.get("model"):
+            args += ["--model", engine["model"]]
         cli(*args)
         csvs += [str(p) for p in sorted(d.glob("**/profile.csv"))]
     return csvs
@@ -97,11 +98,11 @@ def main() -> None:
         a.config = "configs/runs/smoke.yaml"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    run = {"engine": load_run_config(a.config).engine}
+    run = load_run_config(a.config)
     grids = ["quick", "quick;context=24;prefill="] if a.smoke else ["default", CONTEXT2_GRID.format(ctx=a.context2)]
-    csvs = profile(out, run, grids)
+    csvs = profile(out, run.engine, grids)
     bench = Path(a.bench_dir) if a.bench_dir else out / "bench"
-    schedulers = list(load_run_config(a.config).schedulers)
+    schedulers = list(run.schedulers)
     if not a.bench_dir:
         cli("bench", "--config", a.config, "--out", str(bench))
     cfg_path = out / "sim_config.yaml"
