@@ -22,7 +22,7 @@ import pytest
 
 SCRIPT = Path(sys.executable).with_name("pp-runtime")
 ENGINE = ["--model", "llama-tiny", "--pp", "2", "--launcher", "ray", "--threads", "1", "--memory-budget-gb", "0.05"]
-NUM = 40
+NUM = 80  # enough long requests that both runs are mid-way when the signals land (~35 s runs)
 EXIT_BOUND_S = 15.0  # from the signal to the command's exit
 
 
@@ -125,7 +125,7 @@ def test_sigint_and_sigterm_write_results_and_leave_no_processes(inputs: Path) -
         gen.wait_for(lambda: (tmp / "run" / "workers.json").is_file())
         workers = {w["pid"] for w in json.loads((tmp / "run" / "workers.json").read_text())}
         assert len(workers) == 2
-        bench.wait_for(lambda: any("bench: sarathi on 40 requests" in x for x in bench.lines))
+        bench.wait_for(lambda: any(f"bench: sarathi on {NUM} requests" in x for x in bench.lines))
         time.sleep(2.0)  # the short requests finish, the long ones are far from done
         pids = {"gen": gen.descendants() | workers, "bench": bench.descendants()}
         assert workers <= pids["gen"], "the stage workers run under the command's embedded Ray"
@@ -142,7 +142,7 @@ def test_sigint_and_sigterm_write_results_and_leave_no_processes(inputs: Path) -
             cmd.proc.wait(timeout=30)
     assert "Traceback" not in "\n".join(gen.lines + bench.lines)
     for cmd, name in ((gen, "SIGINT"), (bench, "SIGTERM")):  # one line says what happened
-        assert re.fullmatch(rf"pp-runtime: interrupted by {name}: \d+ of 40 requests cancelled", cmd.lines[-1]), \
+        assert re.fullmatch(rf"pp-runtime: interrupted by {name}: \d+ of {NUM} requests cancelled", cmd.lines[-1]), \
             cmd.lines[-3:]
     check_results(tmp / "out.jsonl")
     assert (tmp / "run" / "results.jsonl").read_text() == (tmp / "out.jsonl").read_text()
