@@ -432,20 +432,27 @@ class RunConfig:
         return replace(self, engine={**self.engine, **given})
 
 
+def read_yaml_mapping(path: Path, what: str) -> dict:
+    """A YAML file whose top level is a mapping; ValueError names ``what`` and the path when it
+    cannot be read, is not YAML or is not a mapping (run and simulation configs alike)."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {str(path)!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{what} {path}: invalid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {path}: expected a mapping at the top level")
+    return data
+
+
 def load_run_config(path: str | Path) -> RunConfig:
     """Read a run YAML (configs/runs/*.yaml). Every key is optional except ``workload``; an
     unknown key raises ValueError naming it. A relative workload.trace_path is taken relative to
     the YAML's folder when the file is there, else as given (relative to the working directory).
     A workload without its own seed uses the run's seed."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read run config {str(path)!r}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"run config {path}: invalid YAML ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"run config {path}: expected a mapping at the top level")
+    data = read_yaml_mapping(path, "run config")
     for key in data:
         if key not in RUN_KEYS:
             raise ValueError(f"run config {path}: unknown key {key!r} (known: {', '.join(RUN_KEYS)})")

@@ -36,12 +36,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
 
 from pp_runtime.config import DTYPE_BYTES, SCHEDULER_POLICIES
 from pp_runtime.sim.presets import Hardware, SimModel, resolve_hardware, resolve_model
 from pp_runtime.sim.simulator import ROUTERS
-from pp_runtime.workload import WorkloadConfig
+from pp_runtime.workload import WorkloadConfig, read_yaml_mapping
 
 TOP_KEYS = ("name", "description", "model", "hardware", "dtype", "cluster", "memory", "max_model_len",
             "cost_model", "seed", "workload", "scenarios", "base", "claims", "output", "notes")
@@ -289,14 +288,7 @@ def parse_sim_config(data: Mapping[str, Any], path: str | Path = "<config>") -> 
 def load_sim_config(path: str | Path) -> SimConfig:
     """Read and validate a configs/sim/*.yaml; ValueError names the bad key or value."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ValueError(f"cannot read sim config {str(path)!r}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(f"sim config {path}: invalid YAML ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"sim config {path}: expected a mapping at the top level")
+    data = read_yaml_mapping(path, "sim config")
     try:
         return parse_sim_config(data, path)
     except ValueError as exc:
