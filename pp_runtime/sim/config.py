@@ -36,7 +36,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-
 from pp_runtime.config import DTYPE_BYTES, SCHEDULER_POLICIES
 from pp_runtime.sim.presets import Hardware, SimModel, resolve_hardware, resolve_model
 from pp_runtime.sim.simulator import ROUTERS
