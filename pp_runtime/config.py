@@ -21,8 +21,25 @@ def _positive(obj: object, *names: str) -> None:
             raise ValueError(f"{type(obj).__name__}.{name} must be a positive integer, got {value!r}")
 
 
+class HeadSizes:
+    """Attention widths derived from hidden_size, num_heads, num_kv_heads and head_dim (0:
+    hidden_size // num_heads); one definition for ModelConfig and the simulator's SimModel."""
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_size
+
+
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(HeadSizes):
     """Shape of a LLaMA-family decoder (LLaMA 2/3, Mistral, Qwen2, SmolLM)."""
 
     vocab_size: int
@@ -52,18 +69,6 @@ class ModelConfig:
                              f"num_heads does not divide hidden_size")
         if self.rope_theta <= 0:
             raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta}")
-
-    @property
-    def head_size(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_size
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_size
 
     def params_per_token_flops(self, lm_head: bool = True) -> int:
         """Parameters touched per token by the linear layers (FLOPs/token = 2 × this); without

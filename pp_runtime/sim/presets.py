@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from pp_runtime.config import HeadSizes
+
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "sim"
 EFFICIENCY_KEYS = ("matmul", "memory", "attention", "allreduce", "network")
 
@@ -98,7 +100,7 @@ class Hardware:
 
 
 @dataclass(frozen=True)
-class SimModel:
+class SimModel(HeadSizes):
     """The shape of a decoder-only transformer, as far as costs and memory go."""
 
     name: str
@@ -124,18 +126,6 @@ class SimModel:
             raise ValueError(f"model {self.name}: num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
         if self.head_dim == 0 and self.hidden_size % self.num_heads:
             raise ValueError(f"model {self.name}: head_dim must be given when num_heads does not divide hidden_size")
-
-    @property
-    def head_size(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_size
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_size
 
     @property
     def mlp_up_size(self) -> int:
