@@ -6,20 +6,21 @@ control-plane cost (driver work + plan delivery) as a fraction of step time at p
 
 TTFT: prompt of --prompt-len tokens, chunk --chunk, one output token. pp=2 runs two Ray
 workers with one thread each; pp=1 runs in process with 1 and with 2 threads (same cores).
-Control plane: driver time = scheduling + plan packing + Ray submission + postprocess, per
-step; delivery delay = how long a free worker waited for a plan that had already been sent
-(t_ready − max(submit, its previous t_end)), per micro-batch.
+Control plane (the analysis of benchmarks/pp_scaling.py): driver time = scheduling + plan
+packing + Ray submission + postprocess, per step; delivery delay = how long a free worker
+waited for a plan that had already been sent (t_ready − max(submit, its previous t_end)), per
+micro-batch.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
 
 from pp_runtime import LLM, SamplingParams
+from pp_scaling import control_plane as control_plane_figures  # same directory: run as a script
 
 
 def ttft(llm: LLM, prompt: list[int], reps: int) -> float:
@@ -28,27 +29,16 @@ def ttft(llm: LLM, prompt: list[int], reps: int) -> float:
 
 
 def control_plane(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
+    """One run's control-plane figures (pp_scaling.control_plane's analysis), in seconds."""
     llm.executor.drain_timings()
     t = time.perf_counter()
     llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     wall = time.perf_counter() - t
-    eng = llm.engine
-    timings = llm.executor.drain_timings()
-    delays, steps = [], []
-    for worker in timings:
-        prev_end = None
-        for mb, t_ready, t_start, t_end in worker:
-            steps.append(t_end - t_start)
-            sent = eng.submit_times[mb]
-            free_since = sent if prev_end is None else max(sent, prev_end)
-            delays.append(max(0.0, t_ready - free_since))
-            prev_end = t_end
-    st = eng.stats
-    step = statistics.mean(steps)
-    return {"wall_s": wall, "microbatches": st.steps, "mean_step_s": step,
-            "driver_s_per_mb": st.driver_s / st.steps, "delivery_s_per_mb": statistics.mean(delays),
-            "driver_fraction": st.driver_s / st.steps / step,
-            "delivery_fraction": statistics.mean(delays) / step}
+    c = control_plane_figures(llm, llm.executor.drain_timings())
+    step, driver, delivery = (c[k] / 1e3 for k in ("mean_step_ms", "driver_ms_per_mb", "delivery_ms_per_mb"))
+    return {"wall_s": wall, "microbatches": c["microbatches"], "mean_step_s": step,
+            "driver_s_per_mb": driver, "delivery_s_per_mb": delivery,
+            "driver_fraction": driver / step, "delivery_fraction": delivery / step}
 
 
 def main() -> None:
