@@ -14,7 +14,6 @@ is False and the torch path runs.
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from pathlib import Path
@@ -29,11 +28,10 @@ _failed: str | None = None
 
 def _load() -> object | None:
     global _module, _failed
+    if _module is not None or _failed is not None:  # every decode layer asks: no lock once settled
+        return _module
     with _lock:
         if _module is None and _failed is None:
-            if os.environ.get("PP_RUNTIME_NO_CPU_KERNEL"):
-                _failed = "disabled by PP_RUNTIME_NO_CPU_KERNEL"
-                return None
             try:
                 from torch.utils.cpp_extension import load
                 # -fopenmp: at::parallel_for is header code that splits work only under OpenMP
