@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from pp_runtime.batch import MicroBatch, SampleSpec, SeqChunk
-from stages.profile import OpTimer, build_worker, instrument
+from stages.op_timing import OpTimer, instrument
+from stages.profile import build_worker
 
 
 def chunk_plan(chunk: int, vocab: int, block_size: int) -> tuple:

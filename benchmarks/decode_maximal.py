@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 
 import torch
 
-from stages.profile import Grid, Point, _Layout, build_worker, fill_cache, forward_step, plan_chunks
+from pp_runtime.profile_grid import Grid, Layout, Point, plan_chunks
 from stages.attention import build_metadata
+from stages.profile import build_worker, fill_cache, forward_step
 
 
 def measure(model: str | None, chunk: int, decodes: list[int], context: int, threads: int, rounds: int) -> dict:
@@ -36,11 +38,11 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
     w = build_worker(model, threads=threads)
     grid = Grid(prefill=(chunk,), prefill_with_context=(), decode=tuple(decodes), mixed_decode=tuple(decodes),
                 mixed_prefill=chunk, context=context)
-    layout = _Layout(grid)
+    layout = Layout(grid)
     w.allocate_cache(layout.num_blocks)
     fill_cache(w)
     vocab = w.spec.source.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
+    gen = random.Random(0)
     points = {"chunk": Point("prefill", chunk, 0, 0)}
     for b in decodes:
         points[f"mixed{b}"] = Point("mixed", chunk, b, context)

@@ -11,9 +11,8 @@ import torch
 
 from pp_runtime.batch import SeqChunk
 from stages.attention import build_metadata
-from stages.profile import (BUCKETS, CSV_COLUMNS, GRIDS, OPS, Grid, format_table, grid_points, measure,
-                            parse_grid, run_profile)
-from stages.profile import build_worker
+from pp_runtime.profile_grid import BUCKETS, CSV_COLUMNS, GRIDS, OPS, Grid, format_table, grid_points, parse_grid
+from stages.profile import build_worker, measure, run_profile
 
 QUICK = "quick;reps=9"  # a few more reps than the quick grid's 3: steadier medians, still < 1 s
 
