@@ -4,14 +4,15 @@
     .venv/bin/python benchmarks/validate_sim.py --bench-dir runs/pp2_real   # reuse a bench run
     .venv/bin/python benchmarks/validate_sim.py --smoke          # llama-tiny, seconds (CI)
 
-1. Profile this box at the bench's thread count, co-located like the deployment's stage workers
-   (``pp-runtime profile --colocate PP``: PP identical profiles at once, so memory-bandwidth and
-   core contention are in the figures), on the default grid and on a second grid whose decodes
-   and chunk sit at a longer context (--context2), all CSVs fitted together.
+1. Profile the bench's deployment in place (``pp-runtime profile --pp PP``: the same launcher,
+   threads, KV budget and layer cut; each stage worker times its own layers while the others
+   work), on the default grid and on a second grid whose decodes and chunk sit at a longer
+   context (--context2); each stage's CSVs are fitted together, one cost model per stage.
 2. ``pp-runtime bench`` of the run config (unless --bench-dir gives one).
 3. A simulation config derived from the same run config (model, pp, chunk, batch size, running
-   cap = batch size × pp as ``LLM`` sets it, KV budget, workload and seed; cost model fitted to
-   step 1's CSVs; the driver's per-micro-batch cost from --dispatch-us/--return-us), then
+   cap = batch size × pp as ``LLM`` sets it, KV budget, workload and seed; per-stage cost models
+   fitted to step 1's CSVs; each worker's prep and the token return per micro-batch from step
+   1's profile.json; the driver's own work per micro-batch from --dispatch-us), then
    ``pp-runtime simulate``.
 4. Throughput and median bubble per request, real vs simulated, per scheduler; |error| ≤ 15% is
    the target. Written to OUT/validation.json and printed.
@@ -36,22 +37,32 @@ def cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "launch.cli", *args], check=True)
 
 
-def profile(out: Path, engine: dict, grids: list[str]) -> list[str]:
-    """Every CSV the co-located profiles wrote (the main one and its siblings', per grid): at the
-    run's threads per worker, ``pp`` processes at once."""
-    csvs = []
+def profile(out: Path, engine: dict, grids: list[str]) -> tuple[list[list[str]], dict]:
+    """Per stage, the CSVs of every grid, profiled in a deployment like the bench's; and the
+    deployment's per-micro-batch overheads (µs, the grids' mean)."""
+    pp = engine.get("pp", 1)
+    stages: list[list[str]] = [[] for _ in range(pp)]
+    overheads: list[dict] = []
     for i, grid in enumerate(grids):
         d = out / f"profile{i}"
-        args = ["profile", "--threads", str(engine.get("threads", 0)), "--grid", grid,
-                "--colocate", str(engine.get("pp", 1)), "--out", str(d), "--quiet"]
-        if engine.get("model"):
-            args += ["--model", engine["model"]]
+        args = ["profile", "--pp", str(pp), "--tp", str(engine.get("tp", 1)), "--launcher",
+                engine.get("launcher") or ("local" if pp * engine.get("tp", 1) == 1 else "ray"),
+                "--threads", str(engine.get("threads", 0)), "--grid", grid, "--out", str(d), "--quiet"]
+        for key in ("model", "memory_budget_gb", "partition", "dtype"):
+            if engine.get(key) is not None:
+                value = engine[key]
+                args += [f"--{key.replace('_', '-')}",
+                         ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)]
         cli(*args)
-        csvs += [str(p) for p in sorted(d.glob("**/profile.csv"))]
-    return csvs
+        for s in range(pp):
+            stages[s].append(str((d / f"stage-{s}" / "profile.csv").resolve()))
+        overheads.append(json.loads((d / "profile.json").read_text())["overheads_us"])
+    mean = {"prep": [sum(o["prep"][s] for o in overheads) / len(overheads) for s in range(pp)],
+            "return": sum(o["return"] for o in overheads) / len(overheads)}
+    return stages, mean
 
 
-def sim_config(run_path: str, csvs: list[str], dispatch_us: float, return_us: float) -> dict:
+def sim_config(run_path: str, stage_csvs: list[list[str]], dispatch_us: float, overheads: dict) -> dict:
     """The simulation of exactly what ``pp-runtime bench --config run_path`` runs."""
     cfg = load_run_config(run_path)
     e, w = cfg.engine, cfg.workload
@@ -60,13 +71,17 @@ def sim_config(run_path: str, csvs: list[str], dispatch_us: float, return_us: fl
     workload = {k: v for k, v in vars(w).items() if v is not None}
     scen = [{"name": s, "scheduler": s, "pp": pp, "chunk_size": e.get("chunk_size", 256), "max_batch_size": mbs,
              "max_running": mbs * pp, "tile_align": bool(e.get("tile_align", False)), "dispatch_us": dispatch_us,
-             "return_us": return_us} for s in cfg.schedulers]
+             "return_us": round(overheads["return"], 1), "prep_us": [round(x, 1) for x in overheads["prep"]]}
+            for s in cfg.schedulers]
+    if e.get("partition"):  # the profiled layer cut: per-stage cost models hold only for it
+        for sc in scen:
+            sc["partition"] = list(e["partition"])
     return {"name": "validate", "description": f"simulation of `pp-runtime bench --config {run_path}`",
             "model": e.get("model") or "smollm2-135m",
             "hardware": {"preset": "cpu-2core", "memory_gb": budget_gib * (1 << 30) / 1e9},
             "dtype": e.get("dtype", "float32"), "cluster": {"nodes": 1, "gpus_per_node": max(2, pp)},
             "memory": {"utilization": 1.0, "block_size": e.get("block_size", 16)},
-            "max_model_len": e["max_model_len"], "cost_model": {"kind": "profile", "csv": csvs},
+            "max_model_len": e["max_model_len"], "cost_model": {"kind": "profile", "stages": stage_csvs},
             "seed": e.get("seed", 0), "workload": workload, "scenarios": scen, "base": cfg.schedulers[0]}
 
 
@@ -88,9 +103,10 @@ def main() -> None:
     ap.add_argument("--out", default="runs/validate_sim")
     ap.add_argument("--bench-dir", default=None, help="an existing bench of --config (skips step 2)")
     ap.add_argument("--context2", type=int, default=768, help="context of the second profile grid")
-    ap.add_argument("--dispatch-us", type=float, default=3620.0,
-                    help="driver scheduling + plan delivery per micro-batch (benchmarks/pipeline.py)")
-    ap.add_argument("--return-us", type=float, default=1000.0)
+    ap.add_argument("--dispatch-us", type=float, default=2380.0,
+                    help="the driver's own work per micro-batch: postprocess, schedule, plan packing and "
+                         "submission (benchmarks/pp_scaling.py's driver_ms_per_mb on this box); plan delivery, "
+                         "the workers' prep and the tokens' return come from the profile")
     ap.add_argument("--smoke", action="store_true", help="configs/runs/smoke.yaml on quick grids (CI)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -100,14 +116,13 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     run = load_run_config(a.config)
     grids = ["quick", "quick;context=24;prefill="] if a.smoke else ["default", CONTEXT2_GRID.format(ctx=a.context2)]
-    csvs = profile(out, run.engine, grids)
+    csvs, overheads = profile(out, run.engine, grids)
     bench = Path(a.bench_dir) if a.bench_dir else out / "bench"
     schedulers = list(run.schedulers)
     if not a.bench_dir:
         cli("bench", "--config", a.config, "--out", str(bench))
     cfg_path = out / "sim_config.yaml"
-    cfg_path.write_text(yaml.safe_dump(sim_config(a.config, [str(Path(c).resolve()) for c in csvs],
-                                                  a.dispatch_us, a.return_us), sort_keys=False))
+    cfg_path.write_text(yaml.safe_dump(sim_config(a.config, csvs, a.dispatch_us, overheads), sort_keys=False))
     cli("simulate", "--config", str(cfg_path), "--out", str(out / "sim"), "--quiet")
     result = {"config": a.config, "profiles": csvs, "bench_dir": str(bench), "comparison": compare(bench, out / "sim",
                                                                                                   schedulers)}

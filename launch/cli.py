@@ -177,16 +177,28 @@ def build_parser() -> argparse.ArgumentParser:
                          "so the figures include the memory and core contention of N co-located stage workers")
     pr.add_argument("--quiet", action="store_true")
     pr.add_argument("--barrier", nargs=2, metavar=("DIR", "N"), default=None, help=argparse.SUPPRESS)
+    dep = pr.add_argument_group("in a deployment", "with --pp/--tp > 1 or --launcher, every stage worker of a "
+                                "deployment times its own layers through the real path, stages concurrently; "
+                                "OUT/stage-K/profile.csv per stage (pp_runtime/profile_deploy.py)")
+    dep.add_argument("--pp", type=_positive_int, default=1, help="pipeline stages")
+    dep.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks per stage")
+    dep.add_argument("--partition", default=None, help="layers per stage, comma separated (e.g. 16,14)")
+    dep.add_argument("--launcher", choices=("local", "ray", "torchrun"), default=None)
+    dep.add_argument("--memory-budget-gb", type=_positive_float, default=None, help="M_G per worker (CPU default 4)")
     return parser
 
 
+def parse_partition(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--partition must be comma-separated integers, got {text!r}") from None
+
+
 def engine_kwargs(a: argparse.Namespace) -> dict:
-    partition = None
-    if a.partition:
-        try:
-            partition = [int(x) for x in a.partition.split(",")]
-        except ValueError:
-            raise ValueError(f"--partition must be comma-separated integers, got {a.partition!r}") from None
+    partition = parse_partition(a.partition)
     return dict(model=a.model, pp=a.pp, tp=a.tp, launcher=a.launcher, scheduler=a.scheduler,
                 chunk_size=a.chunk_size, max_batch_size=a.max_batch_size, tile_align=a.tile_align,
                 dtype=a.dtype, device=a.device, attention=a.attention, seed=a.seed, block_size=a.block_size,
@@ -308,9 +320,12 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
-    from stages.profile import parse_grid, run_profile
+    from pp_runtime.profile_grid import parse_grid
     _check_writable("--out", a.out, is_dir=True)
-    parse_grid(a.grid)  # a bad grid fails here, before any sibling starts
+    grid = parse_grid(a.grid)  # a bad grid fails here, before any worker or sibling starts
+    if a.pp > 1 or a.tp > 1 or a.launcher:
+        return _profile_deployment(a, grid)
+    from stages.profile import run_profile
     barrier = a.barrier
     if a.colocate > 1:
         barrier = (str(Path(a.out) / ".barrier"), str(a.colocate))
@@ -324,6 +339,21 @@ def cmd_profile(a: argparse.Namespace) -> int:
         failed = [k for k, p in enumerate(siblings, 1) if p.wait() != 0]
     if failed:
         raise RuntimeError(f"co-located profile(s) {failed} failed; see {a.out}/colocated-K/profile.log")
+    return 0
+
+
+def _profile_deployment(a: argparse.Namespace, grid: object) -> int:
+    from pp_runtime.llm import LLM
+    from pp_runtime.profile_deploy import profile_deployment
+    if a.colocate > 1:
+        raise ValueError("--colocate profiles one worker in N processes; a deployment (--pp/--tp/--launcher) "
+                         "already runs all its workers at once")
+    partition = parse_partition(a.partition)
+    with LLM(a.model, pp=a.pp, tp=a.tp, launcher=a.launcher, dtype=a.dtype, device=a.device, attention=a.attention,
+             block_size=grid.block_size, memory_budget_gb=a.memory_budget_gb, max_model_len=grid.max_len(),
+             partition=partition, threads=a.threads) as llm:
+        profile_deployment(llm, a.grid, a.out, progress=not a.quiet)
+    print(f"per-stage profiles in {a.out}/stage-K/profile.csv")
     return 0
 
 

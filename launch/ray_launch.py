@@ -96,6 +96,9 @@ class StageActor:
     def drain_timings(self) -> list:
         return self.worker.drain_timings()
 
+    def drain_op_times(self) -> list:
+        return self.worker.drain_op_times()
+
     @ray.method(concurrency_group="control")
     def now(self) -> float:
         return time.time()
@@ -183,6 +186,9 @@ class RayExecutor:
 
     def drain_timings(self) -> list[list]:
         return self._get([a.drain_timings.remote() for a in self.actors], "timings")
+
+    def drain_op_times(self) -> list[list]:
+        return self._get([a.drain_op_times.remote() for a in self.actors], "op times")
 
     def ranks(self) -> list[tuple[int, int]]:
         return [self.topo.coords(r) for r in range(self.topo.world_size)]

@@ -16,6 +16,7 @@ import os
 import pickle
 import sys
 import time
+from typing import Callable
 from collections import deque
 
 import torch
@@ -120,9 +121,15 @@ class TorchrunExecutor:
         return self.control.recv(self.last) if mb.num_samples else []
 
     def drain_timings(self) -> list[list]:
-        out = [self.worker.drain_timings()]
+        return self._drain("timings", self.worker.drain_timings)
+
+    def drain_op_times(self) -> list[list]:
+        return self._drain("ops", self.worker.drain_op_times)
+
+    def _drain(self, kind: str, local: Callable[[], list]) -> list[list]:
+        out = [local()]
         for r in self._others():
-            self.control.send(("timings", None), r)
+            self.control.send((kind, None), r)
             out.append(self.control.recv(r))
         return out
 
@@ -165,11 +172,12 @@ def worker_loop(cfg: EngineConfig, source: object) -> None:
         kind, wire = control.recv(0)
         if kind == "stop":
             break
-        if kind in ("timings", "clock"):  # answered in order, after every plan sent before it
-            control.send(worker.drain_timings() if kind == "timings" else time.time(), 0)
+        if kind in ("timings", "ops", "clock"):  # answered in order, after every plan sent before it
+            answer = {"timings": worker.drain_timings, "ops": worker.drain_op_times, "clock": time.time}[kind]
+            control.send(answer(), 0)
             continue
         tokens = worker.execute(wire)
-        if tokens is not None and topo.rank(topo.pp - 1, 0) == dist.get_rank() and wire[-1]:
+        if tokens is not None and topo.rank(topo.pp - 1, 0) == dist.get_rank() and wire[8]:  # it samples
             control.send(tokens, 0)
     control.flush()
     worker.link.flush()

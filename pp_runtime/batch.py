@@ -45,6 +45,7 @@ class MicroBatch:
     mb_id: int
     chunks: tuple[SeqChunk, ...]
     request_ids: tuple[str, ...] = field(default=(), compare=False)  # for timing logs only
+    time_ops: bool = field(default=False, compare=False)  # workers time each op (profile batches)
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +68,8 @@ class MicroBatch:
         return sum(1 for c in self.chunks if c.sample is not None)
 
     def to_wire(self) -> tuple:
-        """Flat lists: (mb_id, seq_ids, starts, lens, is_prefill, tokens, table_lens, tables, samples)."""
+        """Flat lists: (mb_id, seq_ids, starts, lens, is_prefill, tokens, table_lens, tables, samples,
+        time_ops)."""
         samples = [(i, s.temperature, s.top_p, s.top_k, s.seed)
                    for i, c in enumerate(self.chunks) if (s := c.sample) is not None]
         return (self.mb_id,
@@ -78,11 +80,12 @@ class MicroBatch:
                 [t for c in self.chunks for t in c.token_ids],
                 [len(c.block_table) for c in self.chunks],
                 [b for c in self.chunks for b in c.block_table],
-                samples)
+                samples,
+                self.time_ops)
 
     @classmethod
     def from_wire(cls, wire: tuple) -> "MicroBatch":
-        mb_id, seq_ids, starts, lens, prefill, tokens, table_lens, tables, samples = wire
+        mb_id, seq_ids, starts, lens, prefill, tokens, table_lens, tables, samples, time_ops = wire
         specs = {i: SampleSpec(t, p, k, s) for i, t, p, k, s in samples}
         chunks, tok_off, tab_off = [], 0, 0
         for i, seq_id in enumerate(seq_ids):
@@ -91,4 +94,4 @@ class MicroBatch:
                                    specs.get(i)))
             tok_off += lens[i]
             tab_off += table_lens[i]
-        return cls(mb_id, tuple(chunks))
+        return cls(mb_id, tuple(chunks), time_ops=time_ops)

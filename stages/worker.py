@@ -7,6 +7,7 @@ whatever plan it is given, in the order given; it never decides what runs.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import time
@@ -20,6 +21,7 @@ from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
 from stages.attention import build_metadata
 from stages.layers import TPContext
 from stages.model import StageModel
+from stages.op_timing import OpTimer, instrument
 from stages.sampler import sample
 from stages.weights import ModelSource, load_weights
 
@@ -87,6 +89,11 @@ class StageWorker:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = spec.cache.block_size
         self.timings: list[tuple[int, float, float, float]] = []  # (mb, t_ready, t_start, t_end)
+        # Per-op timing of ``time_ops`` micro-batches (an in-deployment profile): hooks exist only
+        # while such batches run, so ordinary ones pay nothing for them.
+        self.op_times: list[tuple[int, dict[str, float]]] = []
+        self._op_timer = OpTimer(self._sync)
+        self._op_hooks: contextlib.ExitStack | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def info(self) -> dict:
@@ -131,12 +138,16 @@ class StageWorker:
     def execute(self, wire: tuple) -> list[int] | None:
         t_ready = time.time()
         mb = MicroBatch.from_wire(wire)
+        if mb.time_ops != (self._op_hooks is not None):
+            self._hook_ops(mb.time_ops)
         meta = build_metadata(mb.chunks, self.block_size, self.device)
         if self.is_first:
             x = torch.tensor([t for c in mb.chunks for t in c.token_ids], dtype=torch.long, device=self.device)
         else:
             x = self.link.recv_forward((mb.num_tokens, self.spec.source.config.hidden_size), self.dtype)
         t_start = time.time()
+        if mb.time_ops:
+            self._op_timer.reset()
         h = self.model(x, meta, self.kv_caches)  # (T, H)
         tokens = None
         if not self.is_last:
@@ -147,11 +158,30 @@ class StageWorker:
                 tokens = sample(logits, [c.sample for c in mb.chunks if c.sample is not None])
         else:
             tokens = []
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._sync()
         self.timings.append((mb.mb_id, t_ready, t_start, time.time()))
+        if mb.time_ops:
+            self.op_times.append((mb.mb_id, dict(self._op_timer.acc)))
         return tokens if self.tp.rank == 0 else None
 
     def drain_timings(self) -> list[tuple[int, float, float, float]]:
         out, self.timings = self.timings, []
         return out
+
+    def drain_op_times(self) -> list[tuple[int, dict[str, float]]]:
+        """(mb_id, seconds per op: preproj, attn, postproj, ffn_ln1, ffn_ln2, lm_head) of every
+        ``time_ops`` micro-batch since the last drain; the rest of its step is its ``others``."""
+        out, self.op_times = self.op_times, []
+        return out
+
+    def _hook_ops(self, on: bool) -> None:
+        if on:
+            self._op_hooks = contextlib.ExitStack()
+            self._op_hooks.enter_context(instrument(self.model, self._op_timer))
+        else:
+            self._op_hooks.close()
+            self._op_hooks = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -6,7 +6,8 @@ model, time simulated (DESIGN.md §2 ``sim/``). Plain Python + numpy: no torch, 
 
 Pieces, usable on their own:
   presets    Hardware / SimModel presets (configs/sim/hardware.yaml, models.yaml)
-  cost       BatchShape; RooflineCostModel, ProfileCostModel (+ fit_profile); PipelineCost; ConstantCost
+  cost       BatchShape; RooflineCostModel, ProfileCostModel (+ fit_profile), StageProfiles; PipelineCost;
+             ConstantCost
   memory     plan_memory: the paper's B = ⌊(M_G − M_S)/(L·m_kv)⌋ and the KV block count per deployment
   executor   SimExecutor: the Executor interface of pp_runtime.engine.Engine on a virtual clock
   simulator  simulate(): R replicas × real Engine/Scheduler/BlockManager + SimExecutor, event-ordered
@@ -16,7 +17,7 @@ Pieces, usable on their own:
 """
 from pp_runtime.sim.config import Scenario, SimConfig, load_sim_config, parse_sim_config
 from pp_runtime.sim.cost import (OPS, BatchShape, ConstantCost, PipelineCost, ProfileCostModel, ProfileFit,
-                                 RooflineCostModel, fit_profile, read_profile)
+                                 RooflineCostModel, StageProfiles, fit_profile, read_profile)
 from pp_runtime.sim.executor import PlanInfo, SimExecutor, VirtualClock
 from pp_runtime.sim.memory import SimMemoryPlan, plan_memory
 from pp_runtime.sim.presets import (Hardware, SimModel, hardware_names, hardware_preset, model_names, model_preset,
@@ -28,6 +29,6 @@ from pp_runtime.sim.simulator import DummyTokens, SimReplica, SimResult, simulat
 __all__ = ["run_simulation", "run_scenario", "plan_deployment", "workload_items", "load_sim_config",
            "parse_sim_config", "SimConfig", "Scenario", "simulate", "SimResult", "SimReplica", "DummyTokens",
            "SimExecutor", "VirtualClock", "PlanInfo", "BatchShape", "RooflineCostModel", "ProfileCostModel",
-           "ProfileFit", "fit_profile", "read_profile", "PipelineCost", "ConstantCost", "OPS", "plan_memory",
+           "ProfileFit", "StageProfiles", "fit_profile", "read_profile", "PipelineCost", "ConstantCost", "OPS", "plan_memory",
            "SimMemoryPlan", "Hardware", "SimModel", "hardware_preset", "model_preset", "hardware_names",
            "model_names", "resolve_hardware", "resolve_model", "write_sim_run_dir"]

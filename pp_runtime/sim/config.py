@@ -10,6 +10,8 @@
     max_model_len: 4096
     cost_model: roofline           # or {kind: profile, csv: runs/profile/profile.csv, profiled_layers: 30}
                                    # (csv may list several profiles, e.g. at two contexts: one fit)
+                                   # or {kind: profile, stages: [stage-0 csv(s), stage-1 csv(s), ...]}
+                                   # (`pp-runtime profile --pp N`: each stage profiled in the deployment)
     seed: 0
     workload: {kind: zipf, num_requests: 10000, ...}      # pp_runtime.workload.WorkloadConfig
     scenarios:
@@ -25,8 +27,10 @@
 Scenario keys: name, scheduler (sarathi|orca|prefill_first|request_level), tp, pp, replicas,
 router (round_robin|least_loaded), chunk_size, max_batch_size (an integer, ``auto`` = the memory
 model's B, the runtime's default, or ``auto_per_microbatch`` = ⌊B/pp⌋, the paper's per-micro-batch
-figure), tile_align, partition (layers per stage), dispatch_us (plan delivery to stage 0 per
-micro-batch), return_us (sampled tokens back to the driver), max_running (how many sequences may
+figure), tile_align, partition (layers per stage), dispatch_us (driver work and plan delivery per
+micro-batch), return_us (sampled tokens back to the driver), prep_us (each worker's own cost of
+taking a plan: task start, unpacking, attention metadata; one number or one per stage;
+``pp-runtime profile --pp N`` measures it), max_running (how many sequences may
 run at once; default max(max_batch_size, the memory model's B); the real ``LLM`` runs
 max_batch_size × pp, which a scenario mimicking a real run sets here).
 """
@@ -81,6 +85,7 @@ class Scenario:
     partition: tuple[int, ...] | None = None
     dispatch_us: float = 0.0
     return_us: float = 0.0
+    prep_us: float | tuple[float, ...] = 0.0
     max_running: int | None = None  # sequences that may run at once; None: max(max_batch_size, B)
 
     def __post_init__(self) -> None:
@@ -107,6 +112,13 @@ class Scenario:
             object.__setattr__(self, "partition", tuple(_int(f"{where}: partition", n) for n in self.partition))
         _num(f"{where}: dispatch_us", self.dispatch_us)
         _num(f"{where}: return_us", self.return_us)
+        if isinstance(self.prep_us, (list, tuple)):
+            if len(self.prep_us) != self.pp:
+                raise ValueError(f"{where}: prep_us must be one number or {self.pp} (one per stage), "
+                                 f"got {list(self.prep_us)}")
+            object.__setattr__(self, "prep_us", tuple(_num(f"{where}: prep_us", x) for x in self.prep_us))
+        else:
+            _num(f"{where}: prep_us", self.prep_us)
         if self.max_running is not None:
             _int(f"{where}: max_running", self.max_running)
 
@@ -117,6 +129,7 @@ class Scenario:
     def to_json(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["partition"] = list(self.partition) if self.partition else None
+        d["prep_us"] = list(self.prep_us) if isinstance(self.prep_us, tuple) else self.prep_us
         return d
 
 
@@ -158,31 +171,56 @@ class SimConfig:
 def _cost_model(spec: object, where: Path) -> dict:
     if isinstance(spec, str):
         spec = {"kind": spec}
-    _keys("cost_model", spec, ("kind", "csv", "profiled_layers"))
+    _keys("cost_model", spec, ("kind", "csv", "profiled_layers", "stages"))
     kind = spec.get("kind", "roofline")
     if kind == "roofline":
         if set(spec) - {"kind"}:
-            raise ValueError("cost_model: csv/profiled_layers apply to kind 'profile' only")
+            raise ValueError("cost_model: csv/profiled_layers/stages apply to kind 'profile' only")
         return {"kind": "roofline"}
     if kind != "profile":
         raise ValueError(f"cost_model.kind must be roofline or profile, got {kind!r}")
+    if spec.get("stages") is not None:
+        return _stage_profiles(spec, where)
     csv = spec.get("csv")
     paths = csv if isinstance(csv, list) else [csv]
     if not paths or not all(isinstance(c, str) and c for c in paths):
         raise ValueError("cost_model.csv (a profile.csv from `pp-runtime profile`, or a list of them fitted "
-                         "together) is required for kind 'profile'")
+                         "together) or cost_model.stages is required for kind 'profile'")
+    found = _csv_files("cost_model.csv", paths, where)
+    out = {"kind": "profile", "csv": found[0] if len(found) == 1 else found}
+    if spec.get("profiled_layers") is not None:
+        out["profiled_layers"] = _int("cost_model.profiled_layers", spec["profiled_layers"])
+    return out
+
+
+def _csv_files(field: str, paths: list, where: Path) -> list[str]:
+    """Each path as given, or relative to the config file's folder; ValueError naming a missing one."""
     found = []
     for c in paths:
         p = Path(c)
         if not p.is_absolute() and (where.parent / p).is_file():
             p = where.parent / p
         if not p.is_file():
-            raise ValueError(f"cost_model.csv {c!r} is not a file")
+            raise ValueError(f"{field} {c!r} is not a file")
         found.append(str(p))
-    out = {"kind": "profile", "csv": found[0] if len(found) == 1 else found}
-    if spec.get("profiled_layers") is not None:
-        out["profiled_layers"] = _int("cost_model.profiled_layers", spec["profiled_layers"])
-    return out
+    return found
+
+
+def _stage_profiles(spec: dict, where: Path) -> dict:
+    """``stages``: one entry per pipeline stage, a profile.csv or a list of them, from an
+    in-deployment profile (``pp-runtime profile --pp N``: OUT/stage-K/profile.csv)."""
+    stages = spec["stages"]
+    if spec.get("csv") is not None or spec.get("profiled_layers") is not None:
+        raise ValueError("cost_model: give either stages (one profile per stage) or csv/profiled_layers")
+    if not isinstance(stages, list) or not stages:
+        raise ValueError(f"cost_model.stages must list one profile.csv (or a list of them) per stage, got {stages!r}")
+    out = []
+    for s, entry in enumerate(stages):
+        paths = entry if isinstance(entry, list) else [entry]
+        if not paths or not all(isinstance(c, str) and c for c in paths):
+            raise ValueError(f"cost_model.stages[{s}] must be a profile.csv path or a list of them, got {entry!r}")
+        out.append(_csv_files(f"cost_model.stages[{s}]", paths, where))
+    return {"kind": "profile", "stages": out}
 
 
 def _claims(data: object, names: set[str]) -> tuple[dict, ...]:

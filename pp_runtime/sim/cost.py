@@ -366,6 +366,32 @@ class ProfileCostModel:
                 "r2": f.r2, "max_rel_err_total": f.max_rel_err}
 
 
+@dataclass(frozen=True)
+class StageProfiles:
+    """Per-stage fits of an in-deployment profile (``pp-runtime profile --pp N``, one CSV set per
+    stage): stage s's rows time its own layers, in the deployment, with its neighbours busy, so
+    its model divides them by its own layer count. The simulated deployment must cut the layers
+    as the profiled one did."""
+
+    fits: tuple[ProfileFit, ...]
+    sources: tuple[str, ...]
+
+    @classmethod
+    def from_csvs(cls, stages: Sequence[str | Path | Sequence[str | Path]]) -> "StageProfiles":
+        fits, sources = [], []
+        for paths in stages:
+            paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+            fits.append(fit_profile([row for p in paths for row in read_profile(p)]))
+            sources.append(", ".join(str(p) for p in paths))
+        return cls(tuple(fits), tuple(sources))
+
+    def per_stage(self, layers: Sequence[int]) -> list[ProfileCostModel]:
+        if len(layers) != len(self.fits):
+            raise ValueError(f"cost_model.stages has {len(self.fits)} stage profiles, the scenario has "
+                             f"pp={len(layers)}")
+        return [ProfileCostModel(f, n, src) for f, n, src in zip(self.fits, layers, self.sources)]
+
+
 # ---- from ops to pipeline stages ---------------------------------------------------------------
 class StageCost(Protocol):
     """What the SimExecutor needs: per-stage compute seconds and per-boundary send seconds."""
@@ -399,14 +425,18 @@ class PipelineCost:
 
     Stage s runs ``layers[s]`` layers: each = the six ops + two all-reduces of the layer's
     [tokens, hidden] output over the stage's TP ranks (NVLink ring); the first stage adds the
-    embedding, the last the LM head. A send carries [tokens, hidden] from each TP rank to its
+    embedding, the last the LM head. ``cost`` is one model for every stage, or one per stage
+    (an in-deployment profile: StageProfiles.per_stage). A send carries [tokens, hidden] from each TP rank to its
     peer on the next stage, over InfiniBand when the two stages sit on different nodes.
     """
 
-    def __init__(self, cost: CostModel, model: SimModel, hw: Hardware, pp: int, tp: int,
+    def __init__(self, cost: CostModel | Sequence[CostModel], model: SimModel, hw: Hardware, pp: int, tp: int,
                  layers: Sequence[int] | None = None, inter_node: Sequence[bool] | None = None,
                  dtype_bytes: int = 2) -> None:
-        self.cost, self.model, self.hw, self.pp, self.tp, self.dt = cost, model, hw, pp, tp, dtype_bytes
+        self.costs = list(cost) if isinstance(cost, (list, tuple)) else [cost] * pp
+        if len(self.costs) != pp:
+            raise ValueError(f"{len(self.costs)} stage cost models for pp={pp}")
+        self.cost, self.model, self.hw, self.pp, self.tp, self.dt = self.costs[0], model, hw, pp, tp, dtype_bytes
         if layers is None:
             base, extra = divmod(model.num_layers, pp)
             layers = [base + (1 if s < extra else 0) for s in range(pp)]
@@ -414,7 +444,12 @@ class PipelineCost:
             raise ValueError(f"layers per stage {list(layers)} must be {pp} counts summing to {model.num_layers}")
         self.layers = list(layers)
         self.inter_node = list(inter_node) if inter_node is not None else [True] * (pp - 1)
-        self._uniform = len(set(self.layers)) == 1
+        self._uniform = len(set(self.layers)) == 1 and all(c is self.cost for c in self.costs)
+
+    def describe(self) -> dict:
+        if all(c is self.cost for c in self.costs):
+            return self.cost.describe()
+        return {"kind": "profile", "per_stage": [c.describe() for c in self.costs]}
 
     def breakdown(self, shape: BatchShape) -> dict[str, float]:
         """Seconds per op of one layer on one TP rank, plus its all-reduces."""
@@ -429,13 +464,13 @@ class PipelineCost:
         return 2 * self.hw.allreduce_s(shape.tokens * self.model.hidden_size * self.dt, self.tp)
 
     def shape_times(self, shape: BatchShape) -> tuple[list[float], list[float]]:
-        per_layer = sum(self.cost.layer_ops(shape, self.tp)) + self._allreduce(shape)
+        ar = self._allreduce(shape)
         if self._uniform:
-            compute = [self.layers[0] * per_layer] * self.pp
+            compute = [self.layers[0] * (sum(self.cost.layer_ops(shape, self.tp)) + ar)] * self.pp
         else:
-            compute = [n * per_layer for n in self.layers]
-        compute[0] += self.cost.embed_s(shape, self.tp)
-        compute[-1] += self.cost.head_s(shape, self.tp)
+            compute = [n * (sum(c.layer_ops(shape, self.tp)) + ar) for n, c in zip(self.layers, self.costs)]
+        compute[0] += self.costs[0].embed_s(shape, self.tp)
+        compute[-1] += self.costs[-1].head_s(shape, self.tp)
         nbytes = shape.tokens * self.model.hidden_size * self.dt
         send = [self.hw.p2p_s(nbytes, x) for x in self.inter_node]
         return compute, send

@@ -3,9 +3,11 @@ model and time by a virtual clock.
 
 Stages run micro-batches in issue order. For micro-batch k submitted at virtual time t:
 
-    ready_s  = max(free_s, t)                         the worker has the plan and is idle
-    input_0  = t + dispatch_s                         the plan reaches stage 0
-    start_s  = max(ready_s, input_s)
+    ready_s  = max(free_s, t)                         the worker is idle (and the plan is sent)
+    input_0  = t + dispatch_s                         the plan reaches stage 0 (and every stage)
+    start_s  = max(max(free_s, input_0) + prep_s, input_s)
+                                                      prep_s: the worker's own cost of taking a plan
+                                                      (task start, unpacking, attention metadata)
     end_s    = start_s + compute_s(k)                 (cost model)
     input_s+1 = end_s + send_s(k)                     (PP send of [tokens, hidden])
     done(k)  = end_last + return_s                    sampled tokens are back at the driver
@@ -49,13 +51,16 @@ class SimExecutor:
     """pp stages × tp ranks of one replica, simulated. ``token_id`` is what every sample returns."""
 
     def __init__(self, cost: StageCost, pp: int, tp: int = 1, clock: VirtualClock | None = None, *,
-                 dispatch_s: float = 0.0, return_s: float = 0.0, token_id: int = 3,
-                 workers: list[dict] | None = None) -> None:
+                 dispatch_s: float = 0.0, return_s: float = 0.0, prep_s: float | Sequence[float] = 0.0,
+                 token_id: int = 3, workers: list[dict] | None = None) -> None:
         if pp < 1 or tp < 1:
             raise ValueError(f"SimExecutor needs pp ≥ 1 and tp ≥ 1, got pp={pp}, tp={tp}")
         self.cost, self.pp, self.tp = cost, pp, tp
         self.clock = clock or VirtualClock()
         self.dispatch_s, self.return_s, self.token_id = dispatch_s, return_s, token_id
+        self.prep_s = [float(prep_s)] * pp if isinstance(prep_s, (int, float)) else [float(x) for x in prep_s]
+        if len(self.prep_s) != pp:
+            raise ValueError(f"prep_s has {len(self.prep_s)} values for pp={pp}")
         self._workers = workers
         self.free = [0.0] * pp
         self._queue: deque[tuple[MicroBatch, float]] = deque()
@@ -87,12 +92,13 @@ class SimExecutor:
         else:
             compute, send = self.cost.stage_times(mb)
             info = PlanInfo(mb.mb_id, mb.request_ids, mb.prefill_tokens, mb.decode_tokens, mb.kv_tokens)
-        arrive = t + self.dispatch_s
-        free, rows, busy = self.free, self._rows, self.busy_s
+        arrive = plan_at = t + self.dispatch_s
+        free, rows, busy, prep = self.free, self._rows, self.busy_s, self.prep_s
         end = t
         for s in range(self.pp):
             ready = free[s] if free[s] > t else t
-            start = ready if ready > arrive else arrive
+            taken = (free[s] if free[s] > plan_at else plan_at) + prep[s]
+            start = taken if taken > arrive else arrive
             end = start + compute[s]
             rows[s].append((mb.mb_id, ready, start, end))
             free[s] = end

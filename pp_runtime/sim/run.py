@@ -24,7 +24,7 @@ from pp_runtime.bench import compare
 from pp_runtime.config import SchedulerConfig
 from pp_runtime.request import Request, SamplingParams
 from pp_runtime.sim.config import Scenario, SimConfig, load_sim_config
-from pp_runtime.sim.cost import BatchShape, PipelineCost, ProfileCostModel, RooflineCostModel
+from pp_runtime.sim.cost import BatchShape, PipelineCost, ProfileCostModel, RooflineCostModel, StageProfiles
 from pp_runtime.sim.memory import SimMemoryPlan, plan_memory, stage_layers, weight_bytes_per_gpu
 from pp_runtime.sim.rundir import write_sim_run_dir
 from pp_runtime.sim.simulator import DummyTokens, simulate
@@ -63,6 +63,8 @@ def make_requests(items: list[tuple[str, object, int, float]]) -> tuple[list[Req
 
 # ---- deployment ----------------------------------------------------------------------------------
 def make_cost_model(cfg: SimConfig) -> object:
+    if cfg.cost_model.get("stages"):
+        return StageProfiles.from_csvs(cfg.cost_model["stages"])
     if cfg.cost_model["kind"] == "profile":
         return ProfileCostModel.from_csv(cfg.cost_model["csv"], cfg.cost_model.get("profiled_layers",
                                                                                    cfg.model.num_layers))
@@ -96,6 +98,8 @@ def plan_deployment(cfg: SimConfig, sc: Scenario, cost_model: object | None = No
     layers = stage_layers(m.num_layers, sc.pp, sc.partition)
     weights = weight_bytes_per_gpu(m, layers, sc.tp, cfg.dtype_bytes)
     starts = [sum(layers[:s]) for s in range(sc.pp)]
+    if isinstance(cost_model, StageProfiles):
+        cost_model = cost_model.per_stage(layers)
     costs, workers = [], []
     for r in range(sc.replicas):
         def gpu(s: int, t: int) -> int:
@@ -146,6 +150,7 @@ def run_scenario(cfg: SimConfig, sc: Scenario, out_dir: str | Path, progress: bo
     res = simulate(reqs, arrivals, dep.sched_cfg, dep.memory.num_blocks, cfg.block_size, dep.costs, sc.pp, sc.tp,
                    replicas=sc.replicas, router=sc.router, seed=cfg.seed, progress=progress, desc=sc.name,
                    workers=lambda r: dep.workers[r], dispatch_s=sc.dispatch_us * 1e-6, return_s=sc.return_us * 1e-6,
+                   prep_s=[us * 1e-6 for us in sc.prep_us] if isinstance(sc.prep_us, tuple) else sc.prep_us * 1e-6,
                    token_id=DUMMY_TOKEN)
     sim_s = time.perf_counter() - t0
     settings = {"scheduler": sc.scheduler, "pp": sc.pp, "tp": sc.tp, "chunk_size": sc.chunk_size,
@@ -155,7 +160,7 @@ def run_scenario(cfg: SimConfig, sc: Scenario, out_dir: str | Path, progress: bo
                 "kv_blocks": dep.memory.num_blocks, "driver_s_per_microbatch": sc.dispatch_us * 1e-6,
                 "workload": workload_summary(cfg.workload), "simulated": True, "scenario": sc.name,
                 "replicas": sc.replicas, "router": sc.router, "gpus": sc.gpus, "hardware": cfg.hardware.name,
-                "cost_model": dep.costs[0].cost.describe(), "memory_plan": dep.memory.to_json(),
+                "cost_model": dep.costs[0].describe(), "memory_plan": dep.memory.to_json(),
                 "layers_per_stage": dep.layers, "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
                 "sim_simulate_s": sim_s, "sim_microbatches": res.microbatches,
                 "sim_scheduler_s": res.schedule_wall_s, "sim_postprocess_s": res.postprocess_wall_s,

@@ -110,3 +110,17 @@ def test_cli_writes_workers_json_with_placement(cluster: object, tmp_path: objec
     assert node_of[(0, 0)] != node_of[(1, 0)]
     assert len({w["pid"] for w in workers}) == 4
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 1
+
+
+def test_profile_in_a_ray_deployment(cluster: object, tmp_path: object) -> None:
+    """`pp-runtime profile --pp 2 --tp 2` through Ray: each stage's TP rank 0 reports its layers'
+    ops; the overheads around the steps come with it."""
+    import json
+    from launch.cli import main
+    from tests.pp_runtime.test_profile_deploy import GRID, check_stage_csvs
+    rc = main(["profile", "--model", "llama-tiny", "--pp", "2", "--tp", "2", "--launcher", "ray", "--grid", GRID,
+               "--memory-budget-gb", "0.05", "--out", str(tmp_path), "--quiet"])
+    assert rc == 0
+    check_stage_csvs(tmp_path, 2, GRID)
+    summary = json.loads((tmp_path / "profile.json").read_text())
+    assert summary["launcher"] == "ray" and summary["tp"] == 2 and len(summary["overheads_us"]["prep"]) == 2

@@ -15,8 +15,9 @@ import yaml
 from pp_runtime.config import SchedulerConfig
 from pp_runtime.request import Request, SamplingParams
 from pp_runtime.sim import (BatchShape, ConstantCost, DummyTokens, PipelineCost, ProfileCostModel, RooflineCostModel,
-                            SimExecutor, VirtualClock, fit_profile, hardware_preset, load_sim_config, model_preset,
-                            plan_memory, read_profile, run_simulation, simulate, workload_items, write_sim_run_dir)
+                            SimExecutor, StageProfiles, VirtualClock, fit_profile, hardware_preset, load_sim_config,
+                            model_preset, plan_memory, read_profile, run_simulation, simulate, workload_items,
+                            write_sim_run_dir)
 from pp_runtime.sim.cost import OPS
 from pp_runtime.timing import TimingRecord
 from pp_runtime.workload import WorkloadConfig, generate_workload
@@ -175,7 +176,7 @@ def test_memory_model_gives_the_papers_batch_sizes() -> None:
         plan_memory(m, hw, pp=1, tp=1, max_model_len=4096)
 
 
-def _write_profile(path: Path, head: tuple[float, float, float] | None = None) -> dict:
+def _write_profile(path: Path, head: tuple[float, float, float] | None = None, scale: float = 1.0) -> dict:
     """A hand-made profile.csv (the columns `pp-runtime profile` writes) from known formulas (ms).
     ``head`` (floor, a, b): the LM head is max(floor, a + b·sampled), written as lm_head_ms and
     inside others_ms (as the profiler does); without it the head is others' c·sampled and the
@@ -197,6 +198,8 @@ def _write_profile(path: Path, head: tuple[float, float, float] | None = None) -
         ms["attn"] = attn[0] + attn[1] * pairs + attn[2] * d * (c + 1)
         lm = max(head[0], head[1] + head[2] * sampled) if head else others[2] * sampled
         ms["others"] = others[0] + others[1] * T + lm
+        ms = {op: v * scale for op, v in ms.items()}
+        lm *= scale
         total = sum(ms.values())
         lines.append(",".join(str(x) for x in (kind, p, d, c, ms["preproj"], ms["attn"], ms["postproj"],
                                                ms["ffn_ln1"], ms["ffn_ln2"], ms["others"], total, total / T,
@@ -245,6 +248,48 @@ def test_profile_fit_lm_head_column_and_several_csvs(tmp_path: Path) -> None:
     shape = BatchShape.build([], [300] * 12)
     compute, _ = pipe.shape_times(shape)
     assert compute[1] - compute[0] == pytest.approx((head[1] + head[2] * 12) * 1e-3, rel=1e-9)
+
+
+def test_per_stage_profiles_of_a_deployment(tmp_path: Path) -> None:
+    """cost_model.stages (`pp-runtime profile --pp N`): stage s's CSV times its own layers, so a
+    simulated stage takes exactly its own fitted total, whatever its layer count; the LM head
+    only on the last stage; the scenario's pp must match."""
+    _write_profile(tmp_path / "s0.csv")
+    _write_profile(tmp_path / "s1.csv", head=(9.0, 6.0, 1.5), scale=2.0)
+    m = model_preset("smollm2-135m")
+    stages = StageProfiles.from_csvs([tmp_path / "s0.csv", [tmp_path / "s1.csv"]])
+    with pytest.raises(ValueError, match="2 stage profiles, the scenario has pp=3"):
+        stages.per_stage([10, 10, 10])
+    pipe = PipelineCost(stages.per_stage([12, 18]), m, hardware_preset("a100-80gb"), pp=2, tp=1, layers=[12, 18],
+                        inter_node=[False])
+    f0, f1 = stages.fits
+    for shape in (BatchShape.build([(256, 0)], [300] * 8), BatchShape.build([], [700] * 20),
+                  BatchShape.build([(64, 512)], [])):
+        compute, _ = pipe.shape_times(shape)
+        assert compute[0] == pytest.approx((sum(f0.op_ms(shape).values()) - f0.head_ms(shape.sampled)) * 1e-3)
+        assert compute[1] == pytest.approx(sum(f1.op_ms(shape).values()) * 1e-3)
+        assert compute[1] > 2 * compute[0]  # twice the cost, plus a head
+    assert [d["profiled_layers"] for d in pipe.describe()["per_stage"]] == [12, 18]
+    cfg = {"name": "staged", "model": "smollm2-135m", "hardware": "a6000", "max_model_len": 512,
+           "cluster": {"nodes": 1, "gpus_per_node": 2}, "memory": {"utilization": 0.05},
+           "cost_model": {"kind": "profile", "stages": ["s0.csv", ["s1.csv"]]},
+           "workload": {"kind": "zipf", "num_requests": 12, "min_len": 64, "max_len": 512, "theta": 0.4,
+                        "pd_ratio": 10},
+           "scenarios": [{"name": "sarathi", "scheduler": "sarathi", "pp": 2, "chunk_size": 128,
+                          "partition": [12, 18]}]}
+    (tmp_path / "staged.yaml").write_text(yaml.safe_dump(cfg))
+    run_simulation(str(tmp_path / "staged.yaml"), str(tmp_path / "out"), progress=False)
+    s = json.loads((tmp_path / "out/sarathi/summary.json").read_text())
+    assert s["num_requests"] == 12 and len(s["cost_model"]["per_stage"]) == 2
+    for change, message in (({"scenarios": [{**cfg["scenarios"][0], "pp": 1, "partition": None}]},
+                             "2 stage profiles, the scenario has pp=1"),
+                            ({"cost_model": {"kind": "profile", "stages": ["s0.csv"], "csv": "s0.csv"}},
+                             "either stages"),
+                            ({"cost_model": {"kind": "profile", "stages": ["s0.csv", "nope.csv"]}},
+                             r"cost_model.stages\[1\] 'nope.csv' is not a file")):
+        (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**cfg, **change}))
+        with pytest.raises(ValueError, match=message):
+            run_simulation(str(tmp_path / "bad.yaml"), str(tmp_path / "bad"), progress=False)
 
 
 def test_scenario_max_running_caps_running_sequences(tmp_path: Path) -> None:
