@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pp_runtime.batch import MicroBatch, SampleSpec, SeqChunk
 from pp_runtime.config import SchedulerConfig
 from pp_runtime.request import Request, SamplingParams
 from pp_runtime.sim import (BatchShape, ConstantCost, DummyTokens, PipelineCost, ProfileCostModel, RooflineCostModel,
@@ -68,6 +69,21 @@ def test_decode_waits_for_last_stage_and_pipeline_depth() -> None:
     assert reqs[0].token_times == [3.0, 6.0, 9.0] and reqs[1].token_times == [4.0, 7.0, 10.0]
     last = res.replicas[0].executor.stage_rows(2)
     assert [r[2] for r in last] == [2.0, 3.0, 5.0, 6.0, 8.0, 9.0]  # t_start on the last stage
+
+
+def test_worker_prep_and_dispatch_hand_checked() -> None:
+    """prep_s: a worker starts a plan prep_s after it is free and has the plan (sent to every
+    stage at submit + dispatch_s), and never before its input arrived."""
+    ex = SimExecutor(ConstantCost(1.0, pp=2), pp=2, dispatch_s=0.05, prep_s=[0.1, 0.2])
+    for i in range(2):  # both at t = 0: a full pipeline
+        ex.submit(MicroBatch(i, (SeqChunk(i, 0, (5,), (0,), True, SampleSpec(0.0, 1.0, 0, 0)),)))
+    s0, s1 = ex.stage_rows(0), ex.stage_rows(1)
+    # mb 0: stage 0 at 0.05 + 0.1; stage 1 had the plan (0.25) before its input (1.15)
+    # mb 1: stage 0 free at 1.15, + 0.1; stage 1 free at 2.15, + 0.2 (its input came at 2.25)
+    assert [x for r in s0 for x in r[2:]] == pytest.approx([0.15, 1.15, 1.25, 2.25])
+    assert [x for r in s1 for x in r[2:]] == pytest.approx([1.15, 2.15, 2.35, 3.35])
+    with pytest.raises(ValueError, match="prep_s has 1 values for pp=2"):
+        SimExecutor(ConstantCost(1.0, pp=2), pp=2, prep_s=[0.1])
 
 
 def test_arrivals_idle_replica_and_replicas(tmp_path: Path) -> None:
