@@ -24,7 +24,6 @@ timings: no tensor here.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 import statistics
@@ -33,8 +32,8 @@ import time
 from collections import deque
 
 from pp_runtime.batch import MicroBatch
-from pp_runtime.profile_grid import (OPS, Grid, Layout, Point, format_table, grid_points, parse_grid, plan_chunks,
-                                     rows_from_samples, table2, write_csv)
+from pp_runtime.profile_grid import (Grid, Layout, Point, format_table, grid_points, parse_grid, plan_chunks,
+                                     rows_from_samples, table2, timed_sample, write_csv, write_json)
 
 
 def check_fits(llm: object, grid: Grid) -> Layout:
@@ -108,10 +107,7 @@ def stage_samples(timings: list, op_times: list, keep: dict[int, Point],
     for mb, acc in op_times:
         if mb not in keep:
             continue
-        rec = dict(acc)
-        rec["total"] = step[mb]
-        rec["others"] = max(0.0, rec["total"] - sum(acc[op] for op in OPS))
-        samples[keep[mb]].append(rec)
+        samples[keep[mb]].append(timed_sample(acc, step[mb]))
     return samples
 
 
@@ -147,9 +143,7 @@ def profile_deployment(llm: object, grid: str | Grid, out_dir: str, progress: bo
         csv_path, t2_path = os.path.join(d, "profile.csv"), os.path.join(d, "table2.json")
         write_csv(rows, csv_path)
         t2 = {**table2(rows), "stage": s, "layers": infos[w]["layers"]}
-        with open(t2_path, "w") as f:
-            json.dump(t2, f, indent=2)
-            f.write("\n")
+        write_json(t2, t2_path)
         print(f"stage {s} (layers {infos[w]['layers'][0]}..{infos[w]['layers'][1] - 1}):")
         print(format_table(rows))
         stages.append({"stage": s, "layers": infos[w]["layers"], "csv": csv_path, "table2": t2_path})
@@ -159,7 +153,5 @@ def profile_deployment(llm: object, grid: str | Grid, out_dir: str, progress: bo
                "device": cfg.device.device, "dtype": cfg.device.dtype, "grid": grid if isinstance(grid, str) else
                "custom", "warmup": g.warmup, "reps": g.reps, "stat": g.stat, "stages": stages,
                "overheads_us": overheads_us(on_driver_clock, submitted, returned, keep)}
-    with open(os.path.join(out_dir, "profile.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
+    write_json(summary, os.path.join(out_dir, "profile.json"))
     return {**summary, "rows": all_rows}

@@ -11,6 +11,7 @@ in-deployment one (pp_runtime/profile_deploy.py, every stage worker of a running
 from __future__ import annotations
 
 import csv
+import json
 import random
 import statistics
 from dataclasses import dataclass, fields, replace
@@ -173,6 +174,15 @@ def plan_chunks(point: Point, layout: Layout, vocab: int, rng: random.Random) ->
 
 
 # ---- rows and tables ----------------------------------------------------------------------
+def timed_sample(ops: dict[str, float], total: float) -> dict[str, float]:
+    """One timed forward as ``rows_from_samples`` takes it (seconds): the hooked ops (``lm_head``
+    included), the measured ``total``, and ``others`` = the total less the five ops."""
+    rec = dict(ops)
+    rec["total"] = total
+    rec["others"] = max(0.0, total - sum(ops[op] for op in OPS))
+    return rec
+
+
 def rows_from_samples(points: list[Point], samples: dict[Point, list[dict[str, float]]],
                       stat: str = "median") -> list[dict]:
     """One CSV row per point from its timed samples (seconds per bucket, ``lm_head`` and
@@ -229,6 +239,12 @@ def table2(rows: list[dict], target_decodes: int = 4, target_prefill: int = 256)
     if out["decode_b1_ms_per_token"] is not None and out["prefill_ms_per_token_at_256"]:
         out["decode_b1_over_prefill_per_token"] = out["decode_b1_ms_per_token"] / out["prefill_ms_per_token_at_256"]
     return out
+
+
+def write_json(obj: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
 
 
 def write_csv(rows: list[dict], path: str) -> None:

@@ -33,7 +33,6 @@ Writes ``profile.csv`` (``CSV_COLUMNS``) and ``table2.json`` into ``out_dir``.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import random
 import sys
@@ -43,8 +42,8 @@ from typing import Callable
 import torch
 
 from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
-from pp_runtime.profile_grid import (OPS, Grid, Layout, Point, format_summary, format_table, grid_points,
-                                     parse_grid, plan_chunks, rows_from_samples, table2, write_csv)
+from pp_runtime.profile_grid import (Grid, Layout, Point, format_summary, format_table, grid_points, parse_grid,
+                                     plan_chunks, rows_from_samples, table2, timed_sample, write_csv, write_json)
 from stages.attention import build_metadata
 from stages.layers import TPContext
 from stages.op_timing import OpTimer, instrument
@@ -126,10 +125,7 @@ def measure(worker: StageWorker, grid: Grid, progress: bool = False, seed: int =
                     sync()
                     total = time.perf_counter() - t0
                     if rnd >= grid.warmup:
-                        rec = dict(timer.acc)
-                        rec["total"] = total
-                        rec["others"] = max(0.0, total - sum(rec[op] for op in OPS))
-                        samples[pt].append(rec)
+                        samples[pt].append(timed_sample(timer.acc, total))
                     bar.update(1)
     finally:
         bar.close()
@@ -178,9 +174,7 @@ def run_profile(model: str | None, device: str, dtype: str, out_dir: str, grid: 
     os.makedirs(out_dir, exist_ok=True)
     csv_path, json_path = os.path.join(out_dir, "profile.csv"), os.path.join(out_dir, "table2.json")
     write_csv(rows, csv_path)
-    with open(json_path, "w") as f:
-        json.dump(t2, f, indent=2)
-        f.write("\n")
+    write_json(t2, json_path)
     print(format_table(rows))
     print(format_summary(t2))
     return {**t2, "rows": rows, "files": [csv_path, json_path]}

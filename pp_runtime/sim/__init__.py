@@ -29,6 +29,6 @@ from pp_runtime.sim.simulator import DummyTokens, SimReplica, SimResult, simulat
 __all__ = ["run_simulation", "run_scenario", "plan_deployment", "workload_items", "load_sim_config",
            "parse_sim_config", "SimConfig", "Scenario", "simulate", "SimResult", "SimReplica", "DummyTokens",
            "SimExecutor", "VirtualClock", "PlanInfo", "BatchShape", "RooflineCostModel", "ProfileCostModel",
-           "ProfileFit", "StageProfiles", "fit_profile", "read_profile", "PipelineCost", "ConstantCost", "OPS", "plan_memory",
-           "SimMemoryPlan", "Hardware", "SimModel", "hardware_preset", "model_preset", "hardware_names",
+           "ProfileFit", "StageProfiles", "fit_profile", "read_profile", "PipelineCost", "ConstantCost", "OPS",
+           "plan_memory", "SimMemoryPlan", "Hardware", "SimModel", "hardware_preset", "model_preset", "hardware_names",
            "model_names", "resolve_hardware", "resolve_model", "write_sim_run_dir"]
