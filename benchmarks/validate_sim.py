@@ -12,15 +12,21 @@
 3. A simulation config derived from the same run config (model, pp, chunk, batch size, running
    cap = batch size × pp as ``LLM`` sets it, KV budget, workload and seed; per-stage cost models
    fitted to step 1's CSVs; each worker's prep and the token return per micro-batch from step
-   1's profile.json; the driver's own work per micro-batch from --dispatch-us), then
-   ``pp-runtime simulate``.
-4. Throughput and median bubble per request, real vs simulated, per scheduler; |error| ≤ 15% is
-   the target. Written to OUT/validation.json and printed.
+   1's profile.json; the driver's own work per micro-batch from --dispatch-us; each stage's
+   step-time jitter from step 1's profile.json, the part not shared with its neighbour), then
+   ``pp-runtime simulate``: OUT/sim. With jitter a simulation is one draw of a noisy pipeline,
+   as the bench is: --sim-seeds more draws (the workload's seed pinned, only the top-level seed
+   and so the jitter moves) go to OUT/sim-seeds/seed-K.
+4. Throughput and median bubble per request, real vs simulated (the mean over the draws, their
+   spread beside it), per scheduler; |error| ≤ 15% is the target. Written to
+   OUT/validation.json and printed.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +45,8 @@ def cli(*args: str) -> None:
 
 def profile(out: Path, engine: dict, grids: list[str]) -> tuple[list[list[str]], dict]:
     """Per stage, the CSVs of every grid, profiled in a deployment like the bench's; and the
-    deployment's per-micro-batch overheads (µs, the grids' mean)."""
+    deployment's per-micro-batch overheads (µs, the grids' mean) and each stage's independent
+    step-time jitter (σ pooled over the grids: √ of the mean σ²)."""
     pp = engine.get("pp", 1)
     stages: list[list[str]] = [[] for _ in range(pp)]
     overheads: list[dict] = []
@@ -56,9 +63,12 @@ def profile(out: Path, engine: dict, grids: list[str]) -> tuple[list[list[str]],
         cli(*args)
         for s in range(pp):
             stages[s].append(str((d / f"stage-{s}" / "profile.csv").resolve()))
-        overheads.append(json.loads((d / "profile.json").read_text())["overheads_us"])
+        summary = json.loads((d / "profile.json").read_text())
+        overheads.append({**summary["overheads_us"], "jitter": summary["jitter"]["independent"]})
     mean = {"prep": [sum(o["prep"][s] for o in overheads) / len(overheads) for s in range(pp)],
-            "return": sum(o["return"] for o in overheads) / len(overheads)}
+            "return": sum(o["return"] for o in overheads) / len(overheads),
+            "jitter": [math.sqrt(sum((o["jitter"][s] or 0.0) ** 2 for o in overheads) / len(overheads))
+                       for s in range(pp)]}
     return stages, mean
 
 
@@ -81,19 +91,40 @@ def sim_config(run_path: str, stage_csvs: list[list[str]], dispatch_us: float, o
             "hardware": {"preset": "cpu-2core", "memory_gb": budget_gib * (1 << 30) / 1e9},
             "dtype": e.get("dtype", "float32"), "cluster": {"nodes": 1, "gpus_per_node": max(2, pp)},
             "memory": {"utilization": 1.0, "block_size": e.get("block_size", 16)},
-            "max_model_len": e["max_model_len"], "cost_model": {"kind": "profile", "stages": stage_csvs},
+            "max_model_len": e["max_model_len"],
+            "cost_model": {"kind": "profile", "stages": stage_csvs,
+                           "jitter": [round(x, 4) for x in overheads["jitter"]]},
             "seed": e.get("seed", 0), "workload": workload, "scenarios": scen, "base": cfg.schedulers[0]}
 
 
-def compare(bench: Path, sim: Path, schedulers: list[str]) -> dict:
+def simulate(cfg: dict, out: Path, seeds: int) -> list[Path]:
+    """``seeds`` draws of the simulation (seed 0 in OUT/sim); their run directories."""
+    dirs = []
+    for seed in range(seeds):
+        d = out / "sim" if seed == 0 else out / "sim-seeds" / f"seed-{seed}"
+        path = out / ("sim_config.yaml" if seed == 0 else f"sim-seeds/seed-{seed}.yaml")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump({**cfg, "seed": seed}, sort_keys=False))
+        cli("simulate", "--config", str(path), "--out", str(d), "--quiet")
+        dirs.append(d)
+    return dirs
+
+
+def compare(bench: Path, sims: list[Path], schedulers: list[str]) -> dict:
     out = {}
     for s in schedulers:
         if not (bench / s / "summary.json").is_file():  # a reused bench may hold fewer schedulers
             continue
         real = json.loads((bench / s / "summary.json").read_text())
-        pred = json.loads((sim / s / "summary.json").read_text())
-        out[s] = {m: {"real": real[m], "sim": pred[m], "error": pred[m] / real[m] - 1 if real[m] else None}
-                  for m in METRICS}
+        preds = [json.loads((d / s / "summary.json").read_text()) for d in sims]
+        row = {}
+        for m in METRICS:
+            draws = [p[m] for p in preds]
+            mean = statistics.mean(draws)
+            row[m] = {"real": real[m], "sim": mean, "error": mean / real[m] - 1 if real[m] else None,
+                      "sim_sd": statistics.stdev(draws) if len(draws) > 1 else 0.0,
+                      "sim_min": min(draws), "sim_max": max(draws), "sim_draws": draws}
+        out[s] = row
     return out
 
 
@@ -107,6 +138,7 @@ def main() -> None:
                     help="the driver's own work per micro-batch: postprocess, schedule, plan packing and "
                          "submission (benchmarks/pp_scaling.py's driver_ms_per_mb on this box); plan delivery, "
                          "the workers' prep and the tokens' return come from the profile")
+    ap.add_argument("--sim-seeds", type=int, default=10, help="simulation draws (jitter seeds) to average")
     ap.add_argument("--smoke", action="store_true", help="configs/runs/smoke.yaml on quick grids (CI)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -121,16 +153,14 @@ def main() -> None:
     schedulers = list(run.schedulers)
     if not a.bench_dir:
         cli("bench", "--config", a.config, "--out", str(bench))
-    cfg_path = out / "sim_config.yaml"
-    cfg_path.write_text(yaml.safe_dump(sim_config(a.config, csvs, a.dispatch_us, overheads), sort_keys=False))
-    cli("simulate", "--config", str(cfg_path), "--out", str(out / "sim"), "--quiet")
-    result = {"config": a.config, "profiles": csvs, "bench_dir": str(bench), "comparison": compare(bench, out / "sim",
-                                                                                                  schedulers)}
-    print(f"{'scheduler':10s} {'metric':26s} {'real':>10s} {'simulated':>10s} {'error':>8s}")
+    sims = simulate(sim_config(a.config, csvs, a.dispatch_us, overheads), out, max(1, a.sim_seeds))
+    result = {"config": a.config, "profiles": csvs, "bench_dir": str(bench), "jitter": overheads["jitter"],
+              "sim_seeds": len(sims), "comparison": compare(bench, sims, schedulers)}
+    print(f"{'scheduler':13s} {'metric':26s} {'real':>10s} {'simulated':>10s} {'± sd':>8s} {'error':>8s}")
     for s, row in result["comparison"].items():
         for m, v in row.items():
             err = "n/a" if v["error"] is None else f"{v['error']:+.1%}"
-            print(f"{s:10s} {m:26s} {v['real']:10.4g} {v['sim']:10.4g} {err:>8s}")
+            print(f"{s:13s} {m:26s} {v['real']:10.4g} {v['sim']:10.4g} {v['sim_sd']:8.3g} {err:>8s}")
     (out / "validation.json").write_text(json.dumps(result, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))

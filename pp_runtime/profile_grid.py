@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import random
 import statistics
 from dataclasses import dataclass, fields, replace
@@ -22,7 +23,7 @@ OPS = ("preproj", "attn", "postproj", "ffn_ln1", "ffn_ln2")
 BUCKETS = OPS + ("others",)
 CSV_COLUMNS = ("kind", "prefill_tokens", "decode_tokens", "context_len", "preproj_ms", "attn_ms",
                "postproj_ms", "ffn_ln1_ms", "ffn_ln2_ms", "others_ms", "total_ms", "per_token_ms",
-               "per_decode_token_ms", "lm_head_ms")
+               "per_decode_token_ms", "lm_head_ms", "total_log_sd")
 KINDS = ("prefill", "decode", "mixed")
 _GREEDY = SampleSpec(0.0, 1.0, 0, 0)
 STATS = {"median": statistics.median, "min": min}
@@ -200,6 +201,7 @@ def rows_from_samples(points: list[Point], samples: dict[Point, list[dict[str, f
         row["per_decode_token_ms"] = total / pt.decode_tokens if pt.kind == "decode" else None
         row["lm_head_ms"] = med["lm_head"]
         row["measured_total_ms"] = med["total"]
+        row["total_log_sd"] = log_sd([r["total"] for r in recs])
         row["reps"] = len(recs)
         row["stat"] = stat
         rows.append(row)
@@ -208,6 +210,48 @@ def rows_from_samples(points: list[Point], samples: dict[Point, list[dict[str, f
         if r["kind"] == "mixed":
             r["per_decode_token_ms"] = (r["total_ms"] - base[r["prefill_tokens"]]) / r["decode_tokens"]
     return rows
+
+
+def log_sd(values: list[float]) -> float | None:
+    """Sample standard deviation of log(value) over the timed rounds of one point: the step
+    time's jitter as a fraction (≈ its coefficient of variation), which a deterministic cost
+    model leaves out; None under two rounds. The simulator draws per-step noise of this size."""
+    logs = [math.log(v) for v in values if v > 0]
+    return statistics.stdev(logs) if len(logs) >= 2 else None
+
+
+def stage_jitter(samples: list[dict[Point, list[dict[str, float]]]]) -> dict:
+    """How noisy each stage's steps are, from an in-deployment profile's timed rounds (per stage:
+    point -> its rounds' samples, in the same micro-batch order on every stage).
+
+    ``sigma``: per stage, the pooled within-point sd of log(total) (as the CSVs' total_log_sd).
+    ``shared_corr``: the pooled correlation of those deviations between adjacent stages for the
+    same micro-batch: part of the noise is the box (memory bandwidth, a daemon) slowing every
+    stage alike, and that part makes no stage wait on another. ``independent``: σ·√(1 − ρ), the
+    part that does, which the simulator draws independently per stage (its ``jitter``)."""
+    dev = [{pt: _centred_logs(recs) for pt, recs in st.items()} for st in samples]
+    sigma = [_pooled_sd([d for d in per.values() if len(d) >= 2]) for per in dev]
+    num = den0 = den1 = 0.0
+    for a, b in zip(dev, dev[1:]):
+        for pt, xs in a.items():
+            for x, y in zip(xs, b.get(pt, [])):
+                num, den0, den1 = num + x * y, den0 + x * x, den1 + y * y
+    rho = num / math.sqrt(den0 * den1) if den0 > 0 and den1 > 0 else None
+    keep = math.sqrt(1.0 - max(0.0, rho)) if rho is not None else 1.0
+    return {"sigma": sigma, "shared_corr": rho,
+            "independent": [None if x is None else x * keep for x in sigma]}
+
+
+def _centred_logs(recs: list[dict[str, float]]) -> list[float]:
+    logs = [math.log(r["total"]) for r in recs if r["total"] > 0]
+    mean = sum(logs) / len(logs) if logs else 0.0
+    return [x - mean for x in logs]
+
+
+def _pooled_sd(groups: list[list[float]]) -> float | None:
+    """√(Σ squared deviations / Σ (n − 1)) over groups already centred on their own means."""
+    ss, dof = sum(x * x for g in groups for x in g), sum(len(g) - 1 for g in groups)
+    return math.sqrt(ss / dof) if dof > 0 else None
 
 
 def _closest(values: list[int], target: int) -> int | None:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -55,8 +57,11 @@ def test_pp_scaling_smoke(tmp_path: Path) -> None:
 
 
 def test_validate_sim_smoke(tmp_path: Path) -> None:
-    r = run(["benchmarks/validate_sim.py", "--smoke", "--out", str(tmp_path / "v")], tmp_path)
+    r = run(["benchmarks/validate_sim.py", "--smoke", "--sim-seeds", "2", "--out", str(tmp_path / "v")], tmp_path)
     # two grids, each profiled in a pp=2 deployment: per stage, one CSV per grid
     assert [len(stage) for stage in r["profiles"]] == [2, 2]
+    assert len(r["jitter"]) == 2 and all(0 <= x < 1 for x in r["jitter"]) and r["sim_seeds"] == 2
     for row in r["comparison"].values():
         assert row["throughput_tok_s"]["real"] > 0 and row["throughput_tok_s"]["sim"] > 0
+        draws = row["bubble_s_per_request_p50"]["sim_draws"]
+        assert len(draws) == 2 and row["bubble_s_per_request_p50"]["sim"] == pytest.approx(sum(draws) / 2)

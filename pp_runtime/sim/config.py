@@ -12,6 +12,8 @@
                                    # (csv may list several profiles, e.g. at two contexts: one fit)
                                    # or {kind: profile, stages: [stage-0 csv(s), stage-1 csv(s), ...]}
                                    # (`pp-runtime profile --pp N`: each stage profiled in the deployment)
+                                   # any kind may add jitter: σ (log-sd of each step's time, e.g. 0.08;
+                                   # or one per stage), or for profiles jitter: profile (σ of their rounds)
     seed: 0
     workload: {kind: zipf, num_requests: 10000, ...}      # pp_runtime.workload.WorkloadConfig
     scenarios:
@@ -171,26 +173,40 @@ class SimConfig:
 def _cost_model(spec: object, where: Path) -> dict:
     if isinstance(spec, str):
         spec = {"kind": spec}
-    _keys("cost_model", spec, ("kind", "csv", "profiled_layers", "stages"))
+    _keys("cost_model", spec, ("kind", "csv", "profiled_layers", "stages", "jitter"))
     kind = spec.get("kind", "roofline")
+    jitter = _jitter(spec.get("jitter", 0.0), kind)
     if kind == "roofline":
-        if set(spec) - {"kind"}:
+        if set(spec) - {"kind", "jitter"}:
             raise ValueError("cost_model: csv/profiled_layers/stages apply to kind 'profile' only")
-        return {"kind": "roofline"}
+        return {"kind": "roofline", "jitter": jitter}
     if kind != "profile":
         raise ValueError(f"cost_model.kind must be roofline or profile, got {kind!r}")
     if spec.get("stages") is not None:
-        return _stage_profiles(spec, where)
+        return {**_stage_profiles(spec, where), "jitter": jitter}
     csv = spec.get("csv")
     paths = csv if isinstance(csv, list) else [csv]
     if not paths or not all(isinstance(c, str) and c for c in paths):
         raise ValueError("cost_model.csv (a profile.csv from `pp-runtime profile`, or a list of them fitted "
                          "together) or cost_model.stages is required for kind 'profile'")
     found = _csv_files("cost_model.csv", paths, where)
-    out = {"kind": "profile", "csv": found[0] if len(found) == 1 else found}
+    out = {"kind": "profile", "csv": found[0] if len(found) == 1 else found, "jitter": jitter}
     if spec.get("profiled_layers") is not None:
         out["profiled_layers"] = _int("cost_model.profiled_layers", spec["profiled_layers"])
     return out
+
+
+def _jitter(value: object, kind: str) -> float | tuple[float, ...] | str:
+    """σ of each simulated step's log-normal noise: a number in [0, 1), one per stage, or
+    ``profile`` (each stage's pooled total_log_sd)."""
+    if value == "profile":
+        if kind != "profile":
+            raise ValueError("cost_model.jitter: profile needs kind 'profile' (σ comes from the profile's rounds)")
+        return value
+    values = value if isinstance(value, list) else [value]
+    if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1 for v in values):
+        raise ValueError(f"cost_model.jitter must be a number in [0, 1), one per stage, or 'profile', got {value!r}")
+    return tuple(float(v) for v in values) if isinstance(value, list) else float(value)
 
 
 def _csv_files(field: str, paths: list, where: Path) -> list[str]:

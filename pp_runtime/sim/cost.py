@@ -248,6 +248,9 @@ class ProfileFit:
     # The LM head over the sampled rows, fitted on its own when the profile has lm_head_ms (then
     # others' c is 0): a GEMM of 1-32 rows is far from linear in them on a CPU.
     head: FloorLine | None = None
+    # The step time's jitter over the profile's timed rounds (pooled log-sd of the rows'
+    # total_log_sd, ≈ its CV); None for profiles written before the column existed.
+    jitter: float | None = None
 
     def head_ms(self, sampled: int) -> float:
         if not sampled:
@@ -316,7 +319,14 @@ def fit_profile(rows: list[dict]) -> ProfileFit:
     totals = np.array([sum(ms[op][i] for op in OPS) for i in range(len(rows))])
     ptot = np.array([sum(p.values()) for p in pred])
     rel = float(np.max(np.abs(ptot - totals) / np.maximum(totals, 1e-12)))
-    return ProfileFit(linear, fit.attn, fit.others, len(rows), r2, rel, head)
+    return ProfileFit(linear, fit.attn, fit.others, len(rows), r2, rel, head, pooled_jitter(rows))
+
+
+def pooled_jitter(rows: list[dict]) -> float | None:
+    """√(mean of the rows' total_log_sd²): every row has the same rounds, so the pooled
+    within-point variance of log(step time) is the plain mean of theirs."""
+    sds = [float(r["total_log_sd"]) for r in rows if r.get("total_log_sd") not in (None, "")]
+    return math.sqrt(sum(x * x for x in sds) / len(sds)) if sds else None
 
 
 class ProfileCostModel:
@@ -363,7 +373,7 @@ class ProfileCostModel:
                 "others_ms": {"a": f.others[0], "b_per_token": f.others[1], "c_per_sampled": f.others[2]},
                 "lm_head_ms": None if f.head is None else {"floor": f.head.floor, "a": f.head.a,
                                                            "b_per_sampled": f.head.b},
-                "r2": f.r2, "max_rel_err_total": f.max_rel_err}
+                "r2": f.r2, "max_rel_err_total": f.max_rel_err, "jitter": f.jitter}
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ Stages run micro-batches in issue order. For micro-batch k submitted at virtual 
     start_s  = max(max(free_s, input_0) + prep_s, input_s)
                                                       prep_s: the worker's own cost of taking a plan
                                                       (task start, unpacking, attention metadata)
-    end_s    = start_s + compute_s(k)                 (cost model)
+    end_s    = start_s + compute_s(k) · ε               (cost model; ε = 1 unless jitter)
     input_s+1 = end_s + send_s(k)                     (PP send of [tokens, hidden])
     done(k)  = end_last + return_s                    sampled tokens are back at the driver
 
@@ -16,9 +16,16 @@ Stages run micro-batches in issue order. For micro-batch k submitted at virtual 
 (never backwards): the engine's postprocess, and so the next schedule, happen then. A decode
 is therefore schedulable only after the micro-batch that sampled its input has left the last
 stage. TP ranks of a stage run in lock-step: they share one timing list.
+
+``jitter`` σ (per stage) makes each step's time noisy, as a real one is: ε = exp(N(−σ²/2, σ)),
+mean 1, drawn per stage and micro-batch from a generator seeded by ``seed``. A deterministic
+cost model gives two nearly equal stages nearly no bubble; run-to-run variation of the steps
+is what makes the real ones wait on each other (``pp-runtime profile`` measures σ).
 """
 from __future__ import annotations
 
+import math
+import random
 from collections import deque
 from typing import NamedTuple, Sequence
 
@@ -52,7 +59,8 @@ class SimExecutor:
 
     def __init__(self, cost: StageCost, pp: int, tp: int = 1, clock: VirtualClock | None = None, *,
                  dispatch_s: float = 0.0, return_s: float = 0.0, prep_s: float | Sequence[float] = 0.0,
-                 token_id: int = 3, workers: list[dict] | None = None) -> None:
+                 jitter: float | Sequence[float] = 0.0, seed: int | str = 0, token_id: int = 3,
+                 workers: list[dict] | None = None) -> None:
         if pp < 1 or tp < 1:
             raise ValueError(f"SimExecutor needs pp ≥ 1 and tp ≥ 1, got pp={pp}, tp={tp}")
         self.cost, self.pp, self.tp = cost, pp, tp
@@ -61,6 +69,10 @@ class SimExecutor:
         self.prep_s = [float(prep_s)] * pp if isinstance(prep_s, (int, float)) else [float(x) for x in prep_s]
         if len(self.prep_s) != pp:
             raise ValueError(f"prep_s has {len(self.prep_s)} values for pp={pp}")
+        self.jitter = [float(jitter)] * pp if isinstance(jitter, (int, float)) else [float(x) for x in jitter]
+        if len(self.jitter) != pp or any(not 0.0 <= x < 1.0 for x in self.jitter):
+            raise ValueError(f"jitter must be one value or {pp} (one per stage), each in [0, 1), got {jitter!r}")
+        self._rng = random.Random(f"jitter/{seed}") if any(self.jitter) else None
         self._workers = workers
         self.free = [0.0] * pp
         self._queue: deque[tuple[MicroBatch, float]] = deque()
@@ -92,6 +104,8 @@ class SimExecutor:
         else:
             compute, send = self.cost.stage_times(mb)
             info = PlanInfo(mb.mb_id, mb.request_ids, mb.prefill_tokens, mb.decode_tokens, mb.kv_tokens)
+        if self._rng is not None:
+            compute = self._noisy(compute)
         arrive = plan_at = t + self.dispatch_s
         free, rows, busy, prep = self.free, self._rows, self.busy_s, self.prep_s
         end = t
@@ -107,6 +121,10 @@ class SimExecutor:
                 arrive = end + send[s]
         self._queue.append((mb, end + self.return_s))
         self.plans[mb.mb_id] = info
+
+    def _noisy(self, compute: Sequence[float]) -> list[float]:
+        gauss = self._rng.gauss
+        return [c * math.exp(gauss(-sd * sd / 2, sd)) if sd else c for c, sd in zip(compute, self.jitter)]
 
     def collect(self) -> list[int]:
         mb, done = self._queue.popleft()

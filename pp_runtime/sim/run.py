@@ -71,6 +71,23 @@ def make_cost_model(cfg: SimConfig) -> object:
     return RooflineCostModel(cfg.model, cfg.hardware, cfg.dtype_bytes)
 
 
+def deployment_jitter(cfg: SimConfig, cost_model: object, pp: int) -> list[float]:
+    """σ of each stage's step-time noise: the config's number (or one per stage), or (``jitter:
+    profile``) the pooled one its profile rows measured (one per stage for per-stage profiles)."""
+    jitter = cfg.cost_model.get("jitter", 0.0)
+    if isinstance(jitter, tuple):
+        if len(jitter) != pp:
+            raise ValueError(f"cost_model.jitter has {len(jitter)} values, the scenario has pp={pp}")
+        return list(jitter)
+    if jitter != "profile":
+        return [float(jitter)] * pp
+    fits = [c.fit for c in cost_model] if isinstance(cost_model, list) else [cost_model.fit] * pp
+    if any(f.jitter is None for f in fits):
+        raise ValueError("cost_model.jitter: profile needs profiles with a total_log_sd column "
+                         "(rerun `pp-runtime profile`)")
+    return [f.jitter for f in fits]
+
+
 @dataclass
 class Deployment:
     scenario: Scenario
@@ -79,6 +96,7 @@ class Deployment:
     costs: list[PipelineCost]  # one per replica (placement may differ)
     layers: list[int]
     workers: list[list[dict]]  # per replica
+    jitter: list[float]  # per stage: σ of the log-normal noise on its step times
 
 
 def plan_deployment(cfg: SimConfig, sc: Scenario, cost_model: object | None = None) -> Deployment:
@@ -111,7 +129,7 @@ def plan_deployment(cfg: SimConfig, sc: Scenario, cost_model: object | None = No
                          "layers": [starts[s], starts[s] + layers[s]], "weight_bytes": int(weights[s]),
                          "replica": r, "replica_stage": s, "gpu": gpu(s, t), "simulated": True}
                         for s in range(sc.pp) for t in range(sc.tp)])
-    return Deployment(sc, mem, sched, costs, layers, workers)
+    return Deployment(sc, mem, sched, costs, layers, workers, deployment_jitter(cfg, cost_model, sc.pp))
 
 
 def cost_examples(dep: Deployment, cfg: SimConfig) -> list[dict]:
@@ -151,7 +169,7 @@ def run_scenario(cfg: SimConfig, sc: Scenario, out_dir: str | Path, progress: bo
                    replicas=sc.replicas, router=sc.router, seed=cfg.seed, progress=progress, desc=sc.name,
                    workers=lambda r: dep.workers[r], dispatch_s=sc.dispatch_us * 1e-6, return_s=sc.return_us * 1e-6,
                    prep_s=[us * 1e-6 for us in sc.prep_us] if isinstance(sc.prep_us, tuple) else sc.prep_us * 1e-6,
-                   token_id=DUMMY_TOKEN)
+                   jitter=dep.jitter, token_id=DUMMY_TOKEN)
     sim_s = time.perf_counter() - t0
     settings = {"scheduler": sc.scheduler, "pp": sc.pp, "tp": sc.tp, "chunk_size": sc.chunk_size,
                 "max_batch_size": dep.sched_cfg.max_batch_size, "tile_align": sc.tile_align, "model": cfg.model.name,
@@ -161,7 +179,8 @@ def run_scenario(cfg: SimConfig, sc: Scenario, out_dir: str | Path, progress: bo
                 "workload": workload_summary(cfg.workload), "simulated": True, "scenario": sc.name,
                 "replicas": sc.replicas, "router": sc.router, "gpus": sc.gpus, "hardware": cfg.hardware.name,
                 "cost_model": dep.costs[0].describe(), "memory_plan": dep.memory.to_json(),
-                "layers_per_stage": dep.layers, "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
+                "layers_per_stage": dep.layers, "jitter_per_stage": dep.jitter,
+                "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
                 "sim_simulate_s": sim_s, "sim_microbatches": res.microbatches,
                 "sim_scheduler_s": res.schedule_wall_s, "sim_postprocess_s": res.postprocess_wall_s,
                 "sim_scheduler_us_per_microbatch": 1e6 * res.schedule_wall_s / max(res.microbatches, 1),

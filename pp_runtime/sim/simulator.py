@@ -30,7 +30,7 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pp_runtime.batch import MicroBatch
@@ -78,12 +78,13 @@ class SimReplica:
                  pp: int, tp: int = 1, *, eos_token_ids: tuple[int, ...] = (), seed: int = 0,
                  window: int | None = None, keep_history: bool = False, workers: list[dict] | None = None,
                  dispatch_s: float = 0.0, return_s: float = 0.0, prep_s: float | Sequence[float] = 0.0,
-                 token_id: int = 3) -> None:
+                 jitter: float | Sequence[float] = 0.0, token_id: int = 3) -> None:
         self.index, self.pp, self.tp = index, pp, tp
         self.clock = VirtualClock()
         self.scheduler = Scheduler(sched_cfg, BlockManager(num_blocks, block_size), eos_token_ids, seed)
         self.executor = SimExecutor(cost, pp, tp, self.clock, dispatch_s=dispatch_s, return_s=return_s,
-                                    prep_s=prep_s, token_id=token_id, workers=workers)
+                                    prep_s=prep_s, jitter=jitter, seed=f"{seed}/{index}", token_id=token_id,
+                                    workers=workers)
         self.engine = Engine(self.scheduler, self.executor, pp)
         self.window = max(window or 0, 2 * sched_cfg.max_batch_size + 2)
         self.keep_history = keep_history
@@ -184,7 +185,8 @@ def simulate(requests: list[Request], arrivals: Sequence[float] | None, sched_cf
              router: str = "round_robin", eos_token_ids: tuple[int, ...] = (), seed: int = 0,
              keep_history: bool = False, progress: bool = False, desc: str = "simulate",
              workers: Callable[[int], list[dict]] | None = None, dispatch_s: float = 0.0, return_s: float = 0.0,
-             prep_s: float | Sequence[float] = 0.0, window: int | None = None, token_id: int = 3,
+             prep_s: float | Sequence[float] = 0.0, jitter: float | Sequence[float] = 0.0,
+             window: int | None = None, token_id: int = 3,
              on_finish: Callable[[Request], None] | None = None) -> SimResult:
     """Run ``requests`` (arriving at ``arrivals``, seconds; None: all at 0) on ``replicas`` simulated
     pipelines of ``pp`` stages × ``tp`` ranks, each with its own Scheduler(sched_cfg) over
@@ -202,7 +204,7 @@ def simulate(requests: list[Request], arrivals: Sequence[float] | None, sched_cf
         raise ValueError(f"{len(costs)} cost models for {replicas} replicas")
     reps = [SimReplica(i, sched_cfg, num_blocks, block_size, costs[i], pp, tp, eos_token_ids=eos_token_ids, seed=seed,
                        window=window, keep_history=keep_history, workers=workers(i) if workers else None,
-                       dispatch_s=dispatch_s, return_s=return_s, prep_s=prep_s, token_id=token_id)
+                       dispatch_s=dispatch_s, return_s=return_s, prep_s=prep_s, jitter=jitter, token_id=token_id)
                for i in range(replicas)]
     pending = sorted(((offsets[i], i, r) for i, r in enumerate(requests) if not r.finished), key=lambda x: x[:2])
     from tqdm import tqdm

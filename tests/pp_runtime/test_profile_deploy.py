@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.profile_deploy import profile_deployment
-from pp_runtime.profile_grid import CSV_COLUMNS, OPS, grid_points, parse_grid
+from pp_runtime.profile_grid import CSV_COLUMNS, OPS, Point, grid_points, parse_grid, stage_jitter
 from pp_runtime.sim import StageProfiles
 
 GRID = "quick;reps=2"
@@ -54,8 +55,11 @@ def test_local_pp2_profile_then_generate_unchanged(tmp_path: Path) -> None:
         backends = ["forward" in vars(w.model.backend) for w in llm.executor.workers]
     assert before == after and sum(hooks) == 0 and not any(backends), "profiling must leave the deployment as it was"
     rows = check_stage_csvs(tmp_path, 2, GRID)
-    over = json.loads((tmp_path / "profile.json").read_text())["overheads_us"]
+    summary = json.loads((tmp_path / "profile.json").read_text())
+    over, jit = summary["overheads_us"], summary["jitter"]
     assert len(over["prep"]) == 2 and min(over["prep"]) >= 0 and over["return"] >= 0
+    assert len(jit["sigma"]) == len(jit["independent"]) == 2 and -1 <= jit["shared_corr"] <= 1
+    assert all(0 <= i <= s for i, s in zip(jit["independent"], jit["sigma"]))
     assert len(result["rows"]) == 2 and result["stages"][1]["layers"] == [2, 4]
     # the simulator takes them per stage
     fits = StageProfiles.from_csvs([[str(tmp_path / f"stage-{s}" / "profile.csv")] for s in range(2)])
@@ -81,3 +85,23 @@ def test_cli_profile_pp2(tmp_path: Path) -> None:
     check_stage_csvs(tmp_path, 2, GRID)
     assert main(["profile", "--model", "llama-tiny", "--pp", "2", "--launcher", "local", "--colocate", "2",
                  "--out", str(tmp_path / "x"), "--quiet"]) == 2
+
+
+def test_stage_jitter_splits_shared_and_independent_noise() -> None:
+    """stage_jitter: σ per stage = pooled within-point sd of log(total); ρ = the pooled correlation
+    of those deviations between adjacent stages (same micro-batch); independent = σ·√(1 − ρ)."""
+    a, b = Point("decode", 0, 4, 64), Point("prefill", 32, 0, 0)
+    def recs(*totals: float) -> list[dict]:
+        return [{"total": t} for t in totals]
+    e = math.e
+    s0 = {a: recs(1.0, e ** 0.1, e ** -0.1), b: recs(2.0, 2 * e ** 0.2, 2 * e ** -0.2)}
+    same = stage_jitter([s0, {a: recs(3.0, 3 * e ** 0.1, 3 * e ** -0.1), b: recs(5.0, 5 * e ** 0.2, 5 * e ** -0.2)}])
+    sd = math.sqrt((2 * 0.1 ** 2 + 2 * 0.2 ** 2) / 4)  # deviations already centred; 2 dof per point
+    assert same["sigma"] == pytest.approx([sd, sd]) and same["shared_corr"] == pytest.approx(1.0)
+    assert same["independent"] == pytest.approx([0.0, 0.0], abs=1e-9)  # all of it shared: no stage waits
+    # stage 1 moves with stage 0 on point a, against it on point b: ρ = (0.02 − 0.08) / 0.10
+    mixed = stage_jitter([s0, {a: recs(3.0, 3 * e ** 0.1, 3 * e ** -0.1), b: recs(5.0, 5 * e ** -0.2, 5 * e ** 0.2)}])
+    assert mixed["shared_corr"] == pytest.approx(-0.6)
+    assert mixed["independent"] == pytest.approx([sd, sd])  # negative ρ is not shared noise: σ as is
+    one = stage_jitter([s0])
+    assert one["shared_corr"] is None and one["independent"] == pytest.approx([sd])

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
+import statistics
 from dataclasses import fields
 from pathlib import Path
 
@@ -84,6 +86,45 @@ def test_worker_prep_and_dispatch_hand_checked() -> None:
     assert [x for r in s1 for x in r[2:]] == pytest.approx([1.15, 2.15, 2.35, 3.35])
     with pytest.raises(ValueError, match="prep_s has 1 values for pp=2"):
         SimExecutor(ConstantCost(1.0, pp=2), pp=2, prep_s=[0.1])
+
+
+def _step_times(jitter: float | list[float], seed: int | str = 0, n: int = 4000) -> list[list[float]]:
+    ex = SimExecutor(ConstantCost([1.0, 2.0]), pp=2, jitter=jitter, seed=seed)
+    for i in range(n):
+        ex.submit(MicroBatch(i, (SeqChunk(i, 0, (5,), (0,), True, SampleSpec(0.0, 1.0, 0, 0)),)))
+    return [[r[3] - r[2] for r in ex.stage_rows(s)] for s in range(2)]
+
+
+def test_step_jitter_is_mean_one_lognormal_and_seeded() -> None:
+    """jitter σ: each stage's step time × exp(N(−σ²/2, σ)), drawn per stage and micro-batch:
+    mean 1 and log-sd σ over many steps; the same draws for the same seed; σ = 0: exact."""
+    s0, s1 = _step_times(0.0)
+    assert set(s0) == {1.0} and set(s1) == {2.0}
+    s0, s1 = _step_times([0.2, 0.0])
+    logs = [math.log(x) for x in s0]
+    assert statistics.mean(s0) == pytest.approx(1.0, rel=0.02) and statistics.stdev(logs) == pytest.approx(0.2, rel=0.05)
+    assert s1 == pytest.approx([2.0] * len(s1), abs=1e-9)  # σ = 0 on stage 1: untouched
+    assert _step_times(0.1, seed=7, n=50) == _step_times(0.1, seed=7, n=50) != _step_times(0.1, seed=8, n=50)
+    for bad in (1.0, -0.1, [0.1]):
+        with pytest.raises(ValueError, match="jitter must be one value or 2"):
+            SimExecutor(ConstantCost([1.0, 2.0]), pp=2, jitter=bad)
+
+
+def test_jitter_makes_equal_stages_wait_on_each_other() -> None:
+    """Two stages of exactly 1 s never idle after the first micro-batch; with 10% jitter each
+    waits for the other's slow steps (the bubble a deterministic cost model misses), while the
+    mean step stays 1 s."""
+    def stage1_idle(jitter: float) -> tuple[float, float]:
+        reqs = [_req(f"r{i}", i, 8, 40) for i in range(8)]
+        cfg = SchedulerConfig("sarathi", chunk_size=8, max_batch_size=4, max_model_len=64)
+        res = simulate(reqs, None, cfg, 128, 4, ConstantCost(1.0, pp=2), pp=2, jitter=jitter, seed=3)
+        rows = res.replicas[0].executor.stage_rows(1)
+        idle = sum(b[2] - a[3] for a, b in zip(rows, rows[1:]))
+        return idle, statistics.mean(r[3] - r[2] for r in rows)
+    idle, step = stage1_idle(0.0)
+    assert idle == 0.0 and step == 1.0
+    idle, step = stage1_idle(0.1)
+    assert idle > 1.0 and step == pytest.approx(1.0, rel=0.05)
 
 
 def test_arrivals_idle_replica_and_replicas(tmp_path: Path) -> None:
@@ -192,11 +233,13 @@ def test_memory_model_gives_the_papers_batch_sizes() -> None:
         plan_memory(m, hw, pp=1, tp=1, max_model_len=4096)
 
 
-def _write_profile(path: Path, head: tuple[float, float, float] | None = None, scale: float = 1.0) -> dict:
+def _write_profile(path: Path, head: tuple[float, float, float] | None = None, scale: float = 1.0,
+                   log_sd: tuple[float, float] | None = None) -> dict:
     """A hand-made profile.csv (the columns `pp-runtime profile` writes) from known formulas (ms).
     ``head`` (floor, a, b): the LM head is max(floor, a + b·sampled), written as lm_head_ms and
     inside others_ms (as the profiler does); without it the head is others' c·sampled and the
-    CSV has no lm_head_ms column (profiles written before the column existed)."""
+    CSV has no lm_head_ms column (profiles written before the column existed). ``log_sd``: the
+    rows' total_log_sd, alternating between the two values (no column without it)."""
     lin = {"preproj": (0.3, 0.1, 0.002), "postproj": (0.2, 0.05, 0.001), "ffn_ln1": (0.5, 0.2, 0.004),
            "ffn_ln2": (0.4, 0.1, 0.003)}  # (floor, a, b)
     attn, others = (0.05, 2e-6, 3e-5), (0.1, 0.0005, 0.02)
@@ -205,8 +248,9 @@ def _write_profile(path: Path, head: tuple[float, float, float] | None = None, s
     cols = ("kind", "prefill_tokens", "decode_tokens", "context_len", "preproj_ms", "attn_ms", "postproj_ms",
             "ffn_ln1_ms", "ffn_ln2_ms", "others_ms", "total_ms", "per_token_ms", "per_decode_token_ms")
     cols += ("lm_head_ms",) if head else ()
+    cols += ("total_log_sd",) if log_sd else ()
     lines = [",".join(cols)]
-    for kind, p, d, c in rows:
+    for i, (kind, p, d, c) in enumerate(rows):
         T = p + d
         pairs = p * ((c if kind == "prefill" else 0) + (p + 1) / 2)
         sampled = (1 if p else 0) + d
@@ -219,7 +263,8 @@ def _write_profile(path: Path, head: tuple[float, float, float] | None = None, s
         total = sum(ms.values())
         lines.append(",".join(str(x) for x in (kind, p, d, c, ms["preproj"], ms["attn"], ms["postproj"],
                                                ms["ffn_ln1"], ms["ffn_ln2"], ms["others"], total, total / T,
-                                               total / d if kind == "decode" else "") + ((lm,) if head else ())))
+                                               total / d if kind == "decode" else "") + ((lm,) if head else ())
+                              + ((log_sd[i % 2],) if log_sd else ())))
     path.write_text("\n".join(lines) + "\n")
     return {"lin": lin, "attn": attn, "others": others}
 
@@ -373,6 +418,43 @@ def test_reduced_fig12_sarathi_bubbles_below_orca(tmp_path: Path) -> None:
         assert 0 < s["ttft_s_p50"] <= s["wall_s"] and s["completion_s"]["all"] == pytest.approx(s["wall_s"])
         workers = json.loads((d / "workers.json").read_text())
         assert len(workers) == 64 and {w["node"] for w in workers} == {f"sim-node{i}" for i in range(8)}
+
+
+def test_jitter_from_the_profile_rounds(tmp_path: Path) -> None:
+    """cost_model.jitter: profile takes each stage's σ from its CSVs (pooled total_log_sd of the
+    rows: √(mean of squares)); a number applies to every stage; bad values name the field."""
+    _write_profile(tmp_path / "s0.csv", log_sd=(0.03, 0.04))
+    _write_profile(tmp_path / "s1.csv", log_sd=(0.12, 0.16))
+    _write_profile(tmp_path / "old.csv")  # written before the column existed
+    assert fit_profile(read_profile(tmp_path / "s0.csv")).jitter == pytest.approx(math.sqrt((0.03**2 + 0.04**2) / 2),
+                                                                                  rel=0.05)
+    assert fit_profile(read_profile(tmp_path / "old.csv")).jitter is None
+    cfg = {"name": "jit", "model": "smollm2-135m", "hardware": "a6000", "max_model_len": 512,
+           "cluster": {"nodes": 1, "gpus_per_node": 2}, "memory": {"utilization": 0.05},
+           "cost_model": {"kind": "profile", "stages": ["s0.csv", "s1.csv"], "jitter": "profile"},
+           "workload": {"kind": "zipf", "num_requests": 12, "min_len": 64, "max_len": 512, "theta": 0.4,
+                        "pd_ratio": 10},
+           "scenarios": [{"name": "sarathi", "scheduler": "sarathi", "pp": 2, "chunk_size": 128}]}
+    (tmp_path / "jit.yaml").write_text(yaml.safe_dump(cfg))
+    run_simulation(str(tmp_path / "jit.yaml"), str(tmp_path / "out"), progress=False)
+    s = json.loads((tmp_path / "out/sarathi/summary.json").read_text())
+    want = [fit_profile(read_profile(tmp_path / f"s{k}.csv")).jitter for k in (0, 1)]
+    assert s["jitter_per_stage"] == pytest.approx(want) and want[1] == pytest.approx(4 * want[0])
+    for key, value, message in (("stages", ["s0.csv", "old.csv"], "profile needs profiles with a total_log_sd column"),
+                                ("jitter", 0.05, None), ("jitter", [0.05, 0.05], None),
+                                ("jitter", [0.1], "jitter has 1 values, the scenario has pp=2"),
+                                ("jitter", 1.5, r"cost_model.jitter must be a number in \[0, 1\)"),
+                                ("jitter", "lots", r"cost_model.jitter must be a number in \[0, 1\)")):
+        (tmp_path / "c.yaml").write_text(yaml.safe_dump({**cfg, "cost_model": {**cfg["cost_model"], key: value}}))
+        if message is None:
+            run_simulation(str(tmp_path / "c.yaml"), str(tmp_path / "c"), progress=False)
+            assert json.loads((tmp_path / "c/sarathi/summary.json").read_text())["jitter_per_stage"] == [0.05, 0.05]
+            continue
+        with pytest.raises(ValueError, match=message):
+            run_simulation(str(tmp_path / "c.yaml"), str(tmp_path / "c"), progress=False)
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({**cfg, "cost_model": {"kind": "roofline", "jitter": "profile"}}))
+    with pytest.raises(ValueError, match="jitter: profile needs kind 'profile'"):
+        load_sim_config(tmp_path / "r.yaml")
 
 
 def test_run_simulation_with_a_fitted_profile(tmp_path: Path) -> None:

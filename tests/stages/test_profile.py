@@ -11,7 +11,8 @@ import torch
 
 from pp_runtime.batch import SeqChunk
 from stages.attention import build_metadata
-from pp_runtime.profile_grid import BUCKETS, CSV_COLUMNS, GRIDS, OPS, Grid, format_table, grid_points, parse_grid
+from pp_runtime.profile_grid import (BUCKETS, CSV_COLUMNS, GRIDS, OPS, Grid, format_table, grid_points, log_sd,
+                                     parse_grid)
 from stages.profile import build_worker, measure, run_profile
 
 QUICK = "quick;reps=9"  # a few more reps than the quick grid's 3: steadier medians, still < 1 s
@@ -68,6 +69,13 @@ def test_times_nonnegative_and_parts_add_up(profiled: tuple[str, dict]) -> None:
         assert 0 <= row["lm_head_ms"] <= row["others_ms"] + 1e-9
         assert row["measured_total_ms"] > 0 and row["reps"] == parse_grid(QUICK).reps
         assert all(row[f"{op}_ms"] > 0 for op in OPS)  # every op really ran and was timed
+        assert row["total_log_sd"] is not None and 0 <= row["total_log_sd"] < 1  # the rounds' jitter
+
+
+def test_log_sd_of_the_rounds() -> None:
+    """total_log_sd: the sample sd of log(total) over a point's rounds (the simulator's jitter σ)."""
+    assert log_sd([1.0, math.e, math.e ** 2]) == pytest.approx(1.0)
+    assert log_sd([0.2, 0.2, 0.2]) == 0.0 and log_sd([0.3]) is None
 
 
 def test_table2_json(profiled: tuple[str, dict]) -> None:
