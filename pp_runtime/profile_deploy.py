@@ -19,8 +19,8 @@ send to the next stage). ``lm_head_ms`` is the last stage's LM head alone. Each 
 has profile.csv's columns, so `cost_model.stages` in a simulation config takes them per stage.
 profile.json adds the per-micro-batch costs around the steps (``overheads_us``: each stage's
 ``prep``, the tokens' ``return``), a simulation scenario's prep_us and return_us, and how noisy
-the steps are (``jitter``: per-stage σ, the adjacent stages' shared part, the independent σ a
-simulation's cost_model.jitter takes; profile_grid.stage_jitter). Only TP rank 0
+the steps are (``jitter``: per-stage σ, its step-to-step part, the part adjacent stages share,
+the independent σ a simulation's cost_model.jitter takes; profile_grid.stage_jitter). Only TP rank 0
 of each stage is reported (its ranks run in lockstep). The driver only plans and reads
 timings: no tensor here.
 """
@@ -137,11 +137,11 @@ def profile_deployment(llm: object, grid: str | Grid, out_dir: str, progress: bo
     rank0 = [ranks.index((s, 0)) for s in range(pp)]
     on_driver_clock = [[(mb, a - offsets[w], b - offsets[w], c - offsets[w]) for mb, a, b, c in timings[w]]
                        for w in rank0]
-    stages, all_rows, all_samples = [], [], []
+    stages, all_rows, runs = [], [], []
     for s in range(pp):
         w = rank0[s]
-        all_samples.append(stage_samples(timings[w], op_times[w], keep, points))
-        rows = rows_from_samples(points, all_samples[-1], g.stat)
+        runs.append([(keep[mb], t_end - t_start) for mb, _, t_start, t_end in sorted(timings[w]) if mb in keep])
+        rows = rows_from_samples(points, stage_samples(timings[w], op_times[w], keep, points), g.stat)
         d = os.path.join(out_dir, f"stage-{s}")
         os.makedirs(d, exist_ok=True)
         csv_path, t2_path = os.path.join(d, "profile.csv"), os.path.join(d, "table2.json")
@@ -157,6 +157,6 @@ def profile_deployment(llm: object, grid: str | Grid, out_dir: str, progress: bo
                "device": cfg.device.device, "dtype": cfg.device.dtype, "grid": grid if isinstance(grid, str) else
                "custom", "warmup": g.warmup, "reps": g.reps, "stat": g.stat, "stages": stages,
                "overheads_us": overheads_us(on_driver_clock, submitted, returned, keep),
-               "jitter": stage_jitter(all_samples)}
+               "jitter": stage_jitter(runs)}
     write_json(summary, os.path.join(out_dir, "profile.json"))
     return {**summary, "rows": all_rows}

@@ -220,32 +220,43 @@ def log_sd(values: list[float]) -> float | None:
     return statistics.stdev(logs) if len(logs) >= 2 else None
 
 
-def stage_jitter(samples: list[dict[Point, list[dict[str, float]]]]) -> dict:
-    """How noisy each stage's steps are, from an in-deployment profile's timed rounds (per stage:
-    point -> its rounds' samples, in the same micro-batch order on every stage).
+def stage_jitter(runs: list[list[tuple[Point, float]]]) -> dict:
+    """How noisy each stage's steps are, from an in-deployment profile: per stage, (point, step
+    seconds) of its timed micro-batches in the order it ran them (the same order on every stage).
 
-    ``sigma``: per stage, the pooled within-point sd of log(total) (as the CSVs' total_log_sd).
-    ``shared_corr``: the pooled correlation of those deviations between adjacent stages for the
-    same micro-batch: part of the noise is the box (memory bandwidth, a daemon) slowing every
-    stage alike, and that part makes no stage wait on another. ``independent``: σ·√(1 − ρ), the
-    part that does, which the simulator draws independently per stage (its ``jitter``)."""
-    dev = [{pt: _centred_logs(recs) for pt, recs in st.items()} for st in samples]
-    sigma = [_pooled_sd([d for d in per.values() if len(d) >= 2]) for per in dev]
+    A step's deviation is log(its time) less its point's mean log time. ``sigma``: per stage,
+    their pooled sd (as the CSVs' total_log_sd) — slow drift of the box over the minutes between
+    rounds included. What makes stages wait on each other is the step-to-step part, so
+    ``short``: √(mean of squared successive differences / 2) (von Neumann's estimator: drift
+    slower than a step cancels in the differences). ``shared_corr``: the correlation of those
+    differences between adjacent stages for the same micro-batch (a busy box slows every stage
+    alike, which makes no stage wait). ``independent``: short·√(1 − ρ) — the σ the simulator
+    draws per stage and step (cost_model.jitter)."""
+    devs = [_deviations(run) for run in runs]
+    by_point = [{} for _ in runs]
+    for per, run, dev in zip(by_point, runs, devs):
+        for (pt, _), x in zip(run, dev):
+            per.setdefault(pt, []).append(x)
+    sigma = [_pooled_sd([g for g in per.values() if len(g) >= 2]) for per in by_point]
+    diffs = [[b - a for a, b in zip(dev, dev[1:])] for dev in devs]
+    short = [math.sqrt(sum(d * d for d in ds) / (2 * len(ds))) if ds else None for ds in diffs]
     num = den0 = den1 = 0.0
-    for a, b in zip(dev, dev[1:]):
-        for pt, xs in a.items():
-            for x, y in zip(xs, b.get(pt, [])):
-                num, den0, den1 = num + x * y, den0 + x * x, den1 + y * y
+    for xs, ys in zip(diffs, diffs[1:]):
+        for x, y in zip(xs, ys):
+            num, den0, den1 = num + x * y, den0 + x * x, den1 + y * y
     rho = num / math.sqrt(den0 * den1) if den0 > 0 and den1 > 0 else None
     keep = math.sqrt(1.0 - max(0.0, rho)) if rho is not None else 1.0
-    return {"sigma": sigma, "shared_corr": rho,
-            "independent": [None if x is None else x * keep for x in sigma]}
+    return {"sigma": sigma, "short": short, "shared_corr": rho,
+            "independent": [None if x is None else x * keep for x in short]}
 
 
-def _centred_logs(recs: list[dict[str, float]]) -> list[float]:
-    logs = [math.log(r["total"]) for r in recs if r["total"] > 0]
-    mean = sum(logs) / len(logs) if logs else 0.0
-    return [x - mean for x in logs]
+def _deviations(run: list[tuple[Point, float]]) -> list[float]:
+    logs = [math.log(max(t, 1e-12)) for _, t in run]
+    groups: dict[Point, list[float]] = {}
+    for (pt, _), x in zip(run, logs):
+        groups.setdefault(pt, []).append(x)
+    mean = {pt: sum(g) / len(g) for pt, g in groups.items()}
+    return [x - mean[pt] for (pt, _), x in zip(run, logs)]
 
 
 def _pooled_sd(groups: list[list[float]]) -> float | None:

@@ -87,21 +87,22 @@ def test_cli_profile_pp2(tmp_path: Path) -> None:
                  "--out", str(tmp_path / "x"), "--quiet"]) == 2
 
 
-def test_stage_jitter_splits_shared_and_independent_noise() -> None:
-    """stage_jitter: σ per stage = pooled within-point sd of log(total); ρ = the pooled correlation
-    of those deviations between adjacent stages (same micro-batch); independent = σ·√(1 − ρ)."""
+def test_stage_jitter_short_term_shared_and_independent() -> None:
+    """stage_jitter: deviations of log(step) from the point's mean log; sigma = their pooled sd,
+    short = √(mean squared successive difference / 2), ρ = the correlation of the successive
+    differences between adjacent stages, independent = short·√(1 − max(ρ, 0))."""
     a, b = Point("decode", 0, 4, 64), Point("prefill", 32, 0, 0)
-    def recs(*totals: float) -> list[dict]:
-        return [{"total": t} for t in totals]
-    e = math.e
-    s0 = {a: recs(1.0, e ** 0.1, e ** -0.1), b: recs(2.0, 2 * e ** 0.2, 2 * e ** -0.2)}
-    same = stage_jitter([s0, {a: recs(3.0, 3 * e ** 0.1, 3 * e ** -0.1), b: recs(5.0, 5 * e ** 0.2, 5 * e ** -0.2)}])
-    sd = math.sqrt((2 * 0.1 ** 2 + 2 * 0.2 ** 2) / 4)  # deviations already centred; 2 dof per point
-    assert same["sigma"] == pytest.approx([sd, sd]) and same["shared_corr"] == pytest.approx(1.0)
-    assert same["independent"] == pytest.approx([0.0, 0.0], abs=1e-9)  # all of it shared: no stage waits
-    # stage 1 moves with stage 0 on point a, against it on point b: ρ = (0.02 − 0.08) / 0.10
-    mixed = stage_jitter([s0, {a: recs(3.0, 3 * e ** 0.1, 3 * e ** -0.1), b: recs(5.0, 5 * e ** -0.2, 5 * e ** 0.2)}])
-    assert mixed["shared_corr"] == pytest.approx(-0.6)
-    assert mixed["independent"] == pytest.approx([sd, sd])  # negative ρ is not shared noise: σ as is
-    one = stage_jitter([s0])
-    assert one["shared_corr"] is None and one["independent"] == pytest.approx([sd])
+    order = [a, b, a, b, a, b]
+    def run(devs: list[float], scale: float = 1.0) -> list[tuple[Point, float]]:
+        return [(pt, scale * (1.0 if pt is a else 2.0) * math.exp(x)) for pt, x in zip(order, devs)]
+    devs = [0.1, 0.2, -0.1, 0.0, 0.0, -0.2]  # each point's deviations already sum to 0
+    short = math.sqrt((0.1 ** 2 + 0.3 ** 2 + 0.1 ** 2 + 0.0 + 0.2 ** 2) / (2 * 5))
+    same = stage_jitter([run(devs), run(devs, 3.0)])
+    assert same["sigma"] == pytest.approx([math.sqrt(0.10 / 4)] * 2) and same["short"] == pytest.approx([short] * 2)
+    assert same["shared_corr"] == pytest.approx(1.0) and same["independent"] == pytest.approx([0.0, 0.0], abs=1e-9)
+    opposite = stage_jitter([run(devs), run([-x for x in devs])])
+    assert opposite["shared_corr"] == pytest.approx(-1.0) and opposite["independent"] == pytest.approx([short] * 2)
+    # a box drifting slowly (+1% a step, no noise) inflates sigma, much less the short-term part
+    drift = stage_jitter([run([0.01 * j for j in range(6)])])
+    assert drift["short"][0] < drift["sigma"][0] / 2 and drift["shared_corr"] is None
+    assert drift["independent"] == drift["short"]
