@@ -51,7 +51,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H)
-        # Normalise in float32 like the reference implementations, then cast back.
+        if x.dtype == torch.float32:  # one fused kernel: the same float32 math, ~30% faster on CPU
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Other dtypes as the reference implementations: normalise in float32, cast back, scale.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -67,16 +69,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, D/2)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x: (T, heads, D)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+        """x (T, heads, D) -> rotated copy. The caller passes q's and k's heads as one tensor (they
+        sit side by side in the fused QKV output), so every layer rotates both in four kernels;
+        ``cache`` (per step) keeps the gathered cos/sin rows for the step's other layers."""
+        key = ("rope", x.dtype)
+        cs = cache.get(key) if cache is not None else None
+        if cs is None:
+            # in x's dtype, as HF computes q·cos + rotate_half(q)·sin
+            cs = (self.cos[positions].unsqueeze(1).to(x.dtype), self.sin[positions].unsqueeze(1).to(x.dtype))
+            if cache is not None:
+                cache[key] = cs
+        cos, sin = cs  # (T, 1, D/2)
+        x1, x2 = x.chunk(2, dim=-1)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        o1, o2 = out.chunk(2, dim=-1)
+        torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)  # x1·cos − x2·sin
+        torch.mul(x2, cos, out=o2).addcmul_(x1, sin)  # x2·cos + x1·sin
+        return out
 
 
 # On CPU the BLAS splits a skinny product X Wᵀ (few rows, as in a decode batch) badly: across

@@ -34,12 +34,11 @@ class Attention(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.out_parts, dim=-1)
-        q = q.view(t, self.heads, self.head_dim)  # (T, Hq/tp, D)
-        k = k.view(t, self.kv_heads, self.head_dim)  # (T, Hkv/tp, D)
-        v = v.view(t, self.kv_heads, self.head_dim)
-        q, k = self.rope(meta.positions, q, k)
+        t, h, hkv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # (T, (Hq + 2·Hkv)/tp · D): q, k, v side by side
+        qk = self.rope(meta.positions, qkv[:, :(h + hkv) * d].view(t, h + hkv, d), meta.backend_cache)
+        q, k = qk[:, :h], qk[:, h:]  # (T, Hq/tp, D), (T, Hkv/tp, D)
+        v = qkv[:, (h + hkv) * d:].view(t, hkv, d)
         o = self.backend.forward(q, k, v, kv[0], kv[1], meta)  # (T, Hq/tp, D)
         return self.o_proj(o.reshape(t, -1))
 
@@ -55,7 +54,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one (T, I) buffer fewer
 
 
 class DecoderLayer(nn.Module):
