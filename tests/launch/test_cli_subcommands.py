@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from launch.cli import main
+from pp_runtime.profile_grid import CSV_COLUMNS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +36,7 @@ def test_profile_colocated_grid_overrides(tmp_path: Path) -> None:
                  "--quiet"]) == 0
     for d in (tmp_path, tmp_path / "colocated-1"):
         rows = (d / "profile.csv").read_text().splitlines()
-        assert rows[0].endswith(",lm_head_ms") and any(r.startswith("decode,0,2,12,") for r in rows)
+        assert rows[0].split(",") == list(CSV_COLUMNS) and any(r.startswith("decode,0,2,12,") for r in rows)
     assert len(list((tmp_path / ".barrier").iterdir())) == 2
 
 
