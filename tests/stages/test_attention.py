@@ -57,12 +57,15 @@ def test_torch_backend_matches_dense(paged_kernel: bool, monkeypatch: pytest.Mon
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_paged_kernel_matches_gather_sdpa_at_scale(threads: int) -> None:
-    """Real head shapes (9 query / 3 KV heads, D = 64), scattered blocks, ragged lengths."""
+@pytest.mark.parametrize("hkv,grp,d", [(3, 3, 64), (2, 5, 64), (2, 4, 128), (2, 3, 32)])
+def test_paged_kernel_matches_gather_sdpa_at_scale(threads: int, hkv: int, grp: int, d: int) -> None:
+    """Real head shapes (SmolLM2: 9 query / 3 KV heads, D = 64), scattered blocks, ragged lengths;
+    and shapes that take the kernel's other paths (head size / group size fixed at compile time
+    or not: 64 and 5, 128 and 4, 32 and 3)."""
     if not cpu_paged.available():
         pytest.skip("CPU paged-attention kernel could not be built here")
     g = torch.Generator().manual_seed(threads)
-    b, bs, hkv, grp, d, nb = 13, 16, 3, 3, 64, 9
+    b, bs, nb = 13, 16, 9
     kc, vc = torch.randn(200, bs, hkv, d, generator=g), torch.randn(200, bs, hkv, d, generator=g)
     tables = torch.randperm(200, generator=g)[:b * nb].view(b, nb).contiguous()
     lens = torch.randint(1, nb * bs + 1, (b,), generator=g)
