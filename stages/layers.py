@@ -69,17 +69,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: dict) -> torch.Tensor:
         """x (T, heads, D) -> rotated copy. The caller passes q's and k's heads as one tensor (they
         sit side by side in the fused QKV output), so every layer rotates both in four kernels;
-        ``cache`` (per step) keeps the gathered cos/sin rows for the step's other layers."""
+        ``cache`` (per step: the attention metadata's) keeps the gathered cos/sin rows for the
+        step's other layers."""
         key = ("rope", x.dtype)
-        cs = cache.get(key) if cache is not None else None
+        cs = cache.get(key)
         if cs is None:
             # in x's dtype, as HF computes q·cos + rotate_half(q)·sin
-            cs = (self.cos[positions].unsqueeze(1).to(x.dtype), self.sin[positions].unsqueeze(1).to(x.dtype))
-            if cache is not None:
-                cache[key] = cs
+            cs = cache[key] = (self.cos[positions].unsqueeze(1).to(x.dtype),
+                               self.sin[positions].unsqueeze(1).to(x.dtype))
         cos, sin = cs  # (T, 1, D/2)
         x1, x2 = x.chunk(2, dim=-1)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

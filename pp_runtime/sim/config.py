@@ -13,7 +13,10 @@
                                    # or {kind: profile, stages: [stage-0 csv(s), stage-1 csv(s), ...]}
                                    # (`pp-runtime profile --pp N`: each stage profiled in the deployment)
                                    # any kind may add jitter: σ (log-sd of each step's time, e.g. 0.08;
-                                   # or one per stage), or for profiles jitter: profile (σ of their rounds)
+                                   # or one per stage: an in-deployment profile.json's
+                                   # jitter.independent), or for profiles jitter: profile (the CSVs'
+                                   # round-to-round sd: it includes the box's slow drift, so it is an
+                                   # upper bound that overstates bubbles; validate_sim takes the former)
     seed: 0
     workload: {kind: zipf, num_requests: 10000, ...}      # pp_runtime.workload.WorkloadConfig
     scenarios:
@@ -198,7 +201,7 @@ def _cost_model(spec: object, where: Path) -> dict:
 
 def _jitter(value: object, kind: str) -> float | tuple[float, ...] | str:
     """σ of each simulated step's log-normal noise: a number in [0, 1), one per stage, or
-    ``profile`` (each stage's pooled total_log_sd)."""
+    ``profile`` (each stage's pooled total_log_sd — drift between rounds included, an upper bound)."""
     if value == "profile":
         if kind != "profile":
             raise ValueError("cost_model.jitter: profile needs kind 'profile' (σ comes from the profile's rounds)")

@@ -29,7 +29,8 @@ struct Args {
 // compile time, else 0 (a.Dyn / a.G): with both fixed, each K or V row is loaded once for all
 // G heads and the d-loops vectorise with G accumulators.
 template <int DC, int GC>
-void one_head(const Args& a, int64_t b, int64_t h, std::vector<float>& p, std::vector<float>& acc) {
+void one_head(const Args& a, int64_t b, int64_t h, std::vector<float>& p, std::vector<float>& acc,
+              std::vector<float>& inv) {
   const int64_t D = DC > 0 ? DC : a.Dyn;
   const int64_t G = GC > 0 ? GC : a.G, len = a.lens[b], row_stride = a.Hkv * D;
   const float* qb = a.q + (b * a.H + h * G) * D;
@@ -58,9 +59,6 @@ void one_head(const Args& a, int64_t b, int64_t h, std::vector<float>& p, std::v
     }
   }
   // softmax per head over contiguous scores
-  float inv[16];
-  std::vector<float> inv_big(G > 16 ? G : 0);
-  float* invp = G > 16 ? inv_big.data() : inv;
   for (int64_t g = 0; g < G; ++g) {
     float* s = p.data() + g * len;
     float mx = s[0];
@@ -70,7 +68,7 @@ void one_head(const Args& a, int64_t b, int64_t h, std::vector<float>& p, std::v
       s[j] = std::exp(s[j] - mx);
       sum += s[j];
     }
-    invp[g] = 1.f / sum;
+    inv[g] = 1.f / sum;
   }
   // pass 2: weighted sum of each V row, read once
   std::fill(acc.begin(), acc.begin() + G * D, 0.f);
@@ -98,15 +96,15 @@ void one_head(const Args& a, int64_t b, int64_t h, std::vector<float>& p, std::v
   for (int64_t g = 0; g < G; ++g) {
     float* o = a.out + (b * a.H + h * G + g) * D;
     const float* ag = acc.data() + g * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = ag[d] * invp[g];
+    for (int64_t d = 0; d < D; ++d) o[d] = ag[d] * inv[g];
   }
 }
 
 template <int DC, int GC>
 void run(const Args& a, int64_t B) {
   at::parallel_for(0, B * a.Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p, acc(a.G * (DC > 0 ? DC : a.Dyn));
-    for (int64_t i = begin; i < end; ++i) one_head<DC, GC>(a, i / a.Hkv, i % a.Hkv, p, acc);
+    std::vector<float> p, acc(a.G * (DC > 0 ? DC : a.Dyn)), inv(a.G);
+    for (int64_t i = begin; i < end; ++i) one_head<DC, GC>(a, i / a.Hkv, i % a.Hkv, p, acc, inv);
   });
 }
 
