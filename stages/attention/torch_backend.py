@@ -1,16 +1,18 @@
 """Reference attention backend on torch SDPA: runs on any device.
 
-Prefill chunks: one SDPA per chunk over its gathered context, causal with the diagonal
-offset by the tokens already cached (bottom-right aligned). Decodes: on CPU in fp32 the
-paged kernel of ``cpu_paged`` (reads the blocks in place); elsewhere one batched SDPA over
-their gathered, padded contexts with a padding mask. GQA through SDPA's ``enable_gqa``.
+On CPU in fp32 the kernels of ``stages.cpu_kernels`` read K/V blocks in place: a causal one per
+prefill chunk (it skips the keys a query block cannot see), one for all decodes. Elsewhere
+(and for head sizes the kernels do not tile): prefill chunks as one SDPA per chunk over its
+gathered context, causal with the diagonal offset by the tokens already cached (bottom-right
+aligned); decodes as one batched SDPA over their gathered, padded contexts with a padding
+mask. GQA through SDPA's ``enable_gqa``.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from stages.attention import cpu_paged
+from stages import cpu_kernels
 from stages.attention.metadata import AttentionMetadata
 
 
@@ -43,7 +45,7 @@ class TorchAttention:
 
     @staticmethod
     def _use_paged_kernel(q: torch.Tensor) -> bool:
-        return q.device.type == "cpu" and q.dtype == torch.float32 and cpu_paged.available()
+        return cpu_kernels.usable(q)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -52,8 +54,15 @@ class TorchAttention:
         out = torch.empty_like(q)
         h_kv, d = k.shape[1:]
         row = 0
+        kernels = self._use_paged_kernel(q)
+        paged = kernels and d % cpu_kernels.TILE == 0
         for i in range(meta.num_prefills):
             n, ctx = meta.q_lens[i], meta.ctx_lens[i]
+            if paged:  # causal blocks only, K/V read in place (the chunk's own were just written)
+                cpu_kernels.paged_prefill(q[row:row + n], k_cache, v_cache, meta.prefill_tables[i], ctx, self.scale,
+                                        out[row:row + n])
+                row += n
+                continue
             qi = q[row:row + n].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
             if meta.fresh_prefill[i]:  # nothing cached: attend to the chunk itself, plain causal
                 ki, vi, mask, causal = k[row:row + n], v[row:row + n], None, True
@@ -66,8 +75,8 @@ class TorchAttention:
                                                attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True)
             out[row:row + n] = o.squeeze(0).transpose(0, 1)
             row += n
-        if meta.num_decodes and self._use_paged_kernel(q):  # K/V read in place, no gather
-            out[row:] = cpu_paged.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables,
+        if meta.num_decodes and kernels:  # K/V read in place, no gather
+            out[row:] = cpu_kernels.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables,
                                                _decode_lens(meta), self.scale)
         elif meta.num_decodes:
             b = meta.num_decodes

@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from pp_runtime.batch import SeqChunk
-from stages.attention import TorchAttention, XFormersAttention, build_metadata, cpu_paged, make_backend
+from stages import cpu_kernels
+from stages.attention import TorchAttention, XFormersAttention, build_metadata, make_backend
+from stages.attention.torch_backend import causal_offset_mask
 
 BS, H, HKV, D = 4, 4, 2, 8
 
 
-def mixed_batch(seed: int = 0) -> tuple:
+def mixed_batch(seed: int = 0, d: int = D) -> tuple:
     """Two prefill chunks (one fresh, one continuing) and three decodes with assorted contexts."""
     g = torch.Generator().manual_seed(seed)
     specs = [(0, 0, 6, True), (1, 5, 4, True), (2, 9, 1, False), (3, 2, 1, False), (4, 13, 1, False)]
@@ -22,10 +24,10 @@ def mixed_batch(seed: int = 0) -> tuple:
         tables[seq] = tuple(range(next_block, next_block + nb))
         next_block += nb
         chunks.append(SeqChunk(seq, start, tuple(range(n)), tables[seq], pre, None))
-    k_cache = torch.randn(next_block, BS, HKV, D, generator=g)
-    v_cache = torch.randn(next_block, BS, HKV, D, generator=g)
+    k_cache = torch.randn(next_block, BS, HKV, d, generator=g)
+    v_cache = torch.randn(next_block, BS, HKV, d, generator=g)
     t = sum(c.num_tokens for c in chunks)
-    q, k, v = torch.randn(t, H, D, generator=g), torch.randn(t, HKV, D, generator=g), torch.randn(t, HKV, D, generator=g)
+    q, k, v = torch.randn(t, H, d, generator=g), torch.randn(t, HKV, d, generator=g), torch.randn(t, HKV, d, generator=g)
     return tuple(chunks), q, k, v, k_cache, v_cache
 
 
@@ -38,21 +40,23 @@ def dense_reference(chunks: tuple, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         vals = torch.stack([v_cache[b, o] for b, o in flat]).repeat_interleave(H // HKV, dim=1)
         for i in range(c.num_tokens):
             pos = c.start + i
-            s = torch.einsum("hd,lhd->hl", q[row], keys[:pos + 1]) * D ** -0.5
+            s = torch.einsum("hd,lhd->hl", q[row], keys[:pos + 1]) * q.shape[-1] ** -0.5
             out[row] = torch.einsum("hl,lhd->hd", s.softmax(-1), vals[:pos + 1])
             row += 1
     return out
 
 
+@pytest.mark.parametrize("d", [D, 16])
 @pytest.mark.parametrize("paged_kernel", [True, False])
-def test_torch_backend_matches_dense(paged_kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both decode paths: the CPU paged kernel (K/V read in place) and gather + SDPA."""
-    if paged_kernel and not cpu_paged.available():
+def test_torch_backend_matches_dense(paged_kernel: bool, d: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every path: the CPU paged kernels (K/V read in place; the prefill one tiles head sizes
+    that are a multiple of 16, so D = 8 takes SDPA for the chunks) and gather + SDPA."""
+    if paged_kernel and not cpu_kernels.available():
         pytest.skip("CPU paged-attention kernel could not be built here")
     monkeypatch.setattr(TorchAttention, "_use_paged_kernel", staticmethod(lambda q: paged_kernel))
-    chunks, q, k, v, kc, vc = mixed_batch()
+    chunks, q, k, v, kc, vc = mixed_batch(d=d)
     meta = build_metadata(chunks, BS, torch.device("cpu"))
-    out = TorchAttention(D ** -0.5).forward(q, k, v, kc, vc, meta)
+    out = TorchAttention(d ** -0.5).forward(q, k, v, kc, vc, meta)
     torch.testing.assert_close(out, dense_reference(chunks, q, kc, vc), rtol=1e-5, atol=1e-5)
 
 
@@ -62,7 +66,7 @@ def test_paged_kernel_matches_gather_sdpa_at_scale(threads: int, hkv: int, grp: 
     """Real head shapes (SmolLM2: 9 query / 3 KV heads, D = 64), scattered blocks, ragged lengths;
     and shapes that take the kernel's other paths (head size / group size fixed at compile time
     or not: 64 and 5, 128 and 4, 32 and 3)."""
-    if not cpu_paged.available():
+    if not cpu_kernels.available():
         pytest.skip("CPU paged-attention kernel could not be built here")
     g = torch.Generator().manual_seed(threads)
     b, bs, nb = 13, 16, 9
@@ -73,7 +77,7 @@ def test_paged_kernel_matches_gather_sdpa_at_scale(threads: int, hkv: int, grp: 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = cpu_paged.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
+        out = cpu_kernels.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
     finally:
         torch.set_num_threads(old)
     kd = kc[tables.reshape(-1)].view(b, -1, hkv, d).transpose(1, 2)
@@ -81,6 +85,37 @@ def test_paged_kernel_matches_gather_sdpa_at_scale(threads: int, hkv: int, grp: 
     mask = (torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :]
     ref = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(out, ref.squeeze(2), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("hkv,grp,d", [(3, 3, 64), (2, 4, 128), (1, 5, 48), (4, 1, 16)])
+@pytest.mark.parametrize("n,ctx", [(256, 256), (100, 300), (37, 600), (1, 1), (1, 77), (17, 17)])
+def test_paged_prefill_matches_gather_sdpa(threads: int, hkv: int, grp: int, d: int, n: int, ctx: int) -> None:
+    """The causal prefill kernel: a chunk that is the last n of ctx positions, scattered
+    blocks, q a strided slice of a fused QKV row and out a slice of a bigger buffer; contexts
+    past 256 keys take several online-softmax steps, and large scores test its rescaling."""
+    if not cpu_kernels.available():
+        pytest.skip("CPU paged-attention kernel could not be built here")
+    g = torch.Generator().manual_seed(n * 7 + ctx)
+    bs, h = 16, hkv * grp
+    nb = -(-ctx // bs)
+    kc, vc = torch.randn(nb + 9, bs, hkv, d, generator=g) * 3, torch.randn(nb + 9, bs, hkv, d, generator=g)
+    table = torch.randperm(nb + 9, generator=g)[:nb]
+    qkv = torch.randn(n, (h + 2 * hkv) * d, generator=g) * 3
+    q = qkv[:, :h * d].view(n, h, d)
+    buf = torch.full((n + 2, h, d), float("nan"))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_kernels.paged_prefill(q, kc, vc, table, ctx, d ** -0.5, buf[1:n + 1])
+    finally:
+        torch.set_num_threads(old)
+    keys = kc[table].view(-1, hkv, d)[:ctx].transpose(0, 1)  # (H_kv, ctx, D)
+    vals = vc[table].view(-1, hkv, d)[:ctx].transpose(0, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), keys, vals, attn_mask=causal_offset_mask(n, ctx, q.device), enable_gqa=True)
+    torch.testing.assert_close(buf[1:n + 1], ref.transpose(0, 1), rtol=1e-4, atol=1e-4)  # logits of sd ~9
+    assert buf[0].isnan().all() and buf[n + 1].isnan().all()  # nothing written outside out
 
 
 def test_xformers_packing_and_mask_match_torch_backend() -> None:

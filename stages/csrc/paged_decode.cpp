@@ -1,4 +1,4 @@
-// Paged decode attention for fp32 on CPU (see cpu_paged.py).
+// Paged decode attention for fp32 on CPU (see stages/cpu_kernels.py).
 // q (B, H, D); k_cache, v_cache (NB, BS, H_kv, D); tables (B, NBT) int64; lens (B,) int64.
 // One task per (sequence, KV head): its G = H / H_kv query heads share every K/V row read;
 // two passes (scores and softmax over a contiguous buffer, then the V sum), each row read once.
@@ -144,8 +144,4 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     run<0, 0>(a, B);
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (fp32, CPU)");
 }

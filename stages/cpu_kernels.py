@@ -1,0 +1,107 @@
+"""fp32 CPU kernels in C++ (``stages/csrc/``) for what torch does slowly on a CPU.
+
+* ``paged_decode`` (paged_decode.cpp): the torch path gathers every decode's blocks into a
+  contiguous (B, L, H_kv, D) copy per layer and then runs SDPA over it, so the copy is written
+  once and read twice. The kernel walks each sequence's block table: scores of the G query
+  heads of a KV head against each K row, a softmax over them, then the weighted V rows.
+* ``paged_prefill`` (paged_prefill.cpp): causal attention of one prefill chunk over its cached
+  context plus itself, in blocks of 16 query positions that each read only the keys they can
+  see (SDPA's CPU kernel computes the masked upper triangle of a cached context too),
+  register-blocked products over K/V packed in 16-wide panels, a vectorised exp.
+* ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rope_`` (elementwise.cpp): one pass each
+  where torch runs RMSNorm as five kernels, SiLU on a strided half of the gate/up output and
+  RoPE as four strided kernels.
+
+Built on first use with torch's JIT extension loader (g++, ninja) for the host CPU
+(-march=native: it is built where it runs); ``scripts/setup.sh`` builds it ahead so that no run
+pays the ~60 s compile. Where it cannot be built, ``available()`` is False and every caller
+takes its torch path.
+
+    out = paged_decode(q, k_cache, v_cache, tables, lens, scale)
+    # q (B, H, D) fp32; caches (NB, BS, H_kv, D); tables (B, nb) int64 block ids; lens (B,) int64
+    paged_prefill(q, k_cache, v_cache, table, ctx, scale, out)
+    # q, out (n, H, D) fp32, the chunk's last n of ctx positions; table (nb,) int64
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+_SOURCES = [str(Path(__file__).with_name("csrc") / f)
+            for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp")]
+TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a multiple of it
+_lock = threading.Lock()
+_module: object | None = None
+_failed: str | None = None
+
+
+def _load() -> object | None:
+    global _module, _failed
+    if _module is not None or _failed is not None:  # every layer asks: no lock once settled
+        return _module
+    with _lock:
+        if _module is None and _failed is None:
+            try:
+                from torch.utils.cpp_extension import load
+                # -fopenmp: at::parallel_for is header code that splits work only under OpenMP
+                _module = load("pp_runtime_cpu_kernels", sources=_SOURCES,
+                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                               extra_ldflags=["-fopenmp"], verbose=False)
+            except Exception as exc:  # no compiler, no ninja, an odd CPU: the torch paths still work
+                _failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                print(f"pp_runtime: CPU kernels unavailable ({_failed}); using the torch paths", file=sys.stderr)
+    return _module
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def status() -> str:
+    """'ready' or why not (scripts/setup.sh prints it after building)."""
+    return "ready" if available() else f"not built ({_failed})"
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the kernels take this activation: fp32, on CPU, built."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and available()
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                 lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """(B, H, D) attention of each decode over the first lens[b] slots of its block table."""
+    return _load().paged_decode(q.contiguous(), k_cache, v_cache, tables, lens, scale)
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int,
+                  scale: float, out: torch.Tensor) -> None:
+    """Causal attention of a chunk q (n, H, D), the last n of ctx positions, into out (n, H, D).
+
+    Its K/V must already be in the cache. q and out may be row-strided views (a slice of the
+    fused QKV output, rows of the step's output); each (H, D) row must be contiguous.
+    """
+    _load().paged_prefill(q, k_cache, v_cache, table, ctx, scale, out)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x · rsqrt(mean(x²) + eps) · weight over the rows of a contiguous (T, H) x."""
+    return _load().rms_norm(x, weight, eps)
+
+
+def add_rms_norm_(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h += x in place (a residual add), then returns rms_norm(h); both contiguous (T, H)."""
+    return _load().add_rms_norm_(h, x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2I) = [gate | up], contiguous -> silu(gate) · up, (T, I)."""
+    return _load().silu_mul(gate_up)
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half RoPE of x (T, heads, D) in place; its (heads, D) rows contiguous, any row
+    stride (q's and k's heads of the fused QKV output). cos/sin: (P, D/2) tables by position."""
+    _load().rope_(x, positions, cos, sin)

@@ -1,0 +1,78 @@
+"""The fused elementwise CPU kernels against torch, and the layer code paths that use them or
+fall back (the paged attention kernels are tested with the attention backends)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stages import cpu_kernels
+from stages.layers import RMSNorm, RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request: pytest.FixtureRequest) -> int:
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("t,h", [(256, 576), (3, 20), (1, 7), (33, 4096)])
+def test_rms_norm_and_add_rms_norm_match_torch(threads: int, t: int, h: int) -> None:
+    g = torch.Generator().manual_seed(t + h)
+    x, a, w = torch.randn(t, h, generator=g) * 4, torch.randn(t, h, generator=g), torch.randn(h, generator=g)
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (h,), w, 1e-5), rtol=1e-5, atol=1e-5)
+    h_in = a.clone()
+    normed = cpu_kernels.add_rms_norm_(h_in, x, w, 1e-6)
+    torch.testing.assert_close(h_in, a + x)  # the residual sum, written in place
+    torch.testing.assert_close(normed, F.rms_norm(a + x, (h,), w, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("t,i", [(256, 1536), (5, 13), (1, 8)])
+def test_silu_mul_matches_torch(threads: int, t: int, i: int) -> None:
+    g = torch.Generator().manual_seed(t * i)
+    gu = torch.randn(t, 2 * i, generator=g) * 5
+    gu[0, :4] = torch.tensor([-200.0, -88.5, 90.0, 0.0])[:min(4, i)]  # past exp's range both ways
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_module_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RMSNorm.forward / add_forward on the kernels and on torch give the same values, and
+    add_forward's sum is h + x either way."""
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data = torch.randn(64)
+    h, x = torch.randn(10, 64), torch.randn(10, 64)
+    fused_sum, fused = norm.add_forward(h.clone(), x)
+    plain = norm(h + x)
+    monkeypatch.setattr(cpu_kernels, "usable", lambda t: False)
+    torch_sum, torch_norm = norm.add_forward(h.clone(), x)
+    torch.testing.assert_close(fused_sum, torch_sum)
+    torch.testing.assert_close(fused, torch_norm, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(plain, norm(h + x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        cpu_kernels.rms_norm(torch.randn(64, 10).t(), norm.weight, 1e-5)
+
+
+@pytest.mark.parametrize("heads,d", [(12, 64), (3, 128), (2, 10)])
+def test_rope_in_place_matches_torch_path(threads: int, heads: int, d: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rotating q's and k's heads in place inside a fused QKV row (row stride > heads · D)
+    gives the torch path's values and leaves the V part alone; bad positions are refused."""
+    rope = RotaryEmbedding(d, 300, 10000.0)
+    g = torch.Generator().manual_seed(heads * d)
+    qkv = torch.randn(37, (heads + 2) * d, generator=g)
+    positions = torch.randint(0, 300, (37,), generator=g)
+    x = qkv[:, :heads * d].view(37, heads, d)
+    monkeypatch.setattr(cpu_kernels, "usable", lambda t: False)
+    want = rope(positions, x, {})
+    monkeypatch.undo()
+    v_before = qkv[:, heads * d:].clone()
+    got = rope(positions, x, {})
+    assert got.data_ptr() == x.data_ptr()  # in place
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, heads * d:], v_before)
+    with pytest.raises(RuntimeError, match="position 300 outside"):
+        cpu_kernels.rope_(x[:1], torch.tensor([300]), rope.cos, rope.sin)
