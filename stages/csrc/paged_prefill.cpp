@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 #include "vec.h"
 
@@ -234,15 +235,24 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2), BS = k_cache.size(1);
   TORCH_CHECK(H % Hkv == 0 && k_cache.size(3) == D && D % NR == 0, "paged_prefill: head shapes");
   TORCH_CHECK(n <= ctx && table.size(0) * BS >= ctx, "paged_prefill: table shorter than the context");
+  const int64_t* tp = table.data_ptr<int64_t>();
+  for (int64_t i = 0, nb = (ctx + BS - 1) / BS; i < nb; ++i)
+    TORCH_CHECK(tp[i] >= 0 && tp[i] < k_cache.size(0), "paged_prefill: block ", tp[i], " outside the cache");
   if (n == 0) return;
   const int64_t Lp = (ctx + NR - 1) / NR * NR;
-  std::vector<float> kt(Hkv * D * Lp, 0.f), vp(Hkv * D * Lp, 0.f);
+  // Uninitialised (a long context's panels are MBs): packing writes every real key; the K
+  // columns past ctx in the last panel are zeroed (the tiles read them; the softmax masks
+  // them), the V rows past ctx are never read.
+  std::unique_ptr<float[]> kt(new float[Hkv * D * Lp]), vp(new float[Hkv * D * Lp]);
+  for (int64_t h = 0; h < Hkv && Lp > ctx; ++h)
+    for (int64_t d = 0; d < D; ++d)
+      std::fill_n(kt.get() + ((h * (Lp / NR) + Lp / NR - 1) * D + d) * NR + ctx % NR, Lp - ctx, 0.f);
   Args a{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table.data_ptr<int64_t>(),
          out.data_ptr<float>(), q.stride(0), out.stride(0), n, ctx, H, Hkv, H / Hkv, D, BS,
-         static_cast<float>(scale), kt.data(), vp.data(), Lp};
+         static_cast<float>(scale), kt.get(), vp.get(), Lp};
   const int64_t blocks = (ctx + BS - 1) / BS;
   at::parallel_for(0, Hkv * blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) pack_block(a, i / blocks, i % blocks, kt.data(), vp.data());
+    for (int64_t i = begin; i < end; ++i) pack_block(a, i / blocks, i % blocks, kt.get(), vp.get());
   });
   if (D == 64) {
     run<64>(a);
