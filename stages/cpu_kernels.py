@@ -10,7 +10,8 @@
   register-blocked products over K/V packed in 16-wide panels, a vectorised exp.
 * ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rope_`` (elementwise.cpp): one pass each
   where torch runs RMSNorm as five kernels, SiLU on a strided half of the gate/up output and
-  RoPE as four strided kernels.
+  RoPE as four strided kernels; ``transpose`` (elementwise.cpp) for the skinny linear's
+  transposed product, 3x torch's strided copy.
 
 Built on first use with torch's JIT extension loader (g++, ninja) for the host CPU
 (-march=native: it is built where it runs); ``scripts/setup.sh`` builds it ahead so that no run
@@ -105,3 +106,8 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     """Rotate-half RoPE of x (T, heads, D) in place; its (heads, D) rows contiguous, any row
     stride (q's and k's heads of the fused QKV output). cos/sin: (P, D/2) tables by position."""
     _load().rope_(x, positions, cos, sin)
+
+
+def transpose(x: torch.Tensor) -> torch.Tensor:
+    """(R, C) contiguous -> (C, R) contiguous, in 8 x 8 register blocks."""
+    return _load().transpose(x)

@@ -121,7 +121,8 @@ def skinny(rows: int) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias) for x (T, in), w (out, in) -> (T, out), contiguous."""
     if x.device.type == "cpu" and x.dim() == 2 and skinny(x.shape[0]):
-        y = torch.mm(w, x.t()).t().contiguous()  # (out, T) -> (T, out)
+        y = torch.mm(w, x.t())  # (out, T)
+        y = cpu_kernels.transpose(y) if cpu_kernels.usable(y) else y.t().contiguous()  # (T, out)
         return y if bias is None else y.add_(bias)
     return F.linear(x, w, bias)
 

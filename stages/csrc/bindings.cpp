@@ -9,6 +9,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);  // elemen
 torch::Tensor add_rms_norm_(torch::Tensor h, torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
 void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor transpose(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (fp32, CPU)");
@@ -17,4 +18,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "h += x in place, then RMSNorm of h (fp32, CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (T, 2I) gate/up output (fp32, CPU)");
   m.def("rope_", &rope_, "rotate-half RoPE in place over (T, heads, D) rows (fp32, CPU)");
+  m.def("transpose", &transpose, "contiguous transpose of a contiguous (R, C) matrix (fp32, CPU)");
 }

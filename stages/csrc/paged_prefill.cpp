@@ -37,7 +37,7 @@ struct Args {
   int64_t q_row, out_row, n, ctx, H, Hkv, G, D, BS;
   float scale;
   const float* kt;  // (Hkv, Lp / NR, D, NR): Kᵀ panels, zero past ctx
-  const float* vp;  // (Hkv, D / NR, Lp, NR): V panels, zero past ctx
+  const float* vp;  // (Hkv, D / NR, Lp, NR): V panels, rows past ctx unset (never read)
   int64_t Lp;
 };
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from stages import cpu_kernels
-from stages.layers import RMSNorm, RotaryEmbedding
+from stages.layers import RMSNorm, RotaryEmbedding, linear
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")
 
@@ -76,3 +76,18 @@ def test_rope_in_place_matches_torch_path(threads: int, heads: int, d: int, monk
     assert torch.equal(qkv[:, heads * d:], v_before)
     with pytest.raises(RuntimeError, match="position 300 outside"):
         cpu_kernels.rope_(x[:1], torch.tensor([300]), rope.cos, rope.sin)
+
+
+@pytest.mark.parametrize("r,c", [(960, 32), (7, 5), (17, 24), (8, 8), (3, 1), (4100, 13)])
+def test_transpose_matches_torch(threads: int, r: int, c: int) -> None:
+    """Whole 8 x 8 register blocks and the ragged edges of both dimensions."""
+    x = torch.randn(r, c, generator=torch.Generator().manual_seed(r * c))
+    assert torch.equal(cpu_kernels.transpose(x), x.t().contiguous())
+
+
+def test_skinny_linear_matches_f_linear(threads: int) -> None:
+    """The skinny path ((W Xᵀ) transposed back by the kernel) gives F.linear's values, contiguous."""
+    w, x = torch.randn(300, 64), torch.randn(4, 64)
+    y = linear(x, w)
+    assert y.is_contiguous() and y.shape == (4, 300)
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
