@@ -12,6 +12,8 @@
 #include <cmath>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
 struct Args {
@@ -58,17 +60,10 @@ void one_head(const Args& a, int64_t b, int64_t h, std::vector<float>& p, std::v
       }
     }
   }
-  // softmax per head over contiguous scores
+  // softmax per head over contiguous scores (already scaled)
   for (int64_t g = 0; g < G; ++g) {
     float* s = p.data() + g * len;
-    float mx = s[0];
-    for (int64_t j = 1; j < len; ++j) mx = std::max(mx, s[j]);
-    float sum = 0.f;
-    for (int64_t j = 0; j < len; ++j) {
-      s[j] = std::exp(s[j] - mx);
-      sum += s[j];
-    }
-    inv[g] = 1.f / sum;
+    inv[g] = 1.f / exp_row(s, len, 1.f, row_max(s, len));
   }
   // pass 2: weighted sum of each V row, read once
   std::fill(acc.begin(), acc.begin() + G * D, 0.f);

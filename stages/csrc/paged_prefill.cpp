@@ -99,45 +99,6 @@ inline void pv_tile(const float* p, int64_t ldp, const float* vp, int64_t kc, fl
 #endif
 }
 
-float row_max(const float* s, int64_t n) {
-  float mx = s[0];
-  int64_t j = 1;
-#ifdef PP_AVX2
-  if (n >= 8) {
-    __m256 m = _mm256_loadu_ps(s);
-    for (j = 8; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
-    float t[8];
-    _mm256_storeu_ps(t, m);
-    mx = *std::max_element(t, t + 8);
-  }
-#endif
-  for (; j < n; ++j) mx = std::max(mx, s[j]);
-  return mx;
-}
-
-
-// s[j] <- e^(s[j] · scale − m) for j < n; returns their sum
-float exp_row(float* s, int64_t n, float scale, float m) {
-  int64_t j = 0;
-  float sum = 0.f;
-#ifdef PP_AVX2
-  const __m256 vs = _mm256_set1_ps(scale), vm = _mm256_set1_ps(m);
-  __m256 acc = _mm256_setzero_ps();
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp256(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), vs, vm));
-    _mm256_storeu_ps(s + j, e);
-    acc = _mm256_add_ps(acc, e);
-  }
-  sum = hsum256(acc);
-#endif
-  for (; j < n; ++j) {
-    s[j] = std::exp(s[j] * scale - m);
-    sum += s[j];
-  }
-  return sum;
-}
-
-// Kᵀ of KV head h over positions [j0, j1), read from the cache's blocks in place.
 // The panels of KV head h for the positions of cache block blk (both read once, in place).
 void pack_block(const Args& a, int64_t h, int64_t blk, float* kt, float* vp) {
   const int64_t j0 = blk * a.BS, j1 = std::min(a.ctx, j0 + a.BS), D = a.D, row = a.Hkv * D;

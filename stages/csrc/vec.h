@@ -1,5 +1,9 @@
 // Vector helpers shared by the CPU kernels (AVX2 + FMA where the build has them).
 #pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PP_AVX2 1
@@ -32,3 +36,41 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 #endif
+
+// max of s[0..n), n >= 1
+inline float row_max(const float* s, int64_t n) {
+  float mx = s[0];
+  int64_t j = 1;
+#ifdef PP_AVX2
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(s);
+    for (j = 8; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+    float t[8];
+    _mm256_storeu_ps(t, m);
+    mx = *std::max_element(t, t + 8);
+  }
+#endif
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
+  return mx;
+}
+
+// s[j] <- e^(s[j] · scale − m) for j < n; returns their sum
+inline float exp_row(float* s, int64_t n, float scale, float m) {
+  int64_t j = 0;
+  float sum = 0.f;
+#ifdef PP_AVX2
+  const __m256 vs = _mm256_set1_ps(scale), vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp256(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), vs, vm));
+    _mm256_storeu_ps(s + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum256(acc);
+#endif
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] * scale - m);
+    sum += s[j];
+  }
+  return sum;
+}
