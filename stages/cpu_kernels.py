@@ -12,6 +12,9 @@
   where torch runs RMSNorm as five kernels, SiLU on a strided half of the gate/up output and
   RoPE as four strided kernels; ``transpose`` (elementwise.cpp) for the skinny linear's
   transposed product, 3x torch's strided copy.
+* ``pack_weight``, ``packed_linear`` (gemm.cpp): the linear layers over weights packed once
+  into 16-column panels; 6 x 16 register tiles, each thread streaming its own panels once per
+  call. torch.mm re-packs W on every call and blocks a few-row (decode) product poorly.
 
 Built on first use with torch's JIT extension loader (g++, ninja) for the host CPU
 (-march=native: it is built where it runs); ``scripts/setup.sh`` builds it ahead so that no run
@@ -32,8 +35,9 @@ from pathlib import Path
 import torch
 
 _SOURCES = [str(Path(__file__).with_name("csrc") / f)
-            for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp")]
+            for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp")]
 TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a multiple of it
+PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a multiple of it
 _lock = threading.Lock()
 _module: object | None = None
 _failed: str | None = None
@@ -111,3 +115,13 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
 def transpose(x: torch.Tensor) -> torch.Tensor:
     """(R, C) contiguous -> (C, R) contiguous, in 8 x 8 register blocks."""
     return _load().transpose(x)
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) fp32, N a multiple of PANEL -> (N / PANEL, K, PANEL): the layout packed_linear reads."""
+    return _load().pack_weight(w)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) (rows contiguous, any row stride) times the packed (N, K) weight's transpose: (M, N)."""
+    return _load().packed_linear(x, packed, bias)

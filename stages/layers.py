@@ -119,7 +119,9 @@ def skinny(rows: int) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, bias) for x (T, in), w (out, in) -> (T, out), contiguous."""
+    """F.linear(x, w, bias) for x (T, in), w (out, in) or packed (see pack_linears) -> (T, out), contiguous."""
+    if w.dim() == 3:
+        return cpu_kernels.packed_linear(x if x.stride(-1) == 1 else x.contiguous(), w, bias)
     if x.device.type == "cpu" and x.dim() == 2 and skinny(x.shape[0]):
         y = torch.mm(w, x.t())  # (out, T)
         y = cpu_kernels.transpose(y) if cpu_kernels.usable(y) else y.t().contiguous()  # (T, out)
@@ -168,6 +170,13 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def embedding_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ids of an embedding table (V, H), or of the same table packed for a tied LM head."""
+    if w.dim() == 3:  # (V / P, H, P): row v is column v % P of panel v // P
+        return w[ids // w.shape[2], :, ids % w.shape[2]]  # (T, H)
+    return F.embedding(ids, w)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows; ids outside this rank's rows give zeros,
     and the all-reduce sums the one rank that owns each id."""
@@ -180,9 +189,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (T,) -> (T, H)
         if self.ctx.size == 1:
-            return F.embedding(ids, self.weight)
+            return embedding_rows(self.weight, ids)
         mine = (ids >= self.lo) & (ids < self.hi)
-        out = F.embedding(torch.where(mine, ids - self.lo, 0), self.weight)
+        out = embedding_rows(self.weight, torch.where(mine, ids - self.lo, 0))
         out = out * mine.unsqueeze(-1).to(out.dtype)
         return self.ctx.all_reduce(out)
 
@@ -198,3 +207,24 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # (S, H) -> (S, V)
         return self.ctx.all_gather_last_dim(linear(h, self.weight))
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Repack every linear weight of ``model`` for cpu_kernels.packed_linear, in place of the
+    plain one (same bytes: the kernel's layout, not a copy beside it); returns how many.
+
+    Only fp32 weights on CPU whose output size is a multiple of the panel width, and only where
+    the kernels are built; the rest keep F.linear. A tied embedding keeps sharing its LM head's
+    (now packed) tensor and reads its rows from the panels.
+    """
+    linears = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+    packed: dict[int, nn.Parameter] = {}  # id(plain parameter) -> its packed replacement
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if isinstance(mod, linears) and w.dim() == 2 and cpu_kernels.usable(w) \
+                and w.shape[0] % cpu_kernels.PANEL == 0 and id(w) not in packed:
+            packed[id(w)] = nn.Parameter(cpu_kernels.pack_weight(w.detach()), requires_grad=False)
+    for mod in model.modules():
+        if isinstance(mod, (*linears, VocabParallelEmbedding)) and id(mod.weight) in packed:
+            mod.weight = packed[id(mod.weight)]
+    return len(packed)

@@ -19,7 +19,7 @@ import torch
 from pp_runtime.batch import MicroBatch
 from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
 from stages.attention import build_metadata
-from stages.layers import TPContext
+from stages.layers import TPContext, pack_linears
 from stages.model import StageModel
 from stages.op_timing import OpTimer, instrument
 from stages.sampler import sample
@@ -86,6 +86,7 @@ class StageWorker:
             self.model = StageModel(cfg, self.layer_range, tp, self.dtype, spec.device.device,
                                     spec.device.attention, self.is_first, self.is_last)
         self.weight_bytes = load_weights(self.model, spec.source, tp)
+        pack_linears(self.model)  # CPU fp32: the GEMM kernel's layout, packed once here, not per call
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = spec.cache.block_size
         self.timings: list[tuple[int, float, float, float]] = []  # (mb, t_ready, t_start, t_end)

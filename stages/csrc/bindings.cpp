@@ -10,6 +10,8 @@ torch::Tensor add_rms_norm_(torch::Tensor h, torch::Tensor x, torch::Tensor w, d
 torch::Tensor silu_mul(torch::Tensor gu);
 void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor transpose(torch::Tensor x);
+torch::Tensor pack_weight(torch::Tensor w);  // gemm.cpp
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (fp32, CPU)");
@@ -18,5 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "h += x in place, then RMSNorm of h (fp32, CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (T, 2I) gate/up output (fp32, CPU)");
   m.def("rope_", &rope_, "rotate-half RoPE in place over (T, heads, D) rows (fp32, CPU)");
+  m.def("pack_weight", &pack_weight, "(N, K) -> (N/16, K, 16) panels for packed_linear (fp32)");
+  m.def("packed_linear", &packed_linear, "x wᵀ (+ bias) over a packed weight (fp32, CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
   m.def("transpose", &transpose, "contiguous transpose of a contiguous (R, C) matrix (fp32, CPU)");
 }
