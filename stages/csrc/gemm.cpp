@@ -19,6 +19,10 @@
 
 #include "vec.h"
 
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1
+#endif
+
 namespace {
 
 constexpr int MR = 6;         // rows per register tile
@@ -52,14 +56,15 @@ inline void store_tile(const float* t, int m, float* c, int64_t ldc, bool acc, c
 
 // c (M x 16, row stride ldc) (+)= a (M x kc, row stride lda) · b (kc x 16 panel slab)
 template <int M>
-void tile(const float* a, int64_t lda, const float* b, int64_t kc, float* c, int64_t ldc, bool acc,
-          const float* bias) {
+void tile(const float* a, int64_t lda, const float* b, const float* pf, int64_t kc, float* c, int64_t ldc,
+          bool acc, const float* bias) {
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
          c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
 #pragma GCC unroll 4
   for (int64_t k = 0; k < kc; ++k) {
-    // the slab's next lines: for a few rows the panel comes from memory, not from L1
-    _mm_prefetch(reinterpret_cast<const char*>(b + k * NR + 256), _MM_HINT_T0);
+    // the next slab into L2 while this one is in use: for a few rows the panels stream from
+    // memory, and a prefetch a few lines ahead hides too little of its latency
+    _mm_prefetch(reinterpret_cast<const char*>(pf + k * NR), PF_HINT);
     const __m256 b0 = _mm256_loadu_ps(b + k * NR), b1 = _mm256_loadu_ps(b + k * NR + 8);
     PP_ROW(0) PP_ROW(1) PP_ROW(2) PP_ROW(3) PP_ROW(4) PP_ROW(5)
   }
@@ -84,8 +89,8 @@ void tile(const float* a, int64_t lda, const float* b, int64_t kc, float* c, int
 #undef PP_OUT
 #else
 template <int M>
-void tile(const float* a, int64_t lda, const float* b, int64_t kc, float* c, int64_t ldc, bool acc,
-          const float* bias) {
+void tile(const float* a, int64_t lda, const float* b, const float*, int64_t kc, float* c, int64_t ldc,
+          bool acc, const float* bias) {
   float t[MR][NR] = {};
   for (int64_t k = 0; k < kc; ++k)
     for (int i = 0; i < M; ++i)
@@ -94,7 +99,16 @@ void tile(const float* a, int64_t lda, const float* b, int64_t kc, float* c, int
 }
 #endif
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool, const float*);
+// Rows of the next tile when rem are left: 6, but never leave 1-3 for a last tile (a tile of
+// r rows keeps 2r accumulators, too few chains to hide the FMA latency), so 7 -> 3 + 4, 8 -> 4 + 4,
+// 9 -> 5 + 4.
+inline int tile_rows(int64_t rem) {
+  if (rem <= MR) return static_cast<int>(rem);
+  if (rem < MR + 4) return static_cast<int>(rem - 4);
+  return MR;
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, float*, int64_t, bool, const float*);
 constexpr TileFn kTiles[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
 }  // namespace
@@ -135,10 +149,12 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torc
         const bool last = pc + kc == K;
         for (int64_t j = j0; j < j1; ++j) {
           const float* bj = b + j * K * NR + pc * NR;
-          for (int64_t i = 0; i < mc; i += MR) {
-            const int m = static_cast<int>(std::min<int64_t>(MR, mc - i));
-            kTiles[m](a + (ic + i) * lda + pc, lda, bj, kc, c + (ic + i) * N + j * NR, N, pc > 0,
+          const float* next = j + 1 < j1 ? bj + K * NR : bj;  // the slab the next panel step reads
+          for (int64_t i = 0; i < mc;) {
+            const int m = tile_rows(mc - i);
+            kTiles[m](a + (ic + i) * lda + pc, lda, bj, next, kc, c + (ic + i) * N + j * NR, N, pc > 0,
                       last && bias ? bias + j * NR : nullptr);
+            i += m;
           }
         }
       }
