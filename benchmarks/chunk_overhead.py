@@ -8,8 +8,9 @@
 chunk of --chunk tokens whose last row is sampled: ``StageWorker.execute`` on the wire plan
 (metadata, embedding, every layer with its attention, norms, RoPE and KV writes, the LM head
 on the sampled row, sampling, Python). "Matmuls" are the same products with the same weights
-and shapes and nothing else: per layer qkv, o, gate_up, down at --chunk rows, plus the LM head
-on one row. The two run in alternating rounds and the ratio is taken per round (forward ÷ the
+and shapes and nothing else, through the same GEMM (``stages.layers.linear``: on CPU fp32 the
+packed kernel over the worker's packed weights): per layer qkv, o, gate_up, down at --chunk
+rows, plus the LM head on one row. The two run in alternating rounds and the ratio is taken per round (forward ÷ the
 matmuls of the same round), so that a shared box's drift hits both alike; the median of the
 per-round ratios is the figure. A bucketed pass (stages.profile's timers) then says where the
 non-matmul time goes.
@@ -22,9 +23,9 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from pp_runtime.batch import MicroBatch, SampleSpec, SeqChunk
+from stages.layers import linear
 from stages.op_timing import OpTimer, instrument
 from stages.profile import build_worker
 
@@ -44,11 +45,11 @@ def matmuls(model: torch.nn.Module, chunk: int) -> callable:
     @torch.inference_mode()
     def run() -> None:
         for layer in model.layers:
-            F.linear(x, layer.self_attn.qkv_proj.weight)
-            F.linear(xq, layer.self_attn.o_proj.weight)
-            F.linear(x, layer.mlp.gate_up_proj.weight)
-            F.linear(xi, layer.mlp.down_proj.weight)
-        F.linear(x[:1], model.lm_head.weight)
+            linear(x, layer.self_attn.qkv_proj.weight)
+            linear(xq, layer.self_attn.o_proj.weight)
+            linear(x, layer.mlp.gate_up_proj.weight)
+            linear(xi, layer.mlp.down_proj.weight)
+        linear(x[:1], model.lm_head.weight)
     return run
 
 

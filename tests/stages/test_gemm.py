@@ -1,0 +1,97 @@
+"""The packed GEMM (stages/csrc/gemm.cpp) against F.linear, and pack_linears on a stage model:
+which weights it packs, that the tied embedding still reads the right rows, that the bytes held
+do not change."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
+from stages import cpu_kernels
+from stages.layers import TPContext, embedding_rows, linear, pack_linears
+from stages.model import StageModel
+from stages.weights import load_weights, resolve_model
+from stages.worker import StageWorker, WorkerSpec
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request: pytest.FixtureRequest) -> int:
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+# rows: 0, one, every tile size and the 7/8/9 splits, a few blocks of 72 with a ragged end;
+# K: under, at and over one 256-deep slab
+@pytest.mark.parametrize("m", [0, 1, 2, 5, 6, 7, 8, 9, 13, 32, 73, 300])
+@pytest.mark.parametrize("n,k", [(16, 40), (96, 256), (48, 600)])
+def test_packed_linear_matches_f_linear(threads: int, m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    packed = cpu_kernels.pack_weight(w)
+    assert packed.shape == (n // 16, k, 16)
+    y = cpu_kernels.packed_linear(x, packed)
+    assert y.shape == (m, n) and y.is_contiguous()
+    torch.testing.assert_close(y, F.linear(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cpu_kernels.packed_linear(x, packed, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_packed_linear_takes_row_strided_x_and_rejects_bad_shapes() -> None:
+    w, x = torch.randn(32, 24), torch.randn(10, 50)
+    packed = cpu_kernels.pack_weight(w)
+    torch.testing.assert_close(linear(x[:, 3:27], packed), F.linear(x[:, 3:27], w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear(x[:, 3:27].t().contiguous().t(), packed), F.linear(x[:, 3:27], w),
+                               rtol=1e-5, atol=1e-5)  # column-strided: copied first
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu_kernels.pack_weight(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="K = x.size"):
+        cpu_kernels.packed_linear(torch.randn(3, 25), packed)
+
+
+def test_embedding_rows_of_a_packed_table() -> None:
+    w = torch.randn(64, 12)
+    ids = torch.tensor([0, 15, 16, 17, 63, 5, 5])
+    assert torch.equal(embedding_rows(cpu_kernels.pack_weight(w), ids), w[ids])
+    assert torch.equal(embedding_rows(w, ids), w[ids])
+
+
+def _model(folder: str, dtype: torch.dtype = torch.float32) -> StageModel:
+    src = resolve_model(folder)
+    m = StageModel(src.config, (0, src.config.num_layers), TPContext(), dtype, "cpu", "torch", True, True)
+    load_weights(m, src, TPContext())
+    return m
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_pack_linears_packs_every_linear_in_place(hf_models: dict, arch: str) -> None:
+    """Every linear of the tiny models (all sizes multiples of 16) is packed; the tied Qwen2
+    embedding keeps sharing the LM head's tensor; the parameter bytes are the same."""
+    plain = _model(str(hf_models[arch]))
+    before = {n: p.clone() for n, p in plain.named_parameters()}
+    nbytes = sum(p.numel() for p in plain.parameters())
+    n_linear = 4 * len(plain.layers) + 1
+    assert pack_linears(plain) == n_linear
+    assert sum(p.numel() for p in plain.parameters()) == nbytes
+    tied = arch == "qwen2"
+    assert (plain.embed_tokens.weight is plain.lm_head.weight) == tied
+    assert plain.embed_tokens.weight.dim() == (3 if tied else 2)
+    for name, p in plain.named_parameters():
+        if p.dim() == 3:  # unpack and compare with the loaded weight
+            assert torch.equal(p.transpose(1, 2).reshape(-1, p.shape[1]), before[name]), name
+    ids = torch.tensor([1, 7, 255, 16])
+    assert torch.equal(plain.embed_tokens(ids), before["embed_tokens.weight"][ids])
+    assert pack_linears(plain) == 0  # already packed: nothing left
+
+
+def test_pack_linears_leaves_other_dtypes_and_the_worker_numbers(hf_models: dict) -> None:
+    m = _model(str(hf_models["llama"]), torch.bfloat16)
+    assert pack_linears(m) == 0 and all(p.dim() <= 2 for p in m.parameters())
+    spec = WorkerSpec(resolve_model(str(hf_models["llama"])), 0, 0, ParallelConfig(1), CacheConfig(4, 1 << 26),
+                      DeviceConfig("cpu", "float32", "torch"))
+    w = StageWorker(spec, TPContext(), None)
+    assert w.model.layers[0].mlp.gate_up_proj.weight.dim() == 3  # the worker packs at load
+    assert w.weight_bytes == sum(p.numel() * 4 for p in w.model.parameters())
