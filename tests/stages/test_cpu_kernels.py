@@ -12,14 +12,6 @@ from stages.layers import RMSNorm, RotaryEmbedding, linear
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request: pytest.FixtureRequest) -> int:
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
-
 @pytest.mark.parametrize("t,h", [(256, 576), (3, 20), (1, 7), (33, 4096)])
 def test_rms_norm_and_add_rms_norm_match_torch(threads: int, t: int, h: int) -> None:
     g = torch.Generator().manual_seed(t + h)

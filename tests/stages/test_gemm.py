@@ -17,14 +17,6 @@ from stages.worker import StageWorker, WorkerSpec
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request: pytest.FixtureRequest) -> int:
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
-
-
 # rows: 0, one, every tile size and the 7/8/9 splits, a few blocks of 72 with a ragged end;
 # K: under, at and over one 256-deep slab
 @pytest.mark.parametrize("m", [0, 1, 2, 5, 6, 7, 8, 9, 13, 32, 73, 300])
