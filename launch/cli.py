@@ -10,6 +10,7 @@ requests with finish_reason "cancelled"), the workers are killed, and the exit s
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
@@ -425,7 +426,9 @@ def _chat(tok: object, text: str) -> list[int]:
     return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, keep_handlers: bool = False) -> int:
+    """Run one command. In process (tests, torchrun_main) the caller's signal handlers come back
+    afterwards; the console script (`entry`) keeps ours until the interpreter is gone."""
     args = build_parser().parse_args(argv)
     interrupts = _Interrupts()
     interrupts.install()
@@ -446,7 +449,24 @@ def main(argv: list[str] | None = None) -> int:
         print("pp-runtime: interrupted by SIGTERM while starting", file=sys.stderr)
         return 128 + signal.SIGTERM
     finally:
-        interrupts.restore()
+        if not keep_handlers:
+            interrupts.restore()
+
+
+def entry() -> int:
+    """The `pp-runtime` console script. After the command, Ray's exit hooks still stop its
+    processes and the interpreter still shuts down; a repeated SIGTERM landing then (a second
+    `kill`, a supervisor's) met the default disposition again and ended the process by the
+    signal (exit -15) instead of 143. So the handler that ignores repeats stays through the exit
+    hooks, and the last hook ignores both signals: CPython puts the default disposition back for
+    every Python-level handler when it finalizes, but leaves SIG_IGN alone."""
+    atexit.register(_ignore_interrupts)  # registered first, so it runs after Ray's hooks
+    return main(keep_handlers=True)
+
+
+def _ignore_interrupts() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _one_line(e: BaseException) -> str:
@@ -454,4 +474,4 @@ def _one_line(e: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

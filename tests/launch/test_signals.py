@@ -161,3 +161,26 @@ def test_sigint_during_ray_start_is_held_until_the_node_is_up() -> None:
     with _deferred_sigint() as caught:
         os.kill(os.getpid(), signal.SIGINT)
     assert caught == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is before
+
+
+def test_repeated_sigterm_while_exiting_keeps_exit_code_143(tmp_path: Path) -> None:
+    """A supervisor that keeps sending SIGTERM until the process is gone (or a second `kill`) must
+    not turn the orderly exit into death by signal (-15): the handler stays until the end."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in request_lines()[:8]))
+    cmd = Command(["generate", "--model", "llama-tiny", "--launcher", "local", "--threads", "1",
+                   "--memory-budget-gb", "0.05", "--input", str(inp), "--output", str(tmp_path / "out.jsonl")],
+                  tmp_path)
+    try:
+        cmd.wait_for(lambda: any("generate:" in x for x in cmd.lines))  # the progress bar: running
+        cmd.signal(signal.SIGTERM, group=False)
+        cmd.wait_for(lambda: any("interrupted by SIGTERM" in x for x in cmd.lines), timeout=EXIT_BOUND_S)
+        while cmd.proc.poll() is None:  # every few ms from the last line to the exit
+            cmd.signal(signal.SIGTERM, group=False)
+            time.sleep(0.005)
+        assert cmd.proc.wait(timeout=EXIT_BOUND_S) == 143, cmd.lines[-5:]
+    finally:
+        cmd.kill_leftovers(set())
+        cmd.proc.wait(timeout=30)
+    rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and any(r["finish_reason"] == "cancelled" for r in rows)
