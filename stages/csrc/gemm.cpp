@@ -10,12 +10,14 @@
 // ~120 at 256. Here W is packed once; each thread owns a range of panels, so W streams from
 // memory exactly once per call whatever M is, and the product is 6 x 16 register tiles of
 // broadcast-FMA (12 accumulators) over a K slab of the panel kept in L1 for all the tiles of a
-// block of rows. M needs no multiple of anything: 256 + a few decode rows costs its FLOPs, not
+// block of rows. x is packed per call too (k-major 6-row tiles: cheap, it is M x K against the
+// N x K weight). M needs no multiple of anything: 256 + a few decode rows costs its FLOPs, not
 // another 256-row tile.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "vec.h"
 
@@ -27,7 +29,7 @@ namespace {
 
 constexpr int MR = 6;         // rows per register tile
 constexpr int NR = 16;        // output columns per panel (two 8-lane vectors)
-constexpr int64_t KC = 256;   // K slab: a panel's slab is 16 KB, resident in L1 over a row block
+constexpr int64_t KC = 256;   // deepest K slab: a panel's slab (<= 16 KB) stays in L1 over a row block
 constexpr int64_t MC = 72;    // rows per block: their K slab (72 KB) stays in L2
 
 // c[i][0..16) (+)= t[i] (+ bias) for the m rows of one tile
@@ -44,7 +46,7 @@ inline void store_tile(const float* t, int m, float* c, int64_t ldc, bool acc, c
 // every iteration (measured: 27 GFLOP/s against 65).
 #define PP_ROW(i)                                                       \
   if constexpr (M > i) {                                                \
-    const __m256 x = _mm256_broadcast_ss(a + i * lda + k);              \
+    const __m256 x = _mm256_broadcast_ss(a + k * M + i);                \
     c##i##0 = _mm256_fmadd_ps(x, b0, c##i##0);                          \
     c##i##1 = _mm256_fmadd_ps(x, b1, c##i##1);                          \
   }
@@ -54,8 +56,10 @@ inline void store_tile(const float* t, int m, float* c, int64_t ldc, bool acc, c
     _mm256_store_ps(t[i] + 8, c##i##1);                                 \
   }
 
-// c (M x 16, row stride ldc) (+)= a (M x kc, row stride lda) · b (kc x 16 panel slab)
-template <int M>
+// c (M x 16, row stride ldc) (+)= a (kc x M, packed k-major) · b (kc x 16 panel slab). PF: prefetch
+// the next slab (pf) into L2 — only the first tile of a row block does, the others would ask for
+// the same lines again (a prefetch per 12 FMAs in every tile cost 20-30% in a hot-cache loop).
+template <int M, bool PF>
 void tile(const float* a, int64_t lda, const float* b, const float* pf, int64_t kc, float* c, int64_t ldc,
           bool acc, const float* bias) {
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
@@ -64,7 +68,7 @@ void tile(const float* a, int64_t lda, const float* b, const float* pf, int64_t 
   for (int64_t k = 0; k < kc; ++k) {
     // the next slab into L2 while this one is in use: for a few rows the panels stream from
     // memory, and a prefetch a few lines ahead hides too little of its latency
-    _mm_prefetch(reinterpret_cast<const char*>(pf + k * NR), PF_HINT);
+    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(pf + k * NR), PF_HINT);
     const __m256 b0 = _mm256_loadu_ps(b + k * NR), b1 = _mm256_loadu_ps(b + k * NR + 8);
     PP_ROW(0) PP_ROW(1) PP_ROW(2) PP_ROW(3) PP_ROW(4) PP_ROW(5)
   }
@@ -88,13 +92,13 @@ void tile(const float* a, int64_t lda, const float* b, const float* pf, int64_t 
 #undef PP_ROW
 #undef PP_OUT
 #else
-template <int M>
+template <int M, bool PF>
 void tile(const float* a, int64_t lda, const float* b, const float*, int64_t kc, float* c, int64_t ldc,
           bool acc, const float* bias) {
   float t[MR][NR] = {};
   for (int64_t k = 0; k < kc; ++k)
     for (int i = 0; i < M; ++i)
-      for (int j = 0; j < NR; ++j) t[i][j] += a[i * lda + k] * b[k * NR + j];
+      for (int j = 0; j < NR; ++j) t[i][j] += a[k * M + i] * b[k * NR + j];
   store_tile(&t[0][0], M, c, ldc, acc, bias);
 }
 #endif
@@ -109,7 +113,8 @@ inline int tile_rows(int64_t rem) {
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, const float*, int64_t, float*, int64_t, bool, const float*);
-constexpr TileFn kTiles[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+constexpr TileFn kTiles[2][MR + 1] = {{nullptr, tile<1, false>, tile<2, false>, tile<3, false>, tile<4, false>, tile<5, false>, tile<6, false>},
+  {nullptr, tile<1, true>, tile<2, true>, tile<3, true>, tile<4, true>, tile<5, true>, tile<6, true>}};
 
 }  // namespace
 
@@ -140,21 +145,43 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torc
     TORCH_CHECK(bias_c.numel() == N, "packed_linear: bias of ", N);
     bias = bias_c.data_ptr<float>();
   }
+  // Row tiles over all of M: tile t holds rows [r0[t], r0[t] + mt[t]), and its K x mt slice of x
+  // is packed k-major at offset r0[t] * K, so the kernel's broadcasts walk one contiguous stream
+  // at fixed offsets (with x's own row stride every k costs address arithmetic next to 12 FMAs).
+  std::vector<int64_t> r0;
+  std::vector<int> mt;
+  for (int64_t i = 0; i < M;) { const int m = tile_rows(M - i); r0.push_back(i); mt.push_back(m); i += m; }
+  const int64_t T = r0.size();
+  auto ap_t = torch::empty({M * K}, x.options());
+  float* ap = ap_t.data_ptr<float>();
+  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int m = mt[t];
+      float* dst = ap + r0[t] * K;
+      const float* src = a + r0[t] * lda;
+      for (int64_t k = 0; k < K; ++k)
+        for (int i = 0; i < m; ++i) dst[k * m + i] = src[i * lda + k];
+    }
+  });
+  // K in slabs of about equal depth (576 -> 2 x 288, not 256 + 256 + 64): a tile reloads and
+  // stores its 12 accumulators once per slab, which a shallow last slab pays for in full
+  const int64_t nslab = (K + KC - 1) / KC;
+  const int64_t kcb = ((K + nslab - 1) / nslab + 7) / 8 * 8;
+  constexpr int64_t TPB = MC / MR;  // tiles per row block: MC rows of 6-row tiles (a few 4-5-row ones)
   // A thread owns panels [j0, j1): its slice of W is read from memory once per call.
   at::parallel_for(0, NP, 1, [&](int64_t j0, int64_t j1) {
-    for (int64_t ic = 0; ic < M; ic += MC) {
-      const int64_t mc = std::min(MC, M - ic);
-      for (int64_t pc = 0; pc < K; pc += KC) {
-        const int64_t kc = std::min(KC, K - pc);
+    for (int64_t tb = 0; tb < T; tb += TPB) {
+      const int64_t te = std::min(T, tb + TPB);
+      for (int64_t pc = 0; pc < K; pc += kcb) {
+        const int64_t kc = std::min(kcb, K - pc);
         const bool last = pc + kc == K;
         for (int64_t j = j0; j < j1; ++j) {
           const float* bj = b + j * K * NR + pc * NR;
           const float* next = j + 1 < j1 ? bj + K * NR : bj;  // the slab the next panel step reads
-          for (int64_t i = 0; i < mc;) {
-            const int m = tile_rows(mc - i);
-            kTiles[m](a + (ic + i) * lda + pc, lda, bj, next, kc, c + (ic + i) * N + j * NR, N, pc > 0,
+          for (int64_t t = tb; t < te; ++t) {
+            const int m = mt[t];
+            kTiles[t == tb][m](ap + r0[t] * K + pc * m, m, bj, next, kc, c + r0[t] * N + j * NR, N, pc > 0,
                       last && bias ? bias + j * NR : nullptr);
-            i += m;
           }
         }
       }
