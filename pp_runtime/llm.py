@@ -301,7 +301,7 @@ class LLM:
         if self.broken:
             raise WorkerError(f"this LLM's workers are gone ({self.broken}); create a new LLM")
         scheduler = Scheduler(self.sched_config, BlockManager(self.memory.num_blocks, self.config.cache.block_size),
-                              self.source.config.eos_token_ids, self.config.seed)
+                              self.source.config.eos_token_ids, self.config.seed, depth=self.config.parallel.pp)
         self.engine = Engine(scheduler, self.executor, self.config.parallel.pp)
         offsets = [0.0] * len(reqs) if arrivals is None else list(arrivals)
         self._active = {}

@@ -1,7 +1,8 @@
 """Micro-batch schedulers: one class, the policy is a parameter. Plain Python, no tensors.
 
 Policies (SchedulerConfig.policy):
-  sarathi        decode-maximal: every ready decode (≤ max_batch_size − 1), then prefill chunks
+  sarathi        decode-maximal: ready decodes (≤ max_batch_size − 1, and an even share of the
+                 decoding requests over the micro-batches in flight), then prefill chunks
                  filling the chunk budget C (C − decodes with tile_align: batches of exactly C).
   orca           iteration-level: ready decodes plus whole prompts, no chunking.
   prefill_first  vLLM classic: a prefill-only batch when a prompt can start, else decode-only; whole
@@ -36,8 +37,12 @@ def sample_seed(base: int, position: int) -> int:
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager,
-                 eos_token_ids: tuple[int, ...] = (), seed: int = 0) -> None:
+                 eos_token_ids: tuple[int, ...] = (), seed: int = 0, depth: int = 1) -> None:
+        """depth: micro-batches the engine keeps in flight (the pipeline's stages)."""
+        if depth < 1:
+            raise ValueError(f"Scheduler depth must be ≥ 1, got {depth}")
         self.cfg = cfg
+        self.depth = depth
         self.blocks = blocks
         self.eos_token_ids = frozenset(eos_token_ids)
         self.seed = seed
@@ -185,10 +190,18 @@ class Scheduler:
         prefill_possible = any(r.is_prefilling for r in self.running) or (
             self.waiting and len(self.running) < self.cfg.running_cap)
         limit = self.cfg.max_batch_size - 1 if prefill_possible else self.cfg.max_batch_size
-        self._take_decodes(plan, max(1, limit))
+        self._take_decodes(plan, min(max(1, limit), self._decode_share()))
         budget = self.cfg.chunk_size - (len(plan) if self.cfg.tile_align else 0)
         self._take_prefills(plan, budget, chunked=True)
         return plan
+
+    def _decode_share(self) -> int:
+        """Uniform micro-batches, as SARATHI builds them for pipelines: with ``depth`` in flight, each carries an even share
+        of the decoding requests. Greedily, the first batch took every ready decode and the next
+        found none ready (all in flight), so in a decode-heavy phase one stage idled while the other
+        worked: measured at pp = 2, a 4-request decode ran at pp = 1's speed."""
+        decoding = sum(1 for r in self.running if r.is_decoding)
+        return -(-decoding // self.depth)
 
     def _orca(self) -> list[tuple[Request, int]]:
         plan: list[tuple[Request, int]] = []

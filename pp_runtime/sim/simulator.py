@@ -81,7 +81,7 @@ class SimReplica:
                  jitter: float | Sequence[float] = 0.0, token_id: int = 3) -> None:
         self.index, self.pp, self.tp = index, pp, tp
         self.clock = VirtualClock()
-        self.scheduler = Scheduler(sched_cfg, BlockManager(num_blocks, block_size), eos_token_ids, seed)
+        self.scheduler = Scheduler(sched_cfg, BlockManager(num_blocks, block_size), eos_token_ids, seed, depth=pp)
         self.executor = SimExecutor(cost, pp, tp, self.clock, dispatch_s=dispatch_s, return_s=return_s,
                                     prep_s=prep_s, jitter=jitter, seed=f"{seed}/{index}", token_id=token_id,
                                     workers=workers)

@@ -132,7 +132,8 @@ class FakePipeline:
         # Prefill work on offer, FCFS: running prompts' remainders, then admissible newcomers.
         offered = [r.prefill_len - r.num_scheduled for r in s.running if r.is_prefilling]
         offered += [r.num_tokens for r in list(s.waiting)[:max(0, self.cfg.max_batch_size - len(s.running))]]
-        return {"ready": ready, "offered": offered,
+        decoding = sum(1 for r in s.running if r.is_decoding)  # ready or in flight
+        return {"ready": ready, "offered": offered, "share": -(-decoding // s.depth),
                 "unfinished_seen": {q for q in self.seen if not self.reqs[q].finished}}
 
     def _check_plan(self, mb: MicroBatch, pre: dict) -> None:
@@ -170,13 +171,15 @@ class FakePipeline:
         cfg = self.cfg
         # One slot is kept for a prefill chunk only when some prefill could take it.
         decode_cap = max(1, cfg.max_batch_size - 1) if pre["offered"] else cfg.max_batch_size
+        # ... and a batch carries no more than its even share of the decoding requests
+        decode_cap = min(decode_cap, pre["share"])
         n_dec = mb.decode_tokens
         assert n_dec <= decode_cap
         assert mb.prefill_tokens <= cfg.chunk_size
         if cfg.tile_align:
             assert mb.num_tokens <= cfg.chunk_size
         if self.ample_kv:
-            assert n_dec == min(len(pre["ready"]), decode_cap), "decode-maximal: every ready decode rides along"
+            assert n_dec == min(len(pre["ready"]), decode_cap), "decode-maximal: every ready decode up to the share rides along"
             budget = cfg.chunk_size - (n_dec if cfg.tile_align else 0)
             expected = greedy_fill(pre["offered"], budget, cfg.max_batch_size - n_dec)
             assert mb.prefill_tokens == expected, "decode-maximal: prefill chunks fill the rest of the budget"
@@ -263,13 +266,14 @@ def make_requests(lengths: list[int], max_tokens: int | list[int], seed: int = 0
 
 
 def make_scheduler(policy: str, chunk: int, mbs: int, num_blocks: int = HUGE_KV, block_size: int = 4,
-                   tile_align: bool = False, max_model_len: int = 4096) -> Scheduler:
+                   tile_align: bool = False, max_model_len: int = 4096, depth: int = 1) -> Scheduler:
     cfg = SchedulerConfig(policy, chunk, mbs, tile_align, max_model_len)
-    return Scheduler(cfg, BlockManager(num_blocks, block_size), eos_token_ids=(EOS,))
+    return Scheduler(cfg, BlockManager(num_blocks, block_size), eos_token_ids=(EOS,), depth=depth)
 
 
 def run_workload(policy: str, pp: int, chunk: int, reqs: list[Request], mbs: int = 4, **kw: object) -> FakePipeline:
-    pipe = FakePipeline(make_scheduler(policy, chunk, mbs, **kw), pp, ample_kv=kw.get("num_blocks") is None)
+    """As LLM wires it: the scheduler's depth is the number of micro-batches the loop keeps in flight."""
+    pipe = FakePipeline(make_scheduler(policy, chunk, mbs, depth=pp, **kw), pp, ample_kv=kw.get("num_blocks") is None)
     pipe.add(reqs)
     pipe.run()
     return pipe
@@ -570,3 +574,29 @@ def test_sarathi_uses_every_slot_for_decodes_when_no_prefill_can_come() -> None:
     s.postprocess(second, [7] * 4)
     s.add(Request("late", 9, [3, 4], SamplingParams(max_tokens=2)))  # cannot be admitted: 4 running
     assert s.schedule().decode_tokens == 4
+
+
+@pytest.mark.parametrize("pp, decoding, shares", [(1, 4, [4]), (2, 4, [2, 2]), (2, 5, [3, 2]), (3, 7, [3, 3, 1]),
+                                                  (2, 1, [1])])
+def test_sarathi_splits_decodes_evenly_over_the_micro_batches_in_flight(pp: int, decoding: int,
+                                                                        shares: list[int]) -> None:
+    """Uniform micro-batches: greedily the first batch took every ready decode and the rest of the
+    pipeline got none (each stage idle while the other worked); now each in-flight batch carries
+    an even share, and the shares keep rotating as batches come back."""
+    pipe = FakePipeline(make_scheduler("sarathi", 64, 8, depth=pp), pp, ample_kv=True)
+    pipe.add(make_requests([3] * decoding, 12))
+    pipe.fill()
+    while any(m.prefill_tokens for m in pipe.in_flight):  # the prompts (one batch) come back
+        pipe.run_oldest()
+        pipe.fill()
+    for _ in range(3 * pp):
+        assert sorted((m.decode_tokens for m in pipe.in_flight), reverse=True) == shares
+        pipe.run_oldest()
+        pipe.fill()
+    pipe.run()
+    assert_matches_oracle(pipe)
+
+
+def test_scheduler_depth_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="depth"):
+        make_scheduler("sarathi", 8, 4, depth=0)
