@@ -196,8 +196,8 @@ class Scheduler:
         return plan
 
     def _decode_share(self) -> int:
-        """Uniform micro-batches, as SARATHI builds them for pipelines: with ``depth`` in flight, each carries an even share
-        of the decoding requests. Greedily, the first batch took every ready decode and the next
+        """Uniform micro-batches, as SARATHI builds them for pipelines: with ``depth`` in flight, each
+        carries an even share of the decoding requests. Greedily, the first batch took every ready decode and the next
         found none ready (all in flight), so in a decode-heavy phase one stage idled while the other
         worked: measured at pp = 2, a 4-request decode ran at pp = 1's speed."""
         decoding = sum(1 for r in self.running if r.is_decoding)
