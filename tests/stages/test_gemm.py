@@ -17,10 +17,11 @@ from stages.worker import StageWorker, WorkerSpec
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")
 
 
-# rows: 0, one, every tile size and the 7/8/9 splits, a few blocks of 72 with a ragged end;
-# K: under, at and over one 256-deep slab
+# rows: 0, one, every tile size and the 7/8/9 splits (up to two tiles: K in one slab), a few
+# blocks of 72 with a ragged end; K: under, at and over one 256-deep slab; N: one panel, a few
+# chunks of one panel, chunks of the largest size (16 panels) with a ragged last one
 @pytest.mark.parametrize("m", [0, 1, 2, 5, 6, 7, 8, 9, 13, 32, 73, 300])
-@pytest.mark.parametrize("n,k", [(16, 40), (96, 256), (48, 600)])
+@pytest.mark.parametrize("n,k", [(16, 40), (96, 256), (48, 600), (4112, 24)])
 def test_packed_linear_matches_f_linear(threads: int, m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w, x, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
