@@ -175,8 +175,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torc
   const int64_t nslab = T <= WHOLE_K_TILES ? 1 : (K + KC - 1) / KC;
   const int64_t kcb = ((K + nslab - 1) / nslab + 7) / 8 * 8;
   constexpr int64_t TPB = MC / MR;  // tiles per row block: MC rows of 6-row tiles (a few 4-5-row ones)
-  // Panels [j0, j1) of the product; W's slice is read from memory once, its slabs re-read from
-  // L2 by the later row blocks.
+  // Panels [j0, j1) of the product, row block by row block: W's slice comes from memory for the
+  // first block (a 16-panel chunk's 576 KB then stays in L2 for the others).
   auto panels = [&](int64_t j0, int64_t j1) {
     for (int64_t tb = 0; tb < T; tb += TPB) {
       const int64_t te = std::min(T, tb + TPB);
@@ -196,8 +196,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torc
     }
   };
   // Threads take chunks of panels from a shared counter instead of equal halves: the box's two
-  // cores run ~7% apart and start a call at different times (one may still be in Python), and
-  // with halves the faster one waited at the barrier (a 32-row decode step: ~4% faster in-model).
+  // cores run ~7% apart and the pool's thread joins each call a little late, and with halves the
+  // faster one waited at the barrier (a 32-row decode step: ~4% faster in-model).
   // Without OpenMP the pragma is ignored and one thread takes every chunk.
   const int nt = at::in_parallel_region() ? 1 : at::get_num_threads();
   if (nt <= 1) {
