@@ -167,10 +167,10 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torc
         for (int i = 0; i < m; ++i) dst[k * m + i] = src[i * lda + k];
     }
   });
-  // K in slabs of about equal depth (576 -> 2 x 288, not 256 + 256 + 64): a tile reloads and
+  // K in slabs of about equal depth (576 -> 3 x 192, not 256 + 256 + 64): a tile reloads and
   // stores its 12 accumulators once per slab, which a shallow last slab pays for in full. With one
   // or two row tiles (<= 12 rows: decode steps) a slab is read once or twice and L1 residency buys
-  // little, while slabs turn W's stream into 18 KB runs with gaps: K whole reads each thread's
+  // little, while slabs turn W's stream into 12 KB runs with 24 KB gaps: K whole reads each chunk's
   // panels as one sequential stream (isolated, 2 threads, 1-12 rows: 5-9% faster).
   const int64_t nslab = T <= WHOLE_K_TILES ? 1 : (K + KC - 1) / KC;
   const int64_t kcb = ((K + nslab - 1) / nslab + 7) / 8 * 8;
