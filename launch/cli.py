@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from pp_runtime.config import DTYPES, SCHEDULER_POLICIES
+from pp_runtime.config import DTYPES, GGUF_WEIGHTS, SCHEDULER_POLICIES
 
 
 class _Interrupts:
@@ -133,6 +133,9 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=_positive_int, default=16)
     p.add_argument("--max-model-len", type=_positive_int, default=None)
     p.add_argument("--threads", type=_nonnegative_int, default=0, help="torch threads per worker (0: torch default)")
+    p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS, default="native",
+                   help="GGUF Q4_0/Q4_1/Q8_0 matrices: keep the stored blocks (CPU fp32 GEMM dequantizes "
+                        "on the fly, same weights) or load them as floats")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--quiet", action="store_true")
@@ -204,7 +207,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 chunk_size=a.chunk_size, max_batch_size=a.max_batch_size, tile_align=a.tile_align,
                 dtype=a.dtype, device=a.device, attention=a.attention, seed=a.seed, block_size=a.block_size,
                 memory_budget_gb=a.memory_budget_gb, max_model_len=a.max_model_len, partition=partition,
-                threads=a.threads, verbose=not a.quiet)
+                threads=a.threads, gguf_weights=a.gguf_weights, verbose=not a.quiet)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -176,12 +176,18 @@ class CacheConfig:
             _positive(self, "memory_budget_bytes")
 
 
+GGUF_WEIGHTS = ("native", "dequantize")
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = "cpu"
     dtype: str = "float32"
     attention: str = "auto"
     threads: int = 0  # torch threads per worker; 0 leaves torch's default
+    # GGUF Q4_0/Q4_1/Q8_0 matrices: "native" keeps the stored blocks (fp32 on CPU: the GEMM
+    # dequantizes them on the fly, bit-identical weights, ~1/6 of the bytes); "dequantize" loads floats
+    gguf_weights: str = "native"
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -192,6 +198,8 @@ class DeviceConfig:
             raise ValueError(f"DeviceConfig.attention must be torch, xformers or auto, got {self.attention!r}")
         if self.threads < 0:
             raise ValueError(f"DeviceConfig.threads must be ≥ 0, got {self.threads}")
+        if self.gguf_weights not in GGUF_WEIGHTS:
+            raise ValueError(f"DeviceConfig.gguf_weights must be {' or '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
 
 
 @dataclass(frozen=True)

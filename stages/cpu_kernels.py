@@ -15,6 +15,8 @@
 * ``pack_weight``, ``packed_linear`` (gemm.cpp): the linear layers over weights packed once
   into 16-column panels; 6 x 16 register tiles, each thread streaming its own panels once per
   call. torch.mm re-packs W on every call and blocks a few-row (decode) product poorly.
+  ``quant_linear``: the same over GGUF Q4/Q8 blocks kept as stored (stages/quant.py), each
+  panel's K slab dequantized into an L1 scratch that all row tiles then read.
 
 Built on first use with torch's JIT extension loader (g++, ninja) for the host CPU
 (-march=native: it is built where it runs); ``scripts/setup.sh`` builds it ahead so that no run
@@ -125,3 +127,9 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) (rows contiguous, any row stride) times the packed (N, K) weight's transpose: (M, N)."""
     return _load().packed_linear(x, packed, bias)
+
+
+def quant_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) times the transpose of the (N, K) weight held as block-quantized panels
+    (stages.quant.to_panels): (M, N), summed in the same order as packed_linear."""
+    return _load().quant_linear(x, panels, bias)

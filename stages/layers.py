@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from stages import cpu_kernels
+from stages import cpu_kernels, quant
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,10 @@ def skinny(rows: int) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, bias) for x (T, in), w (out, in) or packed (see pack_linears) -> (T, out), contiguous."""
+    """F.linear(x, w, bias) for x (T, in), w (out, in), packed (see pack_linears) or block-quantized
+    panels (stages.quant) -> (T, out), contiguous."""
+    if quant.is_panels(w):
+        return cpu_kernels.quant_linear(x if x.stride(-1) == 1 else x.contiguous(), w, bias)
     if w.dim() == 3:
         return cpu_kernels.packed_linear(x if x.stride(-1) == 1 else x.contiguous(), w, bias)
     if x.device.type == "cpu" and x.dim() == 2 and skinny(x.shape[0]):
@@ -171,7 +174,10 @@ class RowParallelLinear(nn.Module):
 
 
 def embedding_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ids of an embedding table (V, H), or of the same table packed for a tied LM head."""
+    """Rows ids of an embedding table (V, H), of the same table packed for a tied LM head, or of
+    block-quantized panels (stages.quant) of it."""
+    if quant.is_panels(w):
+        return quant.panel_rows(w, ids)
     if w.dim() == 3:  # (V / P, H, P): row v is column v % P of panel v // P
         return w[ids // w.shape[2], :, ids % w.shape[2]]  # (T, H)
     return F.embedding(ids, w)

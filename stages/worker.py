@@ -18,6 +18,7 @@ import torch
 
 from pp_runtime.batch import MicroBatch
 from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
+from stages import cpu_kernels
 from stages.attention import build_metadata
 from stages.layers import TPContext, pack_linears
 from stages.model import StageModel
@@ -85,7 +86,10 @@ class StageWorker:
         with torch.device(self.device):
             self.model = StageModel(cfg, self.layer_range, tp, self.dtype, spec.device.device,
                                     spec.device.attention, self.is_first, self.is_last)
-        self.weight_bytes = load_weights(self.model, spec.source, tp)
+        # GGUF blocks stay as stored where the CPU GEMM reads them (fp32 activations, kernels built)
+        native = spec.device.gguf_weights == "native" and self.device.type == "cpu" \
+            and self.dtype == torch.float32 and cpu_kernels.available()
+        self.weight_bytes = load_weights(self.model, spec.source, tp, native=native)
         pack_linears(self.model)  # CPU fp32: the GEMM kernel's layout, packed once here, not per call
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = spec.cache.block_size

@@ -12,6 +12,7 @@ void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::T
 torch::Tensor transpose(torch::Tensor x);
 torch::Tensor pack_weight(torch::Tensor w);  // gemm.cpp
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torch::Tensor> bias);
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (fp32, CPU)");
@@ -23,5 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pack_weight, "(N, K) -> (N/16, K, 16) panels for packed_linear (fp32)");
   m.def("packed_linear", &packed_linear, "x wᵀ (+ bias) over a packed weight (fp32, CPU)",
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
+  m.def("quant_linear", &quant_linear, "x wᵀ (+ bias) over block-quantized (GGUF Q4/Q8) panels (CPU)",
+        py::arg("x"), py::arg("q"), py::arg("bias") = py::none());
   m.def("transpose", &transpose, "contiguous transpose of a contiguous (R, C) matrix (fp32, CPU)");
 }

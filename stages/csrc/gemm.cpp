@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <utility>
 #include <vector>
 
 #include "vec.h"
@@ -130,6 +131,243 @@ torch::Tensor pack_weight(torch::Tensor w) {
   return w.contiguous().view({N / NR, NR, K}).transpose(1, 2).contiguous();
 }
 
+namespace {
+
+// x's rows in register tiles, packed k-major: tile t holds rows [r0[t], r0[t] + mt[t]), and its
+// K x mt slice of x sits at ap + r0[t] * K, so the kernel's broadcasts walk one contiguous stream
+// at fixed offsets (with x's own row stride every k costs address arithmetic next to 12 FMAs).
+struct RowTiles {
+  std::vector<int64_t> r0;
+  std::vector<int> mt;
+  torch::Tensor buf;
+  const float* ap = nullptr;
+  int64_t size() const { return static_cast<int64_t>(r0.size()); }
+};
+
+RowTiles pack_rows(const torch::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0);
+  RowTiles rt;
+  for (int64_t i = 0; i < M;) { const int m = tile_rows(M - i); rt.r0.push_back(i); rt.mt.push_back(m); i += m; }
+  rt.buf = torch::empty({M * K}, x.options());
+  float* ap = rt.buf.data_ptr<float>();
+  const float* a = x.data_ptr<float>();
+  at::parallel_for(0, rt.size(), 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int m = rt.mt[t];
+      float* dst = ap + rt.r0[t] * K;
+      const float* src = a + rt.r0[t] * lda;
+      for (int64_t k = 0; k < K; ++k)
+        for (int i = 0; i < m; ++i) dst[k * m + i] = src[i * lda + k];
+    }
+  });
+  rt.ap = ap;
+  return rt;
+}
+
+// K in slabs of about equal depth (576 -> 3 x 192, not 256 + 256 + 64): a tile reloads and
+// stores its 12 accumulators once per slab, which a shallow last slab pays for in full. With one
+// or two row tiles (<= 12 rows: decode steps) a slab is read once or twice and L1 residency buys
+// little, while slabs turn W's stream into 12 KB runs with 24 KB gaps: K whole reads each chunk's
+// panels as one sequential stream (isolated, 2 threads, 1-12 rows: 5-9% faster). Both weight
+// formats use this rule, so a product sums in the same order whichever holds W.
+int64_t slab_depth(int64_t K, int64_t tiles) {
+  const int64_t nslab = tiles <= WHOLE_K_TILES ? 1 : (K + KC - 1) / KC;
+  return ((K + nslab - 1) / nslab + 7) / 8 * 8;
+}
+
+// fn(j0, j1, scratch) over chunks of [0, NP) panels. Threads take chunks from a shared counter
+// instead of equal halves: the box's two cores run ~7% apart and the pool's thread joins each call
+// a little late, and with halves the faster one waited at the barrier (a 32-row decode step: ~4%
+// faster in-model). Each thread gets its own scratch of `scratch` floats. Without OpenMP the
+// pragma is ignored and one thread takes every chunk.
+template <typename Fn>
+void for_panel_chunks(int64_t NP, int64_t scratch, const Fn& fn) {
+  const int nt = at::in_parallel_region() ? 1 : at::get_num_threads();
+  if (nt <= 1) {
+    std::vector<float> s(scratch);
+    fn(0, NP, s.data());
+    return;
+  }
+  const int64_t C = std::max<int64_t>(1, std::min<int64_t>(MAX_CHUNK, NP / (nt * CHUNKS_PER_THREAD)));
+  const int64_t nchunks = (NP + C - 1) / C;
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> s(scratch);
+    for (int64_t c = next++; c < nchunks; c = next++) fn(c * C, std::min(NP, (c + 1) * C), s.data());
+  }
+}
+
+const float* bias_of(const c10::optional<torch::Tensor>& bias_, int64_t N, torch::Tensor& keep) {
+  if (!bias_.has_value() || !bias_->defined()) return nullptr;
+  keep = bias_->contiguous();
+  TORCH_CHECK(keep.numel() == N, "packed_linear: bias of ", N);
+  return keep.data_ptr<float>();
+}
+
+// The product over panel chunks, row block by row block (tpb tiles each), K slab by K slab, panel
+// by panel: slab(j, j1, pc, kc, scratch) gives the kc x 16 slab of panel j that every tile of the
+// block reads, and the slab to prefetch meanwhile (nullptr: none; only a block's first tile asks).
+template <typename SlabFn>
+void blocked_product(const RowTiles& rt, int64_t NP, int64_t K, int64_t tpb, bool scratch, float* c,
+                     const float* bias, const SlabFn& slab) {
+  const int64_t N = NP * NR, T = rt.size(), kcb = slab_depth(K, T);
+  for_panel_chunks(NP, scratch ? kcb * NR : 0, [&](int64_t j0, int64_t j1, float* buf) {
+    for (int64_t tb = 0; tb < T; tb += tpb) {
+      const int64_t te = std::min(T, tb + tpb);
+      for (int64_t pc = 0; pc < K; pc += kcb) {
+        const int64_t kc = std::min(kcb, K - pc);
+        const bool last = pc + kc == K;
+        for (int64_t j = j0; j < j1; ++j) {
+          const auto [bj, next] = slab(j, j1, pc, kc, buf);
+          for (int64_t t = tb; t < te; ++t) {
+            const int m = rt.mt[t];
+            kTiles[next != nullptr && t == tb][m](rt.ap + rt.r0[t] * K + pc * m, bj, next ? next : bj, kc,
+                                                  c + rt.r0[t] * N + j * NR, N, pc > 0,
+                                                  last && bias ? bias + j * NR : nullptr);
+          }
+        }
+      }
+    }
+  });
+}
+
+// ---- block-quantized panels (GGUF Q4_0 / Q4_1 / Q8_0 weights kept as stored) ----------------
+// A panel's K is cut into blocks of QK = 32; block b of panel p is QB bytes: scale d[16] and
+// offset m[16] (fp32, one per output column), then the 32 x 16 codes: u4 — row k in 8 bytes, byte
+// i holding column i (low nibble) and column i + 8 (high) — or s8, row k in 16 bytes. The weight
+// is w = d·q + m, computed as one FMA: d·q is exact in fp32 (an fp16 scale times a 4- or 8-bit
+// code), so it rounds once, as the gguf package's (d * q) + m does: the same fp32 weights.
+constexpr int64_t QK = 32;
+constexpr int64_t QB_U4 = 128 + QK * NR / 2, QB_S8 = 128 + QK * NR;
+
+#ifdef PP_AVX2
+// rows k of one block -> 16 fp32 columns each (d, m: the block's scales, loaded by the caller)
+template <bool U4>
+inline void dequant_row(const uint8_t* codes, int64_t r, __m256 d0, __m256 d1, __m256 m0, __m256 m1, float* o) {
+  __m256 f0, f1;
+  if constexpr (U4) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + r * 8));
+    const __m128i lo4 = _mm_set1_epi8(0x0F);
+    f0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, lo4)));
+    f1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), lo4)));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * 16));
+    f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+  }
+  _mm256_storeu_ps(o, _mm256_fmadd_ps(f0, d0, m0));
+  _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(f1, d1, m1));
+}
+#endif
+
+// buf (kc x 16) = panel rows [k0, k0 + kc) as fp32, block by block (a slab need not start or end
+// on a block: K = 288 cuts into 2 x 144)
+template <bool U4>
+void dequant(const uint8_t* panel, int64_t k0, int64_t kc, float* buf) {
+  constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
+  for (int64_t k = k0, ke = k0 + kc; k < ke;) {
+    const uint8_t* blk = panel + (k / QK) * QB;
+    const int64_t r0 = k % QK, r1 = std::min<int64_t>(QK, r0 + ke - k);
+    const float* dm = reinterpret_cast<const float*>(blk);
+    float* o = buf + (k - k0) * NR - r0 * NR;
+#ifdef PP_AVX2
+    const __m256 d0 = _mm256_loadu_ps(dm), d1 = _mm256_loadu_ps(dm + 8), m0 = _mm256_loadu_ps(dm + 16),
+                 m1 = _mm256_loadu_ps(dm + 24);
+    for (int64_t r = r0; r < r1; ++r) dequant_row<U4>(blk + 128, r, d0, d1, m0, m1, o + r * NR);
+#else
+    for (int64_t r = r0; r < r1; ++r)
+      for (int j = 0; j < NR; ++j) {
+        float q;
+        if constexpr (U4) {
+          const uint8_t byte = blk[128 + r * 8 + j % 8];
+          q = static_cast<float>(j < 8 ? byte & 0x0F : byte >> 4);
+        } else {
+          q = static_cast<float>(static_cast<int8_t>(blk[128 + r * 16 + j]));
+        }
+        o[r * NR + j] = std::fma(q, dm[j], dm[16 + j]);
+      }
+#endif
+    k += r1 - r0;
+  }
+}
+
+// Few rows (<= 2 tiles, K whole, as packed_linear then sums): one M x 16 tile over a whole panel,
+// each block dequantized into the panel's scratch (K x 16 floats) just before its 32 FMA steps
+// (so it is read back from L1), the accumulators live across all of K; a second tile then reads
+// the dequantized panel from the scratch. Dequantizing a whole slab first and reading it back
+// from L2 was slower than streaming fp32 weights for 1-4 rows.
+template <int M, bool U4>
+void qtile(const float* a, const uint8_t* panel, int64_t K, float* w, float* c, int64_t ldc, const float* bias) {
+  constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
+#ifdef PP_AVX2
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
+         c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t kb = 0; kb < K / QK; ++kb) {
+    float* wb = w + kb * QK * NR;
+    dequant<U4>(panel + kb * QB, 0, QK, wb);
+    const float* ak = a + kb * QK * M;
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < QK; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(wb + k * NR), b1 = _mm256_loadu_ps(wb + k * NR + 8);
+#define PP_ROW(i)                                                     \
+      if constexpr (M > i) {                                          \
+        const __m256 x = _mm256_broadcast_ss(ak + k * M + i);         \
+        c##i##0 = _mm256_fmadd_ps(x, b0, c##i##0);                    \
+        c##i##1 = _mm256_fmadd_ps(x, b1, c##i##1);                    \
+      }
+      PP_ROW(0) PP_ROW(1) PP_ROW(2) PP_ROW(3) PP_ROW(4) PP_ROW(5)
+#undef PP_ROW
+    }
+  }
+  alignas(32) float t[MR][NR];
+#define PP_OUT(i)                                                     \
+  if constexpr (M > i) {                                              \
+    _mm256_store_ps(t[i], c##i##0);                                   \
+    _mm256_store_ps(t[i] + 8, c##i##1);                               \
+  }
+  PP_OUT(0) PP_OUT(1) PP_OUT(2) PP_OUT(3) PP_OUT(4) PP_OUT(5)
+#undef PP_OUT
+  store_tile(&t[0][0], M, c, ldc, false, bias);
+#else
+  dequant<U4>(panel, 0, K, w);
+  tile<M, false>(a, w, w, K, c, ldc, false, bias);
+#endif
+}
+
+using QTileFn = void (*)(const float*, const uint8_t*, int64_t, float*, float*, int64_t, const float*);
+template <bool U4>
+constexpr QTileFn kQTiles[MR + 1] = {nullptr, qtile<1, U4>, qtile<2, U4>, qtile<3, U4>, qtile<4, U4>, qtile<5, U4>,
+                                     qtile<6, U4>};
+
+constexpr int64_t MCQ = 288;  // rows per block over one dequantized slab (their x slab <= 288 KB: L2)
+
+template <bool U4>
+void quant_product(const RowTiles& rt, const uint8_t* q, int64_t NP, int64_t K, float* c, const float* bias) {
+  constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
+  const int64_t N = NP * NR, T = rt.size(), pbytes = K / QK * QB;
+  static_assert(WHOLE_K_TILES == 2, "the few-row path below runs one or two tiles");
+  if (T <= WHOLE_K_TILES) {
+    for_panel_chunks(NP, K * NR, [&](int64_t j0, int64_t j1, float* w) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* bj = bias ? bias + j * NR : nullptr;
+        kQTiles<U4>[rt.mt[0]](rt.ap, q + j * pbytes, K, w, c + j * NR, N, bj);
+        if (T == 2) kTiles[0][rt.mt[1]](rt.ap + rt.r0[1] * K, w, w, K, c + rt.r0[1] * N + j * NR, N, false, bj);
+      }
+    });
+    return;
+  }
+  // Each (slab, panel) is dequantized into the thread's scratch once per block of rows (one block
+  // up to 288 rows) and then read from L1/L2 by every tile of the block, so the conversion costs
+  // ~11 instructions per 16 weights against the tiles' 20 per 16 weights per 6 rows.
+  blocked_product(rt, NP, K, MCQ / MR, true, c, bias, [&](int64_t j, int64_t, int64_t pc, int64_t kc, float* buf) {
+    dequant<U4>(q + j * pbytes, pc, kc, buf);
+    return std::pair<const float*, const float*>(buf, nullptr);
+  });
+}
+
+}  // namespace
+
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torch::Tensor> bias_) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
               "packed_linear: x (M, K) float32 with contiguous rows");
@@ -138,76 +376,35 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torc
   const int64_t M = x.size(0), K = x.size(1), NP = p.size(0), N = NP * NR;
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  const float* a = x.data_ptr<float>();
-  const int64_t lda = x.stride(0);
   const float* b = p.data_ptr<float>();
   float* c = y.data_ptr<float>();
-  torch::Tensor bias_c;
-  const float* bias = nullptr;
-  if (bias_.has_value() && bias_->defined()) {
-    bias_c = bias_->contiguous();
-    TORCH_CHECK(bias_c.numel() == N, "packed_linear: bias of ", N);
-    bias = bias_c.data_ptr<float>();
-  }
-  // Row tiles over all of M: tile t holds rows [r0[t], r0[t] + mt[t]), and its K x mt slice of x
-  // is packed k-major at offset r0[t] * K, so the kernel's broadcasts walk one contiguous stream
-  // at fixed offsets (with x's own row stride every k costs address arithmetic next to 12 FMAs).
-  std::vector<int64_t> r0;
-  std::vector<int> mt;
-  for (int64_t i = 0; i < M;) { const int m = tile_rows(M - i); r0.push_back(i); mt.push_back(m); i += m; }
-  const int64_t T = r0.size();
-  auto ap_t = torch::empty({M * K}, x.options());
-  float* ap = ap_t.data_ptr<float>();
-  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int m = mt[t];
-      float* dst = ap + r0[t] * K;
-      const float* src = a + r0[t] * lda;
-      for (int64_t k = 0; k < K; ++k)
-        for (int i = 0; i < m; ++i) dst[k * m + i] = src[i * lda + k];
-    }
+  torch::Tensor keep;
+  const float* bias = bias_of(bias_, N, keep);
+  const RowTiles rt = pack_rows(x);
+  // W's slice of a chunk comes from memory for the first block of MC rows (a 16-panel chunk's
+  // 576 KB then stays in L2 for the others); each panel step prefetches the next one's slab.
+  blocked_product(rt, NP, K, MC / MR, false, c, bias, [&](int64_t j, int64_t j1, int64_t pc, int64_t, float*) {
+    const float* bj = b + j * K * NR + pc * NR;
+    return std::pair<const float*, const float*>(bj, j + 1 < j1 ? bj + K * NR : bj);
   });
-  // K in slabs of about equal depth (576 -> 3 x 192, not 256 + 256 + 64): a tile reloads and
-  // stores its 12 accumulators once per slab, which a shallow last slab pays for in full. With one
-  // or two row tiles (<= 12 rows: decode steps) a slab is read once or twice and L1 residency buys
-  // little, while slabs turn W's stream into 12 KB runs with 24 KB gaps: K whole reads each chunk's
-  // panels as one sequential stream (isolated, 2 threads, 1-12 rows: 5-9% faster).
-  const int64_t nslab = T <= WHOLE_K_TILES ? 1 : (K + KC - 1) / KC;
-  const int64_t kcb = ((K + nslab - 1) / nslab + 7) / 8 * 8;
-  constexpr int64_t TPB = MC / MR;  // tiles per row block: MC rows of 6-row tiles (a few 4-5-row ones)
-  // Panels [j0, j1) of the product, row block by row block: W's slice comes from memory for the
-  // first block (a 16-panel chunk's 576 KB then stays in L2 for the others).
-  auto panels = [&](int64_t j0, int64_t j1) {
-    for (int64_t tb = 0; tb < T; tb += TPB) {
-      const int64_t te = std::min(T, tb + TPB);
-      for (int64_t pc = 0; pc < K; pc += kcb) {
-        const int64_t kc = std::min(kcb, K - pc);
-        const bool last = pc + kc == K;
-        for (int64_t j = j0; j < j1; ++j) {
-          const float* bj = b + j * K * NR + pc * NR;
-          const float* next = j + 1 < j1 ? bj + K * NR : bj;  // the slab the next panel step reads
-          for (int64_t t = tb; t < te; ++t) {
-            const int m = mt[t];
-            kTiles[t == tb][m](ap + r0[t] * K + pc * m, bj, next, kc, c + r0[t] * N + j * NR, N, pc > 0,
-                      last && bias ? bias + j * NR : nullptr);
-          }
-        }
-      }
-    }
-  };
-  // Threads take chunks of panels from a shared counter instead of equal halves: the box's two
-  // cores run ~7% apart and the pool's thread joins each call a little late, and with halves the
-  // faster one waited at the barrier (a 32-row decode step: ~4% faster in-model).
-  // Without OpenMP the pragma is ignored and one thread takes every chunk.
-  const int nt = at::in_parallel_region() ? 1 : at::get_num_threads();
-  if (nt <= 1) {
-    panels(0, NP);
-  } else {
-    const int64_t C = std::max<int64_t>(1, std::min<int64_t>(MAX_CHUNK, NP / (nt * CHUNKS_PER_THREAD)));
-    const int64_t nchunks = (NP + C - 1) / C;
-    std::atomic<int64_t> next{0};
-#pragma omp parallel num_threads(nt)
-    for (int64_t c = next++; c < nchunks; c = next++) panels(c * C, std::min(NP, (c + 1) * C));
-  }
+  return y;
+}
+
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias_) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+              "quant_linear: x (M, K) float32 with contiguous rows");
+  TORCH_CHECK(q.dtype() == torch::kUInt8 && q.dim() == 3 && q.is_contiguous() && q.size(1) * QK == x.size(1) &&
+              (q.size(2) == QB_U4 || q.size(2) == QB_S8),
+              "quant_linear: weight (N/16, K/32, ", QB_U4, " or ", QB_S8, ") uint8 panels with K = x.size(1)");
+  const int64_t M = x.size(0), K = x.size(1), NP = q.size(0), N = NP * NR;
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  torch::Tensor keep;
+  const float* bias = bias_of(bias_, N, keep);
+  const RowTiles rt = pack_rows(x);
+  if (q.size(2) == QB_U4)
+    quant_product<true>(rt, q.data_ptr<uint8_t>(), NP, K, y.data_ptr<float>(), bias);
+  else
+    quant_product<false>(rt, q.data_ptr<uint8_t>(), NP, K, y.data_ptr<float>(), bias);
   return y;
 }

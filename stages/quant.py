@@ -1,0 +1,98 @@
+"""GGUF block-quantized weights kept as stored, for the CPU GEMM (stages/csrc/gemm.cpp).
+
+A GGUF linear weight (N, K) is stored as blocks of 32 along K. ``to_panels`` regroups the
+blocks of rows Q4_0, Q4_1 or Q8_0 into uint8 panels (N/16, K/32, QB) that ``quant_linear``
+reads: per panel of 16 output columns and block of 32 k, d[16] and m[16] in fp32, then the
+codes (4-bit: QB = 384; 8-bit: QB = 640), so that w = d·q + m — Q4_1 as stored, Q4_0 with its
+−8 folded into m = −8d, Q8_0 with m = 0. Each weight is the fp32 value the gguf package
+dequantizes it to, bit for bit (d·q is exact in fp32; the one rounding is the + m), at 1/6.4
+(Q4) or 1/3.6 (Q8) of fp32's bytes. Why keep them: a decode step streams every weight once,
+and on a CPU that stream is most of a few-row step's time.
+
+    raw, qtype = GGUFFile(path).raw("blk.0.ffn_up.weight")     # (N, K/32 · block bytes) uint8
+    panels = to_panels(raw, qtype)                             # (N/16, K/32, QB) uint8 tensor
+    w = panel_rows(panels, torch.arange(N))                    # (N, K) float32, as dequantize gives
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+QK = 32  # weights per GGUF block (along K)
+PANEL = 16  # output columns per panel (cpu_kernels.PANEL)
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGMLQuantizationType values
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # fp16 d (+ fp16 m for Q4_1) + 32 codes
+QB_U4, QB_S8 = 128 + QK * PANEL // 2, 128 + QK * PANEL  # bytes of one (panel, block)
+
+
+def supported(qtype: int) -> bool:
+    return qtype in BLOCK_BYTES
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """(..., 2) uint8 little-endian fp16 -> (...) float32."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _codes(blocks: np.ndarray, qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(n, kb, block bytes) -> d (n, kb), m (n, kb) float32 and codes (n, kb, 32)."""
+    d = _f16(blocks[..., 0:2])
+    if qtype == Q8_0:
+        return d, np.zeros_like(d), blocks[..., 2:34].view(np.int8)
+    start = 4 if qtype == Q4_1 else 2
+    qs = blocks[..., start:start + QK // 2]  # element j in the low nibble of byte j, j + 16 in the high
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    m = _f16(blocks[..., 2:4]) if qtype == Q4_1 else -8.0 * d  # Q4_0: d·(q − 8) = d·q − 8d, exact
+    return d, m, codes
+
+
+def to_panels(raw: np.ndarray, qtype: int) -> torch.Tensor:
+    """GGUF rows (N, K/32 · block bytes) of one qtype -> (N/16, K/32, QB) uint8 panels."""
+    if not supported(qtype):
+        raise ValueError(f"GGUF type {qtype} is not kept quantized (Q4_0, Q4_1, Q8_0 are)")
+    n, row_bytes = raw.shape
+    if n % PANEL or row_bytes % BLOCK_BYTES[qtype]:
+        raise ValueError(f"a ({n} rows, {row_bytes} bytes) GGUF weight does not cut into panels of {PANEL}")
+    kb = row_bytes // BLOCK_BYTES[qtype]
+    d, m, codes = _codes(raw.reshape(n, kb, BLOCK_BYTES[qtype]), qtype)
+    np_ = n // PANEL
+
+    def by_panel(a: np.ndarray) -> np.ndarray:  # (n, kb, ...) -> (N/16, kb, ..., 16)
+        a = a.reshape(np_, PANEL, kb, *a.shape[2:])
+        return np.moveaxis(a, 1, -1)
+
+    scales = np.concatenate([by_panel(d), by_panel(m)], axis=-1).astype(np.float32)  # (NP, kb, 32)
+    q = by_panel(codes)  # (NP, kb, 32, 16): row k of a block holds its 16 columns
+    if qtype == Q8_0:
+        qbytes = np.ascontiguousarray(q).view(np.uint8).reshape(np_, kb, QK * PANEL)
+    else:  # byte i of row k: column i in the low nibble, column i + 8 in the high
+        qbytes = (q[..., :8] | (q[..., 8:] << 4)).astype(np.uint8).reshape(np_, kb, QK * PANEL // 2)
+    out = np.concatenate([np.ascontiguousarray(scales).view(np.uint8), qbytes], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(out))
+
+
+def is_panels(w: torch.Tensor) -> bool:
+    return w.dim() == 3 and w.dtype == torch.uint8
+
+
+def panel_shape(w: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of the weight a panel tensor holds."""
+    return w.shape[0] * PANEL, w.shape[1] * QK
+
+
+def panel_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ids (T,) of the (N, K) weight held by panels w, as float32 (T, K): an embedding lookup
+    from a tied LM head, or the whole weight for a check."""
+    t, kb = ids.numel(), w.shape[1]
+    p, c = ids // PANEL, ids % PANEL
+    blk = w[p]  # (T, kb, QB)
+    ar = torch.arange(t)
+    scales = blk[..., :128].contiguous().view(torch.float32)  # (T, kb, 32): d[16], m[16]
+    d, m = scales[ar, :, c], scales[ar, :, PANEL + c]  # (T, kb)
+    if w.shape[2] == QB_S8:
+        q = blk[..., 128:].reshape(t, kb, QK, PANEL)[ar, :, :, c].view(torch.int8)  # (T, kb, 32)
+    else:
+        byte = blk[..., 128:].reshape(t, kb, QK, PANEL // 2)[ar, :, :, c % 8]
+        q = (byte >> (4 * (c // 8)).to(torch.uint8).view(t, 1, 1)) & 0x0F
+    # two ops, not addcmul: d·q (exact) then one rounding for + m, as the gguf package does
+    return (q.float() * d.unsqueeze(-1)).add_(m.unsqueeze(-1)).reshape(t, kb * QK)
