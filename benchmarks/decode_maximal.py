@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/decode_maximal.py                # embedded model, 1 thread
     .venv/bin/python benchmarks/decode_maximal.py --threads 2
+    .venv/bin/python benchmarks/decode_maximal.py --gguf-weights dequantize   # fp32 weights in memory
     .venv/bin/python benchmarks/decode_maximal.py --smoke --model HF_FOLDER   # CI smoke test
 
 One one-stage worker runs, in alternating rounds, the micro-batches whose difference is the
@@ -33,9 +34,10 @@ from stages.attention import build_metadata
 from stages.profile import build_worker, fill_cache, forward_step
 
 
-def measure(model: str | None, chunk: int, decodes: list[int], context: int, threads: int, rounds: int) -> dict:
+def measure(model: str | None, chunk: int, decodes: list[int], context: int, threads: int, rounds: int,
+            gguf_weights: str = "native") -> dict:
     torch.set_num_threads(threads)
-    w = build_worker(model, threads=threads)
+    w = build_worker(model, threads=threads, gguf_weights=gguf_weights)
     grid = Grid(prefill=(chunk,), prefill_with_context=(), decode=tuple(decodes), mixed_decode=tuple(decodes),
                 mixed_prefill=chunk, context=context)
     layout = Layout(grid)
@@ -63,7 +65,7 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
     for _ in range(rounds):
         for k, chunks in plans.items():
             times[k].append(run(chunks))
-    out: dict = {"chunk": chunk, "context": context, "threads": threads, "rounds": rounds,
+    out: dict = {"chunk": chunk, "context": context, "threads": threads, "rounds": rounds, "gguf_weights": gguf_weights,
                  "chunk_ms": statistics.median(times["chunk"]) * 1e3, "by_batch": {},
                  "slope_ms_per_decode": statistics.median(_round_slopes(times, decodes)) * 1e3}
     for b in decodes:
@@ -105,12 +107,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
     ap.add_argument("--json", default=None, help="write the figures here too")
+    ap.add_argument("--gguf-weights", choices=("native", "dequantize"), default="native",
+                    help="GGUF matrices as stored blocks (default) or as fp32")
     a = ap.parse_args()
     if a.smoke:
         a.chunk, a.decodes, a.context, a.rounds = 16, "2", 16, 2
-    r = measure(a.model, a.chunk, [int(b) for b in a.decodes.split(",")], a.context, a.threads, a.rounds)
+    r = measure(a.model, a.chunk, [int(b) for b in a.decodes.split(",")], a.context, a.threads, a.rounds,
+                a.gguf_weights)
     print(f"chunk {r['chunk']} (fresh) ± decodes at context {r['context']}, {r['threads']} thread(s), "
-          f"{r['rounds']} rounds; chunk alone {r['chunk_ms']:.1f} ms")
+          f"{r['rounds']} rounds, GGUF weights {a.gguf_weights}; chunk alone {r['chunk_ms']:.1f} ms")
     print("   B   piggybacked ms/decode   alone ms/decode   ratio    (from minima: piggybacked, alone, ratio)"
           "   target ratio <= 0.25 at B = 4")
     for b, row in r["by_batch"].items():

@@ -64,9 +64,12 @@ def main() -> None:
     tune_cpu_allocator()
     r["hf_tuned_s"] = hf_generate(a.model, prompts, a.new_tokens)
     r["ours_pp1_s"] = ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk, max_batch_size=a.num + 1)
+    # the same with GGUF matrices loaded as fp32 (before --gguf-weights native): the change in one run
+    r["ours_pp1_fp32_s"] = ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk, max_batch_size=a.num + 1,
+                                gguf_weights="dequantize")
     r["ours_pp2_s"] = ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk, max_batch_size=a.num + 1, pp=2,
                            launcher="ray", threads=1)
-    for k in ("hf", "hf_tuned", "ours_pp1", "ours_pp2"):
+    for k in ("hf", "hf_tuned", "ours_pp1", "ours_pp1_fp32", "ours_pp2"):
         r[f"{k}_tok_s"] = total / r[f"{k}_s"]
     print(f"{a.num} prompts ({sum(lens)} tokens, lengths {a.min_len}-{a.max_len}) × {a.new_tokens} new tokens, "
           f"2 threads in all")
@@ -74,6 +77,8 @@ def main() -> None:
     print(f"  HF, our allocator setting:       {r['hf_tuned_tok_s']:8.1f} tok/s")
     print(f"  pp_runtime pp=1, 2 threads:      {r['ours_pp1_tok_s']:8.1f} tok/s  "
           f"({r['ours_pp1_tok_s'] / r['hf_tok_s']:.2f}x HF)")
+    print(f"  pp_runtime pp=1, fp32 weights:   {r['ours_pp1_fp32_tok_s']:8.1f} tok/s  "
+          f"({r['ours_pp1_fp32_tok_s'] / r['hf_tok_s']:.2f}x HF)")
     print(f"  pp_runtime pp=2, 1 thread/stage: {r['ours_pp2_tok_s']:8.1f} tok/s  "
           f"({r['ours_pp2_tok_s'] / r['hf_tok_s']:.2f}x HF)")
     if a.json:

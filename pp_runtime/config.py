@@ -186,7 +186,7 @@ class DeviceConfig:
     attention: str = "auto"
     threads: int = 0  # torch threads per worker; 0 leaves torch's default
     # GGUF Q4_0/Q4_1/Q8_0 matrices: "native" keeps the stored blocks (fp32 on CPU: the GEMM
-    # dequantizes them on the fly, bit-identical weights, ~1/6 of the bytes); "dequantize" loads floats
+    # dequantizes them on the fly, bit-identical weights, ~1/5 of the bytes); "dequantize" loads floats
     gguf_weights: str = "native"
 
     def __post_init__(self) -> None:

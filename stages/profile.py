@@ -53,10 +53,10 @@ from stages.worker import StageWorker, WorkerSpec
 
 # ---- worker ---------------------------------------------------------------------------------
 def build_worker(model: str | None, device: str = "cpu", dtype: str = "float32", attention: str = "auto",
-                 threads: int = 0, block_size: int = 16) -> StageWorker:
+                 threads: int = 0, block_size: int = 16, gguf_weights: str = "native") -> StageWorker:
     """A one-stage, one-rank worker of the whole model (no KV cache yet)."""
     spec = WorkerSpec(resolve_model(model), 0, 0, ParallelConfig(1, 1), CacheConfig(block_size, None),
-                      DeviceConfig(device, dtype, attention, threads))
+                      DeviceConfig(device, dtype, attention, threads, gguf_weights))
     return StageWorker(spec, TPContext(), None)
 
 

@@ -5,9 +5,9 @@ blocks of rows Q4_0, Q4_1 or Q8_0 into uint8 panels (N/16, K/32, QB) that ``quan
 reads: per panel of 16 output columns and block of 32 k, d[16] and m[16] in fp32, then the
 codes (4-bit: QB = 384; 8-bit: QB = 640), so that w = d·q + m — Q4_1 as stored, Q4_0 with its
 −8 folded into m = −8d, Q8_0 with m = 0. Each weight is the fp32 value the gguf package
-dequantizes it to, bit for bit (d·q is exact in fp32; the one rounding is the + m), at 1/6.4
-(Q4) or 1/3.6 (Q8) of fp32's bytes. Why keep them: a decode step streams every weight once,
-and on a CPU that stream is most of a few-row step's time.
+dequantizes it to, bit for bit (d·q is exact in fp32; the one rounding is the + m), at 1/5.3
+(Q4: 0.75 B per weight with fp32 d and m) or 1/3.2 (Q8) of fp32's bytes. Why keep them: a
+decode step streams every weight once, and on a CPU that stream is most of a few-row step's time.
 
     raw, qtype = GGUFFile(path).raw("blk.0.ffn_up.weight")     # (N, K/32 · block bytes) uint8
     panels = to_panels(raw, qtype)                             # (N/16, K/32, QB) uint8 tensor

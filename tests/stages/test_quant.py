@@ -187,3 +187,8 @@ def test_native_stage_computes_the_dequantized_logits(gguf_models: dict, variant
         assert quant.is_panels(w.model.layers[0].mlp.down_proj.weight) == (mode == "native")
         got[mode] = logits_after(w, prompt)
     assert torch.equal(got["native"], got["dequantize"])  # the same weights, summed in the same order
+
+
+def test_gguf_weights_setting_is_checked() -> None:
+    with pytest.raises(ValueError, match="DeviceConfig.gguf_weights"):
+        DeviceConfig("cpu", "float32", "torch", gguf_weights="int4")
