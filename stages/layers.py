@@ -121,10 +121,9 @@ def skinny(rows: int) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias) for x (T, in), w (out, in), packed (see pack_linears) or block-quantized
     panels (stages.quant) -> (T, out), contiguous."""
-    if quant.is_panels(w):
-        return cpu_kernels.quant_linear(x if x.stride(-1) == 1 else x.contiguous(), w, bias)
-    if w.dim() == 3:
-        return cpu_kernels.packed_linear(x if x.stride(-1) == 1 else x.contiguous(), w, bias)
+    if w.dim() == 3:  # the GEMM kernel's layouts: rows of x must be contiguous
+        product = cpu_kernels.quant_linear if quant.is_panels(w) else cpu_kernels.packed_linear
+        return product(x if x.stride(-1) == 1 else x.contiguous(), w, bias)
     if x.device.type == "cpu" and x.dim() == 2 and skinny(x.shape[0]):
         y = torch.mm(w, x.t())  # (out, T)
         y = cpu_kernels.transpose(y) if cpu_kernels.usable(y) else y.t().contiguous()  # (T, out)

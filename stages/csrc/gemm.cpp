@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -61,6 +62,24 @@ inline void store_tile(const float* t, int m, float* c, int64_t ldc, bool acc, c
     _mm256_store_ps(t[i] + 8, c##i##1);                                 \
   }
 
+// c (m x 16) (+)= t (+ bias): a tile's accumulators, stored to its rows of the output
+inline void write_tile(const float (*t)[NR], int m, float* c, int64_t ldc, bool acc, const float* bias) {
+  if (bias) {
+    store_tile(&t[0][0], m, c, ldc, acc, bias);
+    return;
+  }
+  for (int i = 0; i < m; ++i) {
+    float* ci = c + i * ldc;
+    __m256 v0 = _mm256_load_ps(t[i]), v1 = _mm256_load_ps(t[i] + 8);
+    if (acc) {
+      v0 = _mm256_add_ps(v0, _mm256_loadu_ps(ci));
+      v1 = _mm256_add_ps(v1, _mm256_loadu_ps(ci + 8));
+    }
+    _mm256_storeu_ps(ci, v0);
+    _mm256_storeu_ps(ci + 8, v1);
+  }
+}
+
 // c (M x 16, row stride ldc) (+)= a (kc x M, packed k-major) · b (kc x 16 panel slab). PF: prefetch
 // the next slab (pf) into L2 — only the first tile of a row block does, the others would ask for
 // the same lines again (a prefetch per 12 FMAs in every tile cost 20-30% in a hot-cache loop).
@@ -79,23 +98,9 @@ void tile(const float* a, const float* b, const float* pf, int64_t kc, float* c,
   }
   alignas(32) float t[MR][NR];
   PP_OUT(0) PP_OUT(1) PP_OUT(2) PP_OUT(3) PP_OUT(4) PP_OUT(5)
-  if (!bias) {
-    for (int i = 0; i < M; ++i) {
-      float* ci = c + i * ldc;
-      __m256 v0 = _mm256_load_ps(t[i]), v1 = _mm256_load_ps(t[i] + 8);
-      if (acc) {
-        v0 = _mm256_add_ps(v0, _mm256_loadu_ps(ci));
-        v1 = _mm256_add_ps(v1, _mm256_loadu_ps(ci + 8));
-      }
-      _mm256_storeu_ps(ci, v0);
-      _mm256_storeu_ps(ci + 8, v1);
-    }
-  } else {
-    store_tile(&t[0][0], M, c, ldc, acc, bias);
-  }
+  write_tile(t, M, c, ldc, acc, bias);
 }
-#undef PP_ROW
-#undef PP_OUT
+// PP_ROW and PP_OUT stay defined for qtile (the block-quantized few-row tile) below.
 #else
 template <int M, bool PF>
 void tile(const float* a, const float* b, const float*, int64_t kc, float* c, int64_t ldc,
@@ -183,9 +188,11 @@ int64_t slab_depth(int64_t K, int64_t tiles) {
 template <typename Fn>
 void for_panel_chunks(int64_t NP, int64_t scratch, const Fn& fn) {
   const int nt = at::in_parallel_region() ? 1 : at::get_num_threads();
+  // uninitialized: every user writes its scratch before reading it (a zeroed vector cost a
+  // memset of up to K x 16 floats per thread per call)
+  auto scratch_of = [scratch] { return std::unique_ptr<float[]>(scratch ? new float[scratch] : nullptr); };
   if (nt <= 1) {
-    std::vector<float> s(scratch);
-    fn(0, NP, s.data());
+    fn(0, NP, scratch_of().get());
     return;
   }
   const int64_t C = std::max<int64_t>(1, std::min<int64_t>(MAX_CHUNK, NP / (nt * CHUNKS_PER_THREAD)));
@@ -193,8 +200,8 @@ void for_panel_chunks(int64_t NP, int64_t scratch, const Fn& fn) {
   std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(nt)
   {
-    std::vector<float> s(scratch);
-    for (int64_t c = next++; c < nchunks; c = next++) fn(c * C, std::min(NP, (c + 1) * C), s.data());
+    const auto s = scratch_of();
+    for (int64_t c = next++; c < nchunks; c = next++) fn(c * C, std::min(NP, (c + 1) * C), s.get());
   }
 }
 
@@ -298,7 +305,7 @@ void dequant(const uint8_t* panel, int64_t k0, int64_t kc, float* buf) {
 // the dequantized panel from the scratch. Dequantizing a whole slab first and reading it back
 // from L2 was slower than streaming fp32 weights for 1-4 rows.
 template <int M, bool U4>
-void qtile(const float* a, const uint8_t* panel, int64_t K, float* w, float* c, int64_t ldc, const float* bias) {
+void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, int64_t ldc, const float* bias) {
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
 #ifdef PP_AVX2
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
@@ -306,34 +313,25 @@ void qtile(const float* a, const uint8_t* panel, int64_t K, float* w, float* c, 
   for (int64_t kb = 0; kb < K / QK; ++kb) {
     float* wb = w + kb * QK * NR;
     dequant<U4>(panel + kb * QB, 0, QK, wb);
-    const float* ak = a + kb * QK * M;
+    const float* a = x + kb * QK * M;  // this block's rows of x, as tile's PP_ROW reads them
 #pragma GCC unroll 4
     for (int64_t k = 0; k < QK; ++k) {
       const __m256 b0 = _mm256_loadu_ps(wb + k * NR), b1 = _mm256_loadu_ps(wb + k * NR + 8);
-#define PP_ROW(i)                                                     \
-      if constexpr (M > i) {                                          \
-        const __m256 x = _mm256_broadcast_ss(ak + k * M + i);         \
-        c##i##0 = _mm256_fmadd_ps(x, b0, c##i##0);                    \
-        c##i##1 = _mm256_fmadd_ps(x, b1, c##i##1);                    \
-      }
       PP_ROW(0) PP_ROW(1) PP_ROW(2) PP_ROW(3) PP_ROW(4) PP_ROW(5)
-#undef PP_ROW
     }
   }
   alignas(32) float t[MR][NR];
-#define PP_OUT(i)                                                     \
-  if constexpr (M > i) {                                              \
-    _mm256_store_ps(t[i], c##i##0);                                   \
-    _mm256_store_ps(t[i] + 8, c##i##1);                               \
-  }
   PP_OUT(0) PP_OUT(1) PP_OUT(2) PP_OUT(3) PP_OUT(4) PP_OUT(5)
-#undef PP_OUT
-  store_tile(&t[0][0], M, c, ldc, false, bias);
+  write_tile(t, M, c, ldc, false, bias);
 #else
   dequant<U4>(panel, 0, K, w);
-  tile<M, false>(a, w, w, K, c, ldc, false, bias);
+  tile<M, false>(x, w, w, K, c, ldc, false, bias);
 #endif
 }
+#ifdef PP_AVX2
+#undef PP_ROW
+#undef PP_OUT
+#endif
 
 using QTileFn = void (*)(const float*, const uint8_t*, int64_t, float*, float*, int64_t, const float*);
 template <bool U4>
