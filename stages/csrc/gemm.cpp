@@ -61,6 +61,23 @@ inline void store_tile(const float* t, int m, float* c, int64_t ldc, bool acc, c
     _mm256_store_ps(t[i], c##i##0);                                     \
     _mm256_store_ps(t[i] + 8, c##i##1);                                 \
   }
+// The 6 x 16 register tile as three steps both tiles below share: its 12 accumulators; one k
+// step (two 8-wide loads of the weight row at bk, a broadcast of each x row from a); and its
+// write-out to c (acc: add to what is there).
+#define PP_ACCS                                                                                    \
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, \
+         c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+#define PP_STEP(bk)                                                                                \
+  {                                                                                                \
+    const __m256 b0 = _mm256_loadu_ps(bk), b1 = _mm256_loadu_ps((bk) + 8);                        \
+    PP_ROW(0) PP_ROW(1) PP_ROW(2) PP_ROW(3) PP_ROW(4) PP_ROW(5)                                    \
+  }
+#define PP_WRITE(acc)                                                                              \
+  {                                                                                                \
+    alignas(32) float t[MR][NR];                                                                   \
+    PP_OUT(0) PP_OUT(1) PP_OUT(2) PP_OUT(3) PP_OUT(4) PP_OUT(5)                                    \
+    write_tile(t, M, c, ldc, acc, bias);                                                           \
+  }
 
 // c (m x 16) (+)= t (+ bias): a tile's accumulators, stored to its rows of the output
 inline void write_tile(const float (*t)[NR], int m, float* c, int64_t ldc, bool acc, const float* bias) {
@@ -86,21 +103,17 @@ inline void write_tile(const float (*t)[NR], int m, float* c, int64_t ldc, bool 
 template <int M, bool PF>
 void tile(const float* a, const float* b, const float* pf, int64_t kc, float* c, int64_t ldc,
           bool acc, const float* bias) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
-         c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  PP_ACCS
 #pragma GCC unroll 4
   for (int64_t k = 0; k < kc; ++k) {
     // the next slab into L2 while this one is in use: for a few rows the panels stream from
     // memory, and a prefetch a few lines ahead hides too little of its latency
     if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(pf + k * NR), PF_HINT);
-    const __m256 b0 = _mm256_loadu_ps(b + k * NR), b1 = _mm256_loadu_ps(b + k * NR + 8);
-    PP_ROW(0) PP_ROW(1) PP_ROW(2) PP_ROW(3) PP_ROW(4) PP_ROW(5)
+    PP_STEP(b + k * NR)
   }
-  alignas(32) float t[MR][NR];
-  PP_OUT(0) PP_OUT(1) PP_OUT(2) PP_OUT(3) PP_OUT(4) PP_OUT(5)
-  write_tile(t, M, c, ldc, acc, bias);
+  PP_WRITE(acc)
 }
-// PP_ROW and PP_OUT stay defined for qtile (the block-quantized few-row tile) below.
+// The PP_ macros stay defined for qtile (the block-quantized few-row tile) below.
 #else
 template <int M, bool PF>
 void tile(const float* a, const float* b, const float*, int64_t kc, float* c, int64_t ldc,
@@ -308,21 +321,15 @@ template <int M, bool U4>
 void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, int64_t ldc, const float* bias) {
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
 #ifdef PP_AVX2
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
-         c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  PP_ACCS
   for (int64_t kb = 0; kb < K / QK; ++kb) {
     float* wb = w + kb * QK * NR;
     dequant<U4>(panel + kb * QB, 0, QK, wb);
     const float* a = x + kb * QK * M;  // this block's rows of x, as tile's PP_ROW reads them
 #pragma GCC unroll 4
-    for (int64_t k = 0; k < QK; ++k) {
-      const __m256 b0 = _mm256_loadu_ps(wb + k * NR), b1 = _mm256_loadu_ps(wb + k * NR + 8);
-      PP_ROW(0) PP_ROW(1) PP_ROW(2) PP_ROW(3) PP_ROW(4) PP_ROW(5)
-    }
+    for (int64_t k = 0; k < QK; ++k) PP_STEP(wb + k * NR)
   }
-  alignas(32) float t[MR][NR];
-  PP_OUT(0) PP_OUT(1) PP_OUT(2) PP_OUT(3) PP_OUT(4) PP_OUT(5)
-  write_tile(t, M, c, ldc, false, bias);
+  PP_WRITE(false)
 #else
   dequant<U4>(panel, 0, K, w);
   tile<M, false>(x, w, w, K, c, ldc, false, bias);
@@ -331,6 +338,9 @@ void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, 
 #ifdef PP_AVX2
 #undef PP_ROW
 #undef PP_OUT
+#undef PP_ACCS
+#undef PP_STEP
+#undef PP_WRITE
 #endif
 
 using QTileFn = void (*)(const float*, const uint8_t*, int64_t, float*, float*, int64_t, const float*);
