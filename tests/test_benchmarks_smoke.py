@@ -44,6 +44,9 @@ def test_decode_maximal_smoke(hf_models: dict, tmp_path: Path) -> None:
     r = run(["benchmarks/decode_maximal.py", "--smoke", "--model", str(hf_models["llama"])], tmp_path)
     row = r["by_batch"]["2"]
     assert r["chunk_ms"] > 0 and row["alone_ms"] > 0 and row["decode_only_ms"] > 0 and row["mixed_ms"] > 0
+    lo, hi = r["slope_ms_90"]
+    assert lo <= r["slope_ms_per_decode"] <= hi  # the median of all rounds lies inside its own bootstrap interval
+    assert row["slope_ratio_90"][0] <= row["slope_ratio_90"][1]
 
 
 def test_pp_scaling_smoke(tmp_path: Path) -> None:
@@ -65,3 +68,16 @@ def test_validate_sim_smoke(tmp_path: Path) -> None:
         assert row["throughput_tok_s"]["real"] > 0 and row["throughput_tok_s"]["sim"] > 0
         draws = row["bubble_s_per_request_p50"]["sim_draws"]
         assert len(draws) == 2 and row["bubble_s_per_request_p50"]["sim"] == pytest.approx(sum(draws) / 2)
+
+
+def test_decode_maximal_bootstrap_interval() -> None:
+    """The interval resamples rounds: it spans the spread of a statistic over rounds, is ordered,
+    and collapses when every round agrees."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("decode_maximal", Path("benchmarks/decode_maximal.py"))
+    dm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dm)
+    values = [float(v) for v in range(20)]
+    lo, hi = dm._bootstrap(lambda ix: sum(values[i] for i in ix) / len(ix), len(values))
+    assert 6.0 < lo < 9.5 < hi < 13.0  # mean 9.5, standard error ~1.3
+    assert dm._bootstrap(lambda ix: 4.0, 5) == [4.0, 4.0]
