@@ -62,15 +62,16 @@ inline void store_tile(const float* t, int m, float* c, int64_t ldc, bool acc, c
     _mm256_store_ps(t[i] + 8, c##i##1);                                 \
   }
 // The 6 x 16 register tile as three steps both tiles below share: its 12 accumulators; one k
-// step (two 8-wide loads of the weight row at bk, a broadcast of each x row from a); and its
-// write-out to c (acc: add to what is there).
+// step (two 8-wide loads of the weight row at bk, then PP_ROWS: a broadcast of each x row from a
+// and its FMAs into b0, b1); and its write-out to c (acc: add to what is there).
 #define PP_ACCS                                                                                    \
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, \
          c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+#define PP_ROWS PP_ROW(0) PP_ROW(1) PP_ROW(2) PP_ROW(3) PP_ROW(4) PP_ROW(5)
 #define PP_STEP(bk)                                                                                \
   {                                                                                                \
     const __m256 b0 = _mm256_loadu_ps(bk), b1 = _mm256_loadu_ps((bk) + 8);                        \
-    PP_ROW(0) PP_ROW(1) PP_ROW(2) PP_ROW(3) PP_ROW(4) PP_ROW(5)                                    \
+    PP_ROWS                                                                                        \
   }
 #define PP_WRITE(acc)                                                                              \
   {                                                                                                \
@@ -262,9 +263,11 @@ constexpr int64_t QK = 32;
 constexpr int64_t QB_U4 = 128 + QK * NR / 2, QB_S8 = 128 + QK * NR;
 
 #ifdef PP_AVX2
-// rows k of one block -> 16 fp32 columns each (d, m: the block's scales, loaded by the caller)
+// row r of one block -> its 16 fp32 weights in w0 (columns 0-7), w1 (8-15); d, m: the block's
+// scales, loaded by the caller
 template <bool U4>
-inline void dequant_row(const uint8_t* codes, int64_t r, __m256 d0, __m256 d1, __m256 m0, __m256 m1, float* o) {
+inline void dequant_regs(const uint8_t* codes, int64_t r, __m256 d0, __m256 d1, __m256 m0, __m256 m1, __m256& w0,
+                         __m256& w1) {
   __m256 f0, f1;
   if constexpr (U4) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + r * 8));
@@ -276,8 +279,17 @@ inline void dequant_row(const uint8_t* codes, int64_t r, __m256 d0, __m256 d1, _
     f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
     f1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
   }
-  _mm256_storeu_ps(o, _mm256_fmadd_ps(f0, d0, m0));
-  _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(f1, d1, m1));
+  w0 = _mm256_fmadd_ps(f0, d0, m0);
+  w1 = _mm256_fmadd_ps(f1, d1, m1);
+}
+
+// the same, stored to o[0..16)
+template <bool U4>
+inline void dequant_row(const uint8_t* codes, int64_t r, __m256 d0, __m256 d1, __m256 m0, __m256 m1, float* o) {
+  __m256 w0, w1;
+  dequant_regs<U4>(codes, r, d0, d1, m0, m1, w0, w1);
+  _mm256_storeu_ps(o, w0);
+  _mm256_storeu_ps(o + 8, w1);
 }
 #endif
 
@@ -312,22 +324,42 @@ void dequant(const uint8_t* panel, int64_t k0, int64_t kc, float* buf) {
   }
 }
 
-// Few rows (<= 2 tiles, K whole, as packed_linear then sums): one M x 16 tile over a whole panel,
-// each block dequantized into the panel's scratch (K x 16 floats) just before its 32 FMA steps
-// (so it is read back from L1), the accumulators live across all of K; a second tile then reads
-// the dequantized panel from the scratch. Dequantizing a whole slab first and reading it back
-// from L2 was slower than streaming fp32 weights for 1-4 rows.
-template <int M, bool U4>
+// Few rows (<= 2 tiles, K whole, as packed_linear then sums): one M x 16 tile over a whole panel
+// whose accumulators live across all of K. Up to REG_ROWS rows and no second tile after it, each
+// weight row goes from codes to registers straight into the FMAs; otherwise each block is
+// dequantized into the panel's scratch (K x 16 floats) just before its 32 FMA steps read it back
+// from L1, and a second tile (SECOND) then reads the whole dequantized panel from there. The same
+// FMAs in the same order either way. Past 4 rows the 2M accumulators, two weight vectors and the
+// block's four scale vectors outgrow the 16 ymm registers: 6 rows spilled and ran 1.16x slower
+// than through the scratch, while 1-2 rows run 0.71x of it (30 layers + LM head, 1 thread). And
+// dequantizing a whole slab first, read back from L2, was slower than fp32 weights for 1-4 rows.
+constexpr int REG_ROWS = 4;
+
+template <int M, bool U4, bool SECOND>
 void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, int64_t ldc, const float* bias) {
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
 #ifdef PP_AVX2
+  constexpr bool REGS = !SECOND && M <= REG_ROWS;
   PP_ACCS
   for (int64_t kb = 0; kb < K / QK; ++kb) {
-    float* wb = w + kb * QK * NR;
-    dequant<U4>(panel + kb * QB, 0, QK, wb);
     const float* a = x + kb * QK * M;  // this block's rows of x, as tile's PP_ROW reads them
+    if constexpr (!REGS) {
+      float* wb = w + kb * QK * NR;
+      dequant<U4>(panel + kb * QB, 0, QK, wb);
 #pragma GCC unroll 4
-    for (int64_t k = 0; k < QK; ++k) PP_STEP(wb + k * NR)
+      for (int64_t k = 0; k < QK; ++k) PP_STEP(wb + k * NR)
+    } else {
+      const uint8_t* blk = panel + kb * QB;
+      const float* dm = reinterpret_cast<const float*>(blk);
+      const __m256 d0 = _mm256_loadu_ps(dm), d1 = _mm256_loadu_ps(dm + 8), m0 = _mm256_loadu_ps(dm + 16),
+                   m1 = _mm256_loadu_ps(dm + 24);
+#pragma GCC unroll 4
+      for (int64_t k = 0; k < QK; ++k) {
+        __m256 b0, b1;
+        dequant_regs<U4>(blk + 128, k, d0, d1, m0, m1, b0, b1);
+        PP_ROWS
+      }
+    }
   }
   PP_WRITE(false)
 #else
@@ -337,6 +369,7 @@ void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, 
 }
 #ifdef PP_AVX2
 #undef PP_ROW
+#undef PP_ROWS
 #undef PP_OUT
 #undef PP_ACCS
 #undef PP_STEP
@@ -344,9 +377,9 @@ void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, 
 #endif
 
 using QTileFn = void (*)(const float*, const uint8_t*, int64_t, float*, float*, int64_t, const float*);
-template <bool U4>
-constexpr QTileFn kQTiles[MR + 1] = {nullptr, qtile<1, U4>, qtile<2, U4>, qtile<3, U4>, qtile<4, U4>, qtile<5, U4>,
-                                     qtile<6, U4>};
+template <bool U4, bool SECOND>
+constexpr QTileFn kQTiles[MR + 1] = {nullptr, qtile<1, U4, SECOND>, qtile<2, U4, SECOND>, qtile<3, U4, SECOND>,
+                                     qtile<4, U4, SECOND>, qtile<5, U4, SECOND>, qtile<6, U4, SECOND>};
 
 constexpr int64_t MCQ = 288;  // rows per block over one dequantized slab (their x slab <= 288 KB: L2; 72 was no faster)
 
@@ -359,8 +392,12 @@ void quant_product(const RowTiles& rt, const uint8_t* q, int64_t NP, int64_t K, 
     for_panel_chunks(NP, K * NR, [&](int64_t j0, int64_t j1, float* w) {
       for (int64_t j = j0; j < j1; ++j) {
         const float* bj = bias ? bias + j * NR : nullptr;
-        kQTiles<U4>[rt.mt[0]](rt.ap, q + j * pbytes, K, w, c + j * NR, N, bj);
-        if (T == 2) kTiles[0][rt.mt[1]](rt.ap + rt.r0[1] * K, w, w, K, c + rt.r0[1] * N + j * NR, N, false, bj);
+        if (T == 1) {
+          kQTiles<U4, false>[rt.mt[0]](rt.ap, q + j * pbytes, K, w, c + j * NR, N, bj);
+        } else {
+          kQTiles<U4, true>[rt.mt[0]](rt.ap, q + j * pbytes, K, w, c + j * NR, N, bj);
+          kTiles[0][rt.mt[1]](rt.ap + rt.r0[1] * K, w, w, K, c + rt.r0[1] * N + j * NR, N, false, bj);
+        }
       }
     });
     return;
