@@ -1,14 +1,22 @@
 """Does pipeline parallelism pay on this box? pp=2 against pp=1 on a P:D = 10 Zipf workload
 (issue 8: targets 4 pipeline efficiency, 5 control plane, 6 memory).
 
-    .venv/bin/python benchmarks/pp_scaling.py             # embedded model, 24 requests, ~15 min
-    .venv/bin/python benchmarks/pp_scaling.py --smoke     # llama-tiny, seconds (CI)
+    .venv/bin/python benchmarks/pp_scaling.py                      # embedded model, 24 requests, ~12 min
+    .venv/bin/python benchmarks/pp_scaling.py --num-requests 48    # configs/runs/pp2_zipf.yaml's size, ~20 min
+    .venv/bin/python benchmarks/pp_scaling.py --smoke              # llama-tiny, seconds (CI)
 
 For sarathi and orca: the same requests (total lengths Zipf θ = 0.4 in --min-len..--max-len,
-P:D = 10, all at t = 0) at pp=1 (in process, one thread) and pp=2 (two Ray workers, one thread
-each); throughput = (prompt + generated tokens) / wall seconds, and the pipeline efficiency
-tput(pp=2) / (2 × tput(pp=1)) (target ≥ 0.9 for sarathi). Same chunk, batch size and KV budget
-everywhere.
+P:D = 10, all at t = 0) at pp=1 (in process, one thread) and pp=2 (two Ray workers, one
+thread each); throughput = (prompt + generated tokens) / wall seconds, and the pipeline
+efficiency tput(pp=2) / (2 × tput(pp=1)) (target ≥ 0.9 for sarathi). Same chunk, batch size and KV budget everywhere. Both deployments stay up and their
+runs alternate (pp=1, pp=2, then pp=2, pp=1, ...) for --rounds rounds: this box drifts by 10-20%
+between runs minutes apart, so each round's pp=2 run is paired with that round's pp=1 run, and
+the efficiency printed is the median of the rounds' paired ratios.
+
+The run ends in a drain: once the last prompt is in, the remaining requests (the longest has
+~90 tokens to generate) decode one token per pass through the pipeline whatever pp is, in
+micro-batches of a few rows whose cost is mostly per micro-batch, and at pp=2 there are twice
+as many of them (docs/BENCHMARKS.md, target 4).
 
 At pp=2 (sarathi run), per micro-batch and as a fraction of the mean stage step:
   * driver work: scheduling + plan packing + Ray submission + postprocess (Engine.stats);
@@ -21,6 +29,7 @@ layer stack, its process RSS, and the KV cache allocated against budget − weig
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -85,6 +94,28 @@ def memory(llm: LLM) -> dict:
             "block_bytes": llm.config.cache.block_size * m.kv_bytes_per_token}
 
 
+def paired_runs(llms: dict[int, LLM], items: list, tokens: int, policies: list[str], rounds: int, r: dict) -> None:
+    """Every policy's runs at pp=1 and pp=2, alternating within each round; per-round figures in r."""
+    r["rounds"] = {}
+    for policy in policies:
+        per = {1: [], 2: []}
+        for k in range(rounds):
+            for pp in ((1, 2) if k % 2 == 0 else (2, 1)):
+                llm = llms[pp]
+                llm.executor.drain_timings()
+                wall = run_once(llm, items, policy)
+                per[pp].append(tokens / wall)
+                print(f"{policy:8s} pp={pp} round {k}: {tokens} tokens in {wall:7.1f} s = {tokens / wall:6.1f} tok/s",
+                      flush=True)
+                if pp == 2 and policy == policies[0] and k == 0:
+                    r["control_plane_pp2"] = control_plane(llm, llm.executor.drain_timings())
+        r["rounds"][policy] = {"pp1_tok_s": per[1], "pp2_tok_s": per[2],
+                               "efficiency": [b / (2 * a) for a, b in zip(per[1], per[2])]}
+        for pp in (1, 2):
+            r["throughput_tok_s"][f"{policy}_pp{pp}"] = statistics.median(per[pp])
+        r["efficiency"][policy] = statistics.median(r["rounds"][policy]["efficiency"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -94,37 +125,31 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--max-batch-size", type=int, default=24)
     ap.add_argument("--schedulers", default="sarathi,orca")
+    ap.add_argument("--rounds", type=int, default=2, help="pp=1 / pp=2 pairs per scheduler")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     model = "llama-tiny" if a.smoke and a.model is None else a.model
     if a.smoke:
-        a.num_requests, a.min_len, a.max_len, a.chunk = 6, 24, 64, 16
+        a.num_requests, a.min_len, a.max_len, a.chunk, a.rounds = 6, 24, 64, 16, 1
     common = dict(model=model, chunk_size=a.chunk, max_batch_size=a.max_batch_size, memory_budget_gb=2.0,
                   max_model_len=2048, threads=1)
     wl = WorkloadConfig(kind="zipf", num_requests=a.num_requests, min_len=a.min_len, max_len=a.max_len, theta=0.4,
                         pd_ratio=10, arrival="all", seed=0)
     policies = a.schedulers.split(",")
     r: dict = {"workload": {"num_requests": a.num_requests, "min_len": a.min_len, "max_len": a.max_len,
-                            "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "throughput_tok_s": {}}
-    for pp in (1, 2):
-        with LLM(pp=pp, launcher="local" if pp == 1 else "ray", **common) as llm:
-            items = generate_workload(wl, llm.source.config.vocab_size)
-            tokens = sum(len(it.prompt_token_ids) + it.max_tokens for it in items)
+                            "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "throughput_tok_s": {}, "efficiency": {}}
+    with contextlib.ExitStack() as stack:
+        llms = {pp: stack.enter_context(LLM(pp=pp, launcher="local" if pp == 1 else "ray", **common)) for pp in (1, 2)}
+        items = generate_workload(wl, llms[1].source.config.vocab_size)
+        tokens = sum(len(it.prompt_token_ids) + it.max_tokens for it in items)
+        for llm in llms.values():
             llm.generate([items[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2))  # warm-up
-            for policy in policies:
-                llm.executor.drain_timings()
-                wall = run_once(llm, items, policy)
-                r["throughput_tok_s"][f"{policy}_pp{pp}"] = tokens / wall
-                print(f"{policy:8s} pp={pp}: {tokens} tokens in {wall:7.1f} s = {tokens / wall:6.1f} tok/s", flush=True)
-                if pp == 2 and policy == policies[0]:
-                    r["control_plane_pp2"] = control_plane(llm, llm.executor.drain_timings())
-            if pp == 2:
-                r["memory_pp2"] = memory(llm)
-    tp = r["throughput_tok_s"]
-    r["efficiency"] = {p: tp[f"{p}_pp2"] / (2 * tp[f"{p}_pp1"]) for p in policies}
-    print("pipeline efficiency tput(pp=2) / (2 × tput(pp=1)), target >= 0.9 for sarathi: "
-          + ", ".join(f"{p} {e:.3f}" for p, e in r["efficiency"].items()))
+        paired_runs(llms, items, tokens, policies, a.rounds, r)
+        r["memory_pp2"] = memory(llms[2])
+    print("pipeline efficiency tput(pp=2) / (2 × tput(pp=1)), median of paired rounds, target >= 0.9 for sarathi: "
+          + ", ".join(f"{p} {e:.3f} (rounds: {', '.join(f'{x:.3f}' for x in r['rounds'][p]['efficiency'])})"
+                      for p, e in r["efficiency"].items()))
     c = r["control_plane_pp2"]
     print(f"control plane at pp=2 ({c['microbatches']} micro-batches, mean stage step {c['mean_step_ms']:.1f} ms): "
           f"driver {c['driver_ms_per_mb']:.2f} + delivery {c['delivery_ms_per_mb']:.2f} + token return "
