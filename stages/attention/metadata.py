@@ -51,35 +51,44 @@ class AttentionMetadata:
 
 
 def build_metadata(chunks: tuple[SeqChunk, ...], block_size: int, device: torch.device) -> AttentionMetadata:
-    """Chunks must come prefills first (the scheduler's order)."""
-    positions, slots, sample_rows, prefill_tables, fresh = [], [], [], [], []
-    q_lens, ctx_lens, decode_rows = [], [], []
+    """Chunks must come prefills first (the scheduler's order).
+
+    Prefill chunks (many tokens each) get their positions and slots as tensor ops; decodes (one
+    token each, up to hundreds per step) in plain Python, then one tensor per field: per-decode
+    tensor ops cost ~9 small torch calls each, 2.8 ms for a step of 32 decodes in which the other
+    core only waited."""
+    bs = block_size
     num_prefills = sum(1 for c in chunks if c.is_prefill)
-    row = 0
-    for i, c in enumerate(chunks):
-        nb = -(-c.context_len // block_size)
-        table = torch.tensor(c.block_table[:nb], dtype=torch.long)
-        pos = torch.arange(c.start, c.context_len)
-        positions.append(pos)
-        slots.append(table[pos // block_size] * block_size + pos % block_size)
-        q_lens.append(c.num_tokens)
-        ctx_lens.append(c.context_len)
-        if i < num_prefills:
-            prefill_tables.append(table.to(device))
-            fresh.append(c.start == 0)
-        else:
-            decode_rows.append(table)
+    q_lens = [c.num_tokens for c in chunks]
+    ctx_lens = [c.context_len for c in chunks]
+    sample_rows, row = [], 0
+    for c in chunks:
         row += c.num_tokens
         if c.sample is not None:
             sample_rows.append(row - 1)
+    positions, slots, prefill_tables, fresh = [], [], [], []
+    for c in chunks[:num_prefills]:
+        table = torch.tensor(c.block_table[:-(-c.context_len // bs)], dtype=torch.long)
+        pos = torch.arange(c.start, c.context_len)
+        positions.append(pos)
+        slots.append(table[pos // bs] * bs + pos % bs)
+        prefill_tables.append(table.to(device))
+        fresh.append(c.start == 0)
     decode_tables = decode_mask = None
-    if decode_rows:
-        nb_max = max(len(t) for t in decode_rows)
+    decodes = chunks[num_prefills:]
+    if decodes:
+        pos_d = [p for c in decodes for p in range(c.start, c.context_len)]
+        slot_d = [c.block_table[p // bs] * bs + p % bs for c in decodes for p in range(c.start, c.context_len)]
+        positions.append(torch.tensor(pos_d, dtype=torch.long))
+        slots.append(torch.tensor(slot_d, dtype=torch.long))
+        nbs = [-(-c.context_len // bs) for c in decodes]
+        nb_max = max(nbs)
         # Pad with the row's own first block: any block would do (the padding is masked), one
         # the sequence owns keeps the read local.
-        decode_tables = torch.stack([torch.cat([t, t[:1].expand(nb_max - len(t))]) for t in decode_rows])
+        decode_tables = torch.tensor([list(c.block_table[:nb]) + [c.block_table[0]] * (nb_max - nb)
+                                      for c, nb in zip(decodes, nbs)], dtype=torch.long)
         lens = torch.tensor(ctx_lens[num_prefills:])
-        decode_mask = torch.arange(nb_max * block_size).unsqueeze(0) < lens.unsqueeze(1)
+        decode_mask = torch.arange(nb_max * bs).unsqueeze(0) < lens.unsqueeze(1)
         decode_tables, decode_mask = decode_tables.to(device), decode_mask.to(device)
     return AttentionMetadata(
         block_size=block_size, positions=torch.cat(positions).to(device), slot_mapping=torch.cat(slots).to(device),
