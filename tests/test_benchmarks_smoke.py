@@ -81,3 +81,43 @@ def test_decode_maximal_bootstrap_interval() -> None:
     lo, hi = dm._bootstrap(lambda ix: sum(values[i] for i in ix) / len(ix), len(values))
     assert 6.0 < lo < 9.5 < hi < 13.0  # mean 9.5, standard error ~1.3
     assert dm._bootstrap(lambda ix: 4.0, 5) == [4.0, 4.0]
+
+
+def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pp=1 and pp=2 alternate within rounds (1, 2, then 2, 1), each round's pp=2 run is divided by
+    that round's pp=1 run, and the efficiency is the median of those ratios, not of medians."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("pp_scaling", Path("benchmarks/pp_scaling.py"))
+    sys.path.insert(0, "benchmarks")
+    try:
+        ps = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(ps)
+    finally:
+        sys.path.remove("benchmarks")
+
+    class Fake:
+        def __init__(self, pp: int) -> None:
+            self.pp = pp
+            self.executor = self
+
+        def drain_timings(self) -> list:
+            return []
+
+    walls = {1: [10.0, 12.0, 8.0], 2: [6.0, 4.0, 5.0]}  # seconds per round
+    calls = []
+
+    def run_once(llm: Fake, items: list, policy: str) -> float:
+        calls.append((policy, llm.pp))
+        return walls[llm.pp][sum(1 for p, pp in calls if p == policy and pp == llm.pp) - 1]
+
+    monkeypatch.setattr(ps, "run_once", run_once)
+    monkeypatch.setattr(ps, "control_plane", lambda llm, t: {"pp": llm.pp})
+    r = {"throughput_tok_s": {}, "efficiency": {}}
+    ps.paired_runs({1: Fake(1), 2: Fake(2)}, [], 120, ["sarathi"], 3, r)
+    assert [pp for _, pp in calls] == [1, 2, 2, 1, 1, 2]
+    # per round tput2 / (2 tput1) = wall1 / (2 wall2): 10/12, 12/8, 8/10; the ratio of the median
+    # throughputs would be 1.0 instead
+    assert r["rounds"]["sarathi"]["efficiency"] == pytest.approx([10 / 12, 1.5, 0.8])
+    assert r["efficiency"]["sarathi"] == pytest.approx(10 / 12)
+    assert r["throughput_tok_s"]["sarathi_pp1"] == pytest.approx(120 / 10)
+    assert r["control_plane_pp2"] == {"pp": 2}
