@@ -8,10 +8,11 @@
 For sarathi and orca: the same requests (total lengths Zipf θ = 0.4 in --min-len..--max-len,
 P:D = 10, all at t = 0) at pp=1 (in process, one thread) and pp=2 (two Ray workers, one
 thread each); throughput = (prompt + generated tokens) / wall seconds, and the pipeline
-efficiency tput(pp=2) / (2 × tput(pp=1)) (target ≥ 0.9 for sarathi). Same chunk, batch size and KV budget everywhere. Both deployments stay up and their
-runs alternate (pp=1, pp=2, then pp=2, pp=1, ...) for --rounds rounds: this box drifts by 10-20%
-between runs minutes apart, so each round's pp=2 run is paired with that round's pp=1 run, and
-the efficiency printed is the median of the rounds' paired ratios.
+efficiency tput(pp=2) / (2 × tput(pp=1)) (target ≥ 0.9 for sarathi). Same chunk, batch size
+and KV budget everywhere. Both deployments stay up and their runs alternate (pp=1, pp=2, then
+pp=2, pp=1, ...) for --rounds rounds: this box drifts by 10-30% between runs minutes apart, so
+each round's pp=2 run is paired with that round's pp=1 run, and the efficiency printed is the
+median of the rounds' paired ratios.
 
 The run ends in a drain: once the last prompt is in, the remaining requests (the longest has
 ~90 tokens to generate) decode one token per pass through the pipeline whatever pp is, in

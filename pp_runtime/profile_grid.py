@@ -18,6 +18,7 @@ import statistics
 from dataclasses import dataclass, fields, replace
 
 from pp_runtime.batch import SampleSpec, SeqChunk
+from pp_runtime.kv_cache import blocks_for
 
 OPS = ("preproj", "attn", "postproj", "ffn_ln1", "ffn_ln2")
 BUCKETS = OPS + ("others",)
@@ -147,8 +148,8 @@ class Layout:
     def __init__(self, grid: Grid) -> None:
         bs = grid.block_size
         self.bs = bs
-        self.prefill_blocks = -(-max([c + p for p, c in grid.prefill_points()] + [1]) // bs)
-        self.decode_blocks = -(-(grid.context + 1) // bs)
+        self.prefill_blocks = blocks_for(max([c + p for p, c in grid.prefill_points()] + [1]), bs)
+        self.decode_blocks = blocks_for(grid.context + 1, bs)
         self.max_decodes = max(list(grid.decode) + list(grid.mixed_decode) + [0])
         self.num_blocks = self.prefill_blocks + self.max_decodes * self.decode_blocks
 

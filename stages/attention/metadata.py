@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pp_runtime.batch import SeqChunk
+from pp_runtime.kv_cache import blocks_for
 
 
 @dataclass
@@ -68,7 +69,7 @@ def build_metadata(chunks: tuple[SeqChunk, ...], block_size: int, device: torch.
             sample_rows.append(row - 1)
     positions, slots, prefill_tables, fresh = [], [], [], []
     for c in chunks[:num_prefills]:
-        table = torch.tensor(c.block_table[:-(-c.context_len // bs)], dtype=torch.long)
+        table = torch.tensor(c.block_table[:blocks_for(c.context_len, bs)], dtype=torch.long)
         pos = torch.arange(c.start, c.context_len)
         positions.append(pos)
         slots.append(table[pos // bs] * bs + pos % bs)
@@ -81,7 +82,7 @@ def build_metadata(chunks: tuple[SeqChunk, ...], block_size: int, device: torch.
         slot_d = [c.block_table[p // bs] * bs + p % bs for c in decodes for p in range(c.start, c.context_len)]
         positions.append(torch.tensor(pos_d, dtype=torch.long))
         slots.append(torch.tensor(slot_d, dtype=torch.long))
-        nbs = [-(-c.context_len // bs) for c in decodes]
+        nbs = [blocks_for(c.context_len, bs) for c in decodes]
         nb_max = max(nbs)
         # Pad with the row's own first block: any block would do (the padding is masked), one
         # the sequence owns keeps the read local.
