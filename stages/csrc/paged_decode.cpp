@@ -1,10 +1,10 @@
 // Paged decode attention for fp32 on CPU (see stages/cpu_kernels.py).
 // q (B, H, D); k_cache, v_cache (NB, BS, H_kv, D); tables (B, NBT) int64; lens (B,) int64.
-// One task per (sequence, KV head): its G = H / H_kv query heads share every K/V row read;
-// two passes (scores and softmax over a contiguous buffer, then the V sum), each row read once.
-// Rows are walked block by block (no division per position), and the head size is a
-// compile-time constant where it is a common one, so the compiler unrolls and vectorises
-// the 64-wide dot products and row updates (measured: docs/BENCHMARKS.md).
+// Each KV head's G = H / H_kv query heads share every K/V row read; two passes (scores and
+// softmax over a contiguous buffer, then the V sum), each row read once, block by block.
+// With AVX2 and a common head size / group (64 or 128; 1, 2, 3, 4 or 8), heads_tiled does
+// both passes from registers, one task per sequence walking its blocks' rows in memory order;
+// otherwise one_head's plain loops, one task per (sequence, KV head) (docs/BENCHMARKS.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -95,8 +95,137 @@ void one_head(const Args& a, int64_t b, int64_t h, std::vector<float>& p, std::v
   }
 }
 
+#ifdef PP_AVX2
+// Register-tiled versions of one_head's two passes, for a compile-time head size and group.
+// The plain loops above keep one dot product per (row, head) in flight, and each ends in a
+// horizontal sum: a chain of dependent FMAs and shuffles per row, which left the kernel at
+// ~8 GB/s of K/V against ~38 GB/s the core streams. Here pass 1 takes R rows at once (G·R
+// independent accumulators, reduced four rows per shuffle tree) and pass 2 keeps a CV-vector
+// slice of the G output rows in registers across a whole block. Same math; pass 2 adds the
+// rows in the same order as before, pass 1's dot products reassociate (like -ffast-math did).
+constexpr int rows_at_once(int g) { return g <= 3 ? 4 : (g <= 6 ? 2 : 1); }
+constexpr int slice_vectors(int g) { return g <= 3 ? 4 : (g <= 6 ? 2 : 1); }
+
+// (a, b, c, d) -> their four horizontal sums, in order
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// scores of the G query heads (qb: (G, D)) against R rows from kr (stride rs): p[g·len + j] = q_g·k_j·scale
+template <int DC, int GC, int R>
+inline void score_rows(const float* qb, const float* kr, int64_t rs, float scale, float* p, int64_t len) {
+  __m256 acc[GC][R];
+  for (int g = 0; g < GC; ++g)
+    for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_ps();
+  for (int d = 0; d < DC; d += 8) {
+    __m256 qv[GC];
+    for (int g = 0; g < GC; ++g) qv[g] = _mm256_loadu_ps(qb + g * DC + d);
+    for (int r = 0; r < R; ++r) {
+      const __m256 kv = _mm256_loadu_ps(kr + r * rs + d);
+      for (int g = 0; g < GC; ++g) acc[g][r] = _mm256_fmadd_ps(qv[g], kv, acc[g][r]);
+    }
+  }
+  for (int g = 0; g < GC; ++g) {
+    if constexpr (R == 4) {
+      _mm_storeu_ps(p + g * len, _mm_mul_ps(hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
+    } else {
+      for (int r = 0; r < R; ++r) p[g * len + r] = hsum256(acc[g][r]) * scale;
+    }
+  }
+}
+
+// KV heads [h0, h1) of sequence b. The kernel is bound by reading K/V from memory, and how fast
+// that goes depends on the order: a task per KV head reads a third of every 768-byte row of a
+// block and jumps, 8.4 GB/s on scattered 16-token blocks (SmolLM2 shapes, 12 sequences × 900
+// keys, 15 layers' caches, 1 thread); all heads of a row before the next row keeps the walk
+// sequential within a block: 10.5 GB/s scattered, 20 GB/s when the blocks are in order, 35 GB/s
+// hot in cache (compute is not the limit). Software prefetch of the next block did not help.
+template <int DC, int GC>
+void heads_tiled(const Args& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& p, std::vector<float>& acc,
+                 std::vector<float>& inv) {
+  constexpr int R = rows_at_once(GC), CV = slice_vectors(GC), W = 8 * CV, RV = 4;
+  static_assert(DC % W == 0, "head size must be a whole number of slices");
+  const int64_t len = a.lens[b], rs = a.Hkv * DC, nh = h1 - h0;
+  const int64_t* table = a.tables + b * a.NBT;
+  p.resize(nh * GC * len);
+  acc.resize(nh * GC * DC);
+  inv.resize(nh * GC);
+  // pass 1: scores, R rows of a block at a time (a block's rows are rs apart); p is (nh·G, len)
+  for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {
+    const int64_t n = std::min(a.BS, len - start);
+    // rows in order, every head of a row before the next rows: the walk through the block stays
+    // sequential, which the stream prefetcher follows (a head-by-head walk is strided)
+    for (int64_t j = 0; j < n;) {
+      const bool full = j + R <= n;
+      for (int64_t h = h0; h < h1; ++h) {
+        const float* qb = a.q + (b * a.H + h * GC) * DC;
+        const float* kr = a.k + (table[blk] * a.BS * a.Hkv + h) * DC + j * rs;
+        float* ph = p.data() + (h - h0) * GC * len + start + j;
+        if (full) score_rows<DC, GC, R>(qb, kr, rs, a.scale, ph, len);
+        else score_rows<DC, GC, 1>(qb, kr, rs, a.scale, ph, len);
+      }
+      j += full ? R : 1;
+    }
+  }
+  for (int64_t g = 0; g < nh * GC; ++g) {
+    float* s = p.data() + g * len;
+    inv[g] = 1.f / exp_row(s, len, 1.f, row_max(s, len));
+  }
+  // pass 2: out_g = Σ_j p[g, j] · v_j, a W-wide slice of a head's G rows in registers per block
+  std::fill(acc.begin(), acc.end(), 0.f);
+  for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {
+    const int64_t n = std::min(a.BS, len - start);
+    for (int64_t j0 = 0; j0 < n; j0 += RV) {  // RV rows in order, as in pass 1
+      const int64_t nr = std::min<int64_t>(RV, n - j0);
+      for (int64_t h = h0; h < h1; ++h) {
+        const float* vb = a.v + (table[blk] * a.BS * a.Hkv + h) * DC + j0 * rs;
+        const float* ph = p.data() + (h - h0) * GC * len + start + j0;
+        float* ah = acc.data() + (h - h0) * GC * DC;
+        for (int c0 = 0; c0 < DC; c0 += W) {
+          __m256 o[GC][CV];
+          for (int g = 0; g < GC; ++g)
+            for (int c = 0; c < CV; ++c) o[g][c] = _mm256_loadu_ps(ah + g * DC + c0 + 8 * c);
+          const float* vr = vb + c0;
+          for (int64_t j = 0; j < nr; ++j, vr += rs) {
+            __m256 w[GC];
+            for (int g = 0; g < GC; ++g) w[g] = _mm256_broadcast_ss(ph + g * len + j);
+            for (int c = 0; c < CV; ++c) {
+              const __m256 vv = _mm256_loadu_ps(vr + 8 * c);
+              for (int g = 0; g < GC; ++g) o[g][c] = _mm256_fmadd_ps(w[g], vv, o[g][c]);
+            }
+          }
+          for (int g = 0; g < GC; ++g)
+            for (int c = 0; c < CV; ++c) _mm256_storeu_ps(ah + g * DC + c0 + 8 * c, o[g][c]);
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < nh * GC; ++g) {
+    float* out = a.out + (b * a.H + h0 * GC + g) * DC;
+    const __m256 s = _mm256_set1_ps(inv[g]);
+    for (int d = 0; d < DC; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + g * DC + d), s));
+  }
+}
+#endif
+
 template <int DC, int GC>
 void run(const Args& a, int64_t B) {
+#ifdef PP_AVX2
+  if constexpr (DC > 0 && GC > 0) {
+    // a task per sequence (all its KV heads) when that still gives every thread work; else per head
+    const bool per_seq = B >= at::get_num_threads();
+    const int64_t per = per_seq ? a.Hkv : 1;
+    at::parallel_for(0, B * a.Hkv / per, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> p, acc, inv;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i * per / a.Hkv, h0 = i * per % a.Hkv;
+        heads_tiled<DC, GC>(a, b, h0, h0 + per, p, acc, inv);
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, B * a.Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p, acc(a.G * (DC > 0 ? DC : a.Dyn)), inv(a.G);
     for (int64_t i = begin; i < end; ++i) one_head<DC, GC>(a, i / a.Hkv, i % a.Hkv, p, acc, inv);

@@ -61,15 +61,19 @@ def test_torch_backend_matches_dense(paged_kernel: bool, d: int, monkeypatch: py
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("hkv,grp,d", [(3, 3, 64), (2, 5, 64), (2, 4, 128), (2, 3, 32)])
-def test_paged_kernel_matches_gather_sdpa_at_scale(threads: int, hkv: int, grp: int, d: int) -> None:
+@pytest.mark.parametrize("b", [13, 1])
+@pytest.mark.parametrize("hkv,grp,d", [(3, 3, 64), (2, 5, 64), (2, 4, 128), (2, 3, 32), (4, 1, 64), (2, 2, 128),
+                                       (1, 8, 64)])
+def test_paged_kernel_matches_gather_sdpa_at_scale(threads: int, b: int, hkv: int, grp: int, d: int) -> None:
     """Real head shapes (SmolLM2: 9 query / 3 KV heads, D = 64), scattered blocks, ragged lengths;
-    and shapes that take the kernel's other paths (head size / group size fixed at compile time
-    or not: 64 and 5, 128 and 4, 32 and 3)."""
+    and shapes that take the kernel's other paths: the register-tiled one for each group size it
+    is built for (1, 2, 3, 4, 8: 4 / 2 / 1 rows at once), a task per sequence (b = 13) or per KV
+    head (b = 1 on 2 threads); the plain loops for head / group sizes not fixed at compile time
+    (64 and 5, 32 and 3)."""
     if not cpu_kernels.available():
         pytest.skip("CPU paged-attention kernel could not be built here")
     g = torch.Generator().manual_seed(threads)
-    b, bs, nb = 13, 16, 9
+    bs, nb = 16, 9
     kc, vc = torch.randn(200, bs, hkv, d, generator=g), torch.randn(200, bs, hkv, d, generator=g)
     tables = torch.randperm(200, generator=g)[:b * nb].view(b, nb).contiguous()
     lens = torch.randint(1, nb * bs + 1, (b,), generator=g)
