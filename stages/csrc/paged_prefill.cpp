@@ -45,7 +45,16 @@ struct Args {
 template <int DC>
 inline void qk_tile(const float* const* qr, const float* kt, int64_t D, float* s, int64_t lds) {
   const int64_t Dn = DC > 0 ? DC : D;
-#ifdef PP_AVX2
+#if defined(PP_AVX512)
+  // a 16-key panel row is one 16-lane register: half the FMA instructions of the 8-lane tile
+  __m512 c[MR];
+  for (int r = 0; r < MR; ++r) c[r] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < Dn; ++d) {
+    const __m512 b = _mm512_loadu_ps(kt + d * NR);
+    for (int r = 0; r < MR; ++r) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][d]), b, c[r]);
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(s + r * lds, c[r]);
+#elif defined(PP_AVX2)
   __m256 c[MR][2];
   for (int r = 0; r < MR; ++r) c[r][0] = c[r][1] = _mm256_setzero_ps();
   for (int64_t d = 0; d < Dn; ++d) {
@@ -72,7 +81,15 @@ inline void qk_tile(const float* const* qr, const float* kt, int64_t D, float* s
 
 // o[r][0:NR] += Σ_j p[r][j] vp[j][0:NR] for r < MR, j < kc (vp: a V panel; p, o row strides ldp, ldo)
 inline void pv_tile(const float* p, int64_t ldp, const float* vp, int64_t kc, float* o, int64_t ldo) {
-#ifdef PP_AVX2
+#if defined(PP_AVX512)
+  __m512 c[MR];
+  for (int r = 0; r < MR; ++r) c[r] = _mm512_loadu_ps(o + r * ldo);
+  for (int64_t j = 0; j < kc; ++j) {
+    const __m512 b = _mm512_loadu_ps(vp + j * NR);
+    for (int r = 0; r < MR; ++r) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * ldp + j]), b, c[r]);
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(o + r * ldo, c[r]);
+#elif defined(PP_AVX2)
   __m256 c[MR][2];
   for (int r = 0; r < MR; ++r) {
     c[r][0] = _mm256_loadu_ps(o + r * ldo);
