@@ -16,7 +16,14 @@
   into 16-column panels; 6 x 16 register tiles, each thread streaming its own panels once per
   call. torch.mm re-packs W on every call and blocks a few-row (decode) product poorly.
   ``quant_linear``: the same over GGUF Q4/Q8 blocks kept as stored (stages/quant.py), each
-  panel's K slab dequantized into an L1 scratch that all row tiles then read.
+  panel's K slab dequantized into an L1 scratch that all row tiles then read; a few-row
+  product takes each weight row from codes to registers instead.
+
+Where the compiler sees AVX-512 (the box it is built on has it), the GEMM tiles, the few-row
+quantized product, the prefill attention tiles and SiLU·mul run 16 lanes wide (twice the FMA
+peak of 8 lanes on cores with 512-bit units); elsewhere the same kernels run 8 lanes (AVX2), or
+as plain loops. The GEMM sums every output in the same k order at either width, so results do
+not depend on it.
 
 Built on first use with torch's JIT extension loader (g++, ninja) for the host CPU
 (-march=native: it is built where it runs); ``scripts/setup.sh`` builds it ahead so that no run

@@ -365,6 +365,24 @@ inline void dequant_row(const uint8_t* codes, int64_t r, __m256 d0, __m256 d1, _
   _mm256_storeu_ps(o, w0);
   _mm256_storeu_ps(o + 8, w1);
 }
+
+#ifdef PP_AVX512
+// row r of one block -> its 16 fp32 weights in one 16-lane register (the same FMA per weight as
+// dequant_regs)
+template <bool U4>
+inline __m512 dequant_zmm(const uint8_t* codes, int64_t r, __m512 d, __m512 m) {
+  __m128i q;
+  if constexpr (U4) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + r * 8));
+    const __m128i lo4 = _mm_set1_epi8(0x0F);
+    q = _mm_unpacklo_epi64(_mm_and_si128(b, lo4), _mm_and_si128(_mm_srli_epi16(b, 4), lo4));  // columns 0-7, 8-15
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), d, m);
+  } else {
+    q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * 16));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d, m);
+  }
+}
+#endif
 #endif
 
 // buf (kc x 16) = panel rows [k0, k0 + kc) as fp32, block by block (a slab need not start or end
@@ -377,7 +395,10 @@ void dequant(const uint8_t* panel, int64_t k0, int64_t kc, float* buf) {
     const int64_t r0 = k % QK, r1 = std::min<int64_t>(QK, r0 + ke - k);
     const float* dm = reinterpret_cast<const float*>(blk);
     float* o = buf + (k - k0) * NR - r0 * NR;
-#ifdef PP_AVX2
+#if defined(PP_AVX512)
+    const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + NR);
+    for (int64_t r = r0; r < r1; ++r) _mm512_storeu_ps(o + r * NR, dequant_zmm<U4>(blk + 128, r, d, m));
+#elif defined(PP_AVX2)
     const __m256 d0 = _mm256_loadu_ps(dm), d1 = _mm256_loadu_ps(dm + 8), m0 = _mm256_loadu_ps(dm + 16),
                  m1 = _mm256_loadu_ps(dm + 24);
     for (int64_t r = r0; r < r1; ++r) dequant_row<U4>(blk + 128, r, d0, d1, m0, m1, o + r * NR);
@@ -451,21 +472,6 @@ void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, 
 #endif
 
 #ifdef PP_AVX512
-// row r of one block -> its 16 fp32 weights in one 16-lane register (the same FMA per weight as
-// dequant_regs)
-template <bool U4>
-inline __m512 dequant_zmm(const uint8_t* codes, int64_t r, __m512 d, __m512 m) {
-  __m128i q;
-  if constexpr (U4) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + r * 8));
-    const __m128i lo4 = _mm_set1_epi8(0x0F);
-    q = _mm_unpacklo_epi64(_mm_and_si128(b, lo4), _mm_and_si128(_mm_srli_epi16(b, 4), lo4));  // columns 0-7, 8-15
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), d, m);
-  } else {
-    q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * 16));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d, m);
-  }
-}
 
 // Up to two row tiles (M rows of x into c, then M1 rows of x1 into cs: all of a few-row product)
 // against one quantized panel
