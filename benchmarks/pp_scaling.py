@@ -12,7 +12,7 @@ efficiency tput(pp=2) / (2 × tput(pp=1)) (target ≥ 0.9 for sarathi). Same chu
 and KV budget everywhere. Both deployments stay up and their runs alternate (pp=1, pp=2, then
 pp=2, pp=1, ...) for --rounds rounds: this box drifts by 10-30% between runs minutes apart, so
 each round's pp=2 run is paired with that round's pp=1 run, and the efficiency printed is the
-median of the rounds' paired ratios.
+median of the rounds' paired ratios (benchmarks/pairing.py).
 
 The run ends in a drain: once the last prompt is in, the remaining requests (the longest has
 ~90 tokens to generate) decode one token per pass through the pipeline whatever pp is, in
@@ -35,6 +35,7 @@ import json
 import statistics
 import time
 
+from pairing import alternating, median_of_ratios  # same directory: run as a script
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.workload import WorkloadConfig, generate_workload
 
@@ -100,21 +101,21 @@ def paired_runs(llms: dict[int, LLM], items: list, tokens: int, policies: list[s
     r["rounds"] = {}
     for policy in policies:
         per = {1: [], 2: []}
-        for k in range(rounds):
-            for pp in ((1, 2) if k % 2 == 0 else (2, 1)):
-                llm = llms[pp]
-                llm.executor.drain_timings()
-                wall = run_once(llm, items, policy)
-                per[pp].append(tokens / wall)
-                print(f"{policy:8s} pp={pp} round {k}: {tokens} tokens in {wall:7.1f} s = {tokens / wall:6.1f} tok/s",
-                      flush=True)
-                if pp == 2 and policy == policies[0] and k == 0:
-                    r["control_plane_pp2"] = control_plane(llm, llm.executor.drain_timings())
+        for k, pp in alternating(rounds, (1, 2)):
+            llm = llms[pp]
+            llm.executor.drain_timings()
+            wall = run_once(llm, items, policy)
+            per[pp].append(tokens / wall)
+            print(f"{policy:8s} pp={pp} round {k}: {tokens} tokens in {wall:7.1f} s = {tokens / wall:6.1f} tok/s",
+                  flush=True)
+            if pp == 2 and policy == policies[0] and k == 0:
+                r["control_plane_pp2"] = control_plane(llm, llm.executor.drain_timings())
         r["rounds"][policy] = {"pp1_tok_s": per[1], "pp2_tok_s": per[2],
                                "efficiency": [b / (2 * a) for a, b in zip(per[1], per[2])]}
         for pp in (1, 2):
             r["throughput_tok_s"][f"{policy}_pp{pp}"] = statistics.median(per[pp])
-        r["efficiency"][policy] = statistics.median(r["rounds"][policy]["efficiency"])
+        # tput2 / (2 tput1) per round
+        r["efficiency"][policy] = median_of_ratios(per[2], [2 * t for t in per[1]])
 
 
 def main() -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from core_throughput import hf_model, ours  # same directory: run as a script
+from pairing import alternating, median_of_ratios
 
 
 def hf_generate(model_spec: str | None, prompts: list[list[int]], new_tokens: int) -> float:
@@ -89,18 +90,17 @@ def main() -> None:
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
     total = sum(lens) + a.num * a.new_tokens
     r = {"prompts": a.num, "prompt_tokens": sum(lens), "new_tokens": a.num * a.new_tokens}
-    r["rounds"] = {"hf_s": [], "ours_pp1_s": []}
-    for k in range(a.rounds):
-        for who in (("hf", "ours") if k % 2 == 0 else ("ours", "hf")):
-            if who == "hf":
-                r["rounds"]["hf_s"].append(hf_in_fresh_process(a.model, prompts, a.new_tokens, tuned=False))
-            else:
-                r["rounds"]["ours_pp1_s"].append(ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk,
-                                                      max_batch_size=a.num + 1))
-        print(f"round {k}: HF {total / r['rounds']['hf_s'][-1]:.1f} tok/s, "
-              f"ours {total / r['rounds']['ours_pp1_s'][-1]:.1f} tok/s", flush=True)
-    r["rounds"]["ratio"] = [h / o for h, o in zip(r["rounds"]["hf_s"], r["rounds"]["ours_pp1_s"])]
-    r["ratio_pp1"] = statistics.median(r["rounds"]["ratio"])
+    hf_s, ours_s = [], []
+    r["rounds"] = {"hf_s": hf_s, "ours_pp1_s": ours_s}
+    for k, who in alternating(a.rounds, ("hf", "ours")):
+        if who == "hf":
+            hf_s.append(hf_in_fresh_process(a.model, prompts, a.new_tokens, tuned=False))
+        else:
+            ours_s.append(ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk, max_batch_size=a.num + 1))
+        if len(hf_s) == len(ours_s):  # the round's pair is complete
+            print(f"round {k}: HF {total / hf_s[-1]:.1f} tok/s, ours {total / ours_s[-1]:.1f} tok/s", flush=True)
+    r["rounds"]["ratio"] = [h / o for h, o in zip(hf_s, ours_s)]
+    r["ratio_pp1"] = median_of_ratios(hf_s, ours_s)
     r["hf_s"] = statistics.median(r["rounds"]["hf_s"])
     r["ours_pp1_s"] = statistics.median(r["rounds"]["ours_pp1_s"])
     r["hf_tuned_s"] = hf_in_fresh_process(a.model, prompts, a.new_tokens, tuned=True)

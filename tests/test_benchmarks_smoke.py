@@ -121,3 +121,19 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     assert r["efficiency"]["sarathi"] == pytest.approx(10 / 12)
     assert r["throughput_tok_s"]["sarathi_pp1"] == pytest.approx(120 / 10)
     assert r["control_plane_pp2"] == {"pp": 2}
+
+
+def test_pairing_alternates_and_takes_the_median_of_ratios() -> None:
+    """benchmarks/pairing.py: sides in order, then reversed, round after round; the figure is the
+    median of per-round ratios (which a drifting box leaves alone), not a ratio of medians."""
+    sys.path.insert(0, "benchmarks")
+    try:
+        from pairing import alternating, median_of_ratios
+    finally:
+        sys.path.remove("benchmarks")
+    assert list(alternating(3, ("a", "b"))) == [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
+    assert list(alternating(0, ("a", "b"))) == []
+    # rounds: 10/5 = 2, 30/10 = 3, 8/8 = 1 -> median 2; median(num) / median(den) would be 10/8
+    assert median_of_ratios([10.0, 30.0, 8.0], [5.0, 10.0, 8.0]) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        median_of_ratios([1.0], [1.0, 2.0])
