@@ -115,6 +115,40 @@ def inputs(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def signal_when_under_way(tmp: Path, gen: Command, bench: Command, pids: dict[str, set[int]]) -> dict[str, float]:
+    """Ctrl-C to generate's process group and SIGTERM to bench, each 2 s after that command is under
+    way (generate writes workers.json once its workers are up; bench says when it starts a run): by
+    then the short requests are done and the long ones far from it. Each on its own clock: waiting
+    for one command and then sleeping let the other, up first, sometimes finish its whole run
+    before its signal. Fills pids with each command's processes just before its signal; returns
+    when each was signalled."""
+    ready = {"gen": lambda: (tmp / "run" / "workers.json").is_file(),
+             "bench": lambda: any(f"bench: sarathi on {NUM} requests" in x for x in bench.lines)}
+    cmds, due, sent = {"gen": gen, "bench": bench}, {}, {}
+    deadline = time.monotonic() + 180.0
+    while len(sent) < len(cmds):
+        now = time.monotonic()
+        for name, cmd in cmds.items():
+            if name in sent:
+                continue
+            assert cmd.proc.poll() is None, f"{name} exited early ({cmd.proc.returncode}): {cmd.lines[-5:]}"
+            assert now < deadline, f"{name} not under way after 180 s: {cmd.lines[-5:]}"
+            if name not in due and ready[name]():
+                due[name] = now + 2.0
+            if name in due and now >= due[name]:
+                if name == "gen":
+                    workers = {w["pid"] for w in json.loads((tmp / "run" / "workers.json").read_text())}
+                    assert len(workers) == 2
+                    pids["gen"] = gen.descendants() | workers
+                    assert workers <= pids["gen"], "the stage workers run under the command's embedded Ray"
+                    sent[name] = gen.signal(signal.SIGINT, group=True)
+                else:
+                    pids["bench"] = bench.descendants()
+                    sent[name] = bench.signal(signal.SIGTERM, group=False)
+        time.sleep(0.05)
+    return sent
+
+
 def test_sigint_and_sigterm_write_results_and_leave_no_processes(inputs: Path) -> None:
     tmp = inputs
     gen = Command(["generate", *ENGINE, "--input", str(tmp / "in.jsonl"), "--output", str(tmp / "out.jsonl"),
@@ -122,15 +156,7 @@ def test_sigint_and_sigterm_write_results_and_leave_no_processes(inputs: Path) -
     bench = Command(["bench", "--config", str(tmp / "bench.yaml"), "--out", str(tmp / "bench")], tmp)
     pids: dict[str, set[int]] = {}
     try:
-        # generate writes workers.json as soon as its workers are up; bench says when it starts a run
-        gen.wait_for(lambda: (tmp / "run" / "workers.json").is_file())
-        workers = {w["pid"] for w in json.loads((tmp / "run" / "workers.json").read_text())}
-        assert len(workers) == 2
-        bench.wait_for(lambda: any(f"bench: sarathi on {NUM} requests" in x for x in bench.lines))
-        time.sleep(2.0)  # the short requests finish, the long ones are far from done
-        pids = {"gen": gen.descendants() | workers, "bench": bench.descendants()}
-        assert workers <= pids["gen"], "the stage workers run under the command's embedded Ray"
-        sent = {"gen": gen.signal(signal.SIGINT, group=True), "bench": bench.signal(signal.SIGTERM, group=False)}
+        sent = signal_when_under_way(tmp, gen, bench, pids)
         for name, cmd, code in (("gen", gen, 130), ("bench", bench, 143)):
             rc = cmd.proc.wait(timeout=60)
             took = time.monotonic() - sent[name]
