@@ -2,7 +2,7 @@
 
     for k, side in alternating(rounds, ("hf", "ours")):   # hf, ours, then ours, hf, ...
         times[side].append(run(side))
-    figure = median_of_ratios(times["hf"], times["ours"])
+    figure = statistics.median(ratios(times["hf"], times["ours"]))
 
 On the project's CPU box the same run can take 10-30% more or less minutes later, more than most
 changes measured. Each round runs both setups back to back (in alternating order, so neither
@@ -11,7 +11,6 @@ the ratio of the two medians: a slow stretch of the box then moves both sides of
 """
 from __future__ import annotations
 
-import statistics
 from typing import Iterator, Sequence, TypeVar
 
 T = TypeVar("T")
@@ -24,8 +23,9 @@ def alternating(rounds: int, sides: Sequence[T]) -> Iterator[tuple[int, T]]:
             yield k, side
 
 
-def median_of_ratios(num: Sequence[float], den: Sequence[float]) -> float:
-    """Median over rounds of num[k] / den[k] (same length, every round complete)."""
+def ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
+    """num[k] / den[k] for every round (same length, every round complete): the figure is their
+    median."""
     if len(num) != len(den) or not num:
         raise ValueError(f"paired rounds need equal, non-empty lists (got {len(num)} and {len(den)})")
-    return statistics.median(n / d for n, d in zip(num, den))
+    return [n / d for n, d in zip(num, den)]

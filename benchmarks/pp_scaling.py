@@ -35,7 +35,7 @@ import json
 import statistics
 import time
 
-from pairing import alternating, median_of_ratios  # same directory: run as a script
+from pairing import alternating, ratios  # same directory: run as a script
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.workload import WorkloadConfig, generate_workload
 
@@ -110,12 +110,11 @@ def paired_runs(llms: dict[int, LLM], items: list, tokens: int, policies: list[s
                   flush=True)
             if pp == 2 and policy == policies[0] and k == 0:
                 r["control_plane_pp2"] = control_plane(llm, llm.executor.drain_timings())
-        r["rounds"][policy] = {"pp1_tok_s": per[1], "pp2_tok_s": per[2],
-                               "efficiency": [b / (2 * a) for a, b in zip(per[1], per[2])]}
+        eff = ratios(per[2], [2 * t for t in per[1]])  # tput2 / (2 tput1) per round
+        r["rounds"][policy] = {"pp1_tok_s": per[1], "pp2_tok_s": per[2], "efficiency": eff}
         for pp in (1, 2):
             r["throughput_tok_s"][f"{policy}_pp{pp}"] = statistics.median(per[pp])
-        # tput2 / (2 tput1) per round
-        r["efficiency"][policy] = median_of_ratios(per[2], [2 * t for t in per[1]])
+        r["efficiency"][policy] = statistics.median(eff)
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 from core_throughput import hf_model, ours  # same directory: run as a script
-from pairing import alternating, median_of_ratios
+from pairing import alternating, ratios
 
 
 def hf_generate(model_spec: str | None, prompts: list[list[int]], new_tokens: int) -> float:
@@ -99,8 +99,8 @@ def main() -> None:
             ours_s.append(ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk, max_batch_size=a.num + 1))
         if len(hf_s) == len(ours_s):  # the round's pair is complete
             print(f"round {k}: HF {total / hf_s[-1]:.1f} tok/s, ours {total / ours_s[-1]:.1f} tok/s", flush=True)
-    r["rounds"]["ratio"] = [h / o for h, o in zip(hf_s, ours_s)]
-    r["ratio_pp1"] = median_of_ratios(hf_s, ours_s)
+    r["rounds"]["ratio"] = ratios(hf_s, ours_s)
+    r["ratio_pp1"] = statistics.median(r["rounds"]["ratio"])
     r["hf_s"] = statistics.median(r["rounds"]["hf_s"])
     r["ours_pp1_s"] = statistics.median(r["rounds"]["ours_pp1_s"])
     r["hf_tuned_s"] = hf_in_fresh_process(a.model, prompts, a.new_tokens, tuned=True)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -47,6 +48,8 @@ _SOURCES = [str(Path(__file__).with_name("csrc") / f)
             for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp")]
 TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a multiple of it
 PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a multiple of it
+_NAME = "pp_runtime_cpu_kernels"
+STALE_LOCK_S = 600.0  # a build takes ~1-2 min here; a lock older than this outlived a killed build
 _lock = threading.Lock()
 _module: object | None = None
 _failed: str | None = None
@@ -60,14 +63,32 @@ def _load() -> object | None:
         if _module is None and _failed is None:
             try:
                 from torch.utils.cpp_extension import load
+                _clear_stale_lock()
                 # -fopenmp: at::parallel_for is header code that splits work only under OpenMP
-                _module = load("pp_runtime_cpu_kernels", sources=_SOURCES,
+                _module = load(_NAME, sources=_SOURCES,
                                extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                                extra_ldflags=["-fopenmp"], verbose=False)
             except Exception as exc:  # no compiler, no ninja, an odd CPU: the torch paths still work
                 _failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 print(f"pp_runtime: CPU kernels unavailable ({_failed}); using the torch paths", file=sys.stderr)
     return _module
+
+
+def _clear_stale_lock() -> None:
+    """Remove a build lock that a killed build left behind.
+
+    torch's FileBaton waits forever on the lock file of a build that died mid-way (Ctrl-C, OOM, a
+    killed CI job), so every later start would hang. A live build renews nothing, so age is the
+    only sign: one older than STALE_LOCK_S cannot belong to a build still running."""
+    from torch.utils.cpp_extension import _get_build_directory
+    lock = Path(_get_build_directory(_NAME, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        print(f"pp_runtime: removing stale kernel build lock {lock} ({age / 60:.0f} min old)", file=sys.stderr)
+        lock.unlink(missing_ok=True)
 
 
 def available() -> bool:

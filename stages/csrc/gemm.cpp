@@ -290,7 +290,7 @@ const float* bias_of(const c10::optional<torch::Tensor>& bias_, int64_t N, torch
 // prefetch meanwhile (nullptr: none; only a block's first tile asks). pf_stride: from one panel's
 // slab to the next one's, for the pair tile's second prefetch.
 template <typename SlabFn>
-void blocked_product(const RowTiles& rt, int64_t NP, int64_t K, int64_t tpb, int64_t scratch, int64_t pf_stride,
+void blocked_product(const RowTiles& rt, int64_t NP, int64_t K, int64_t tpb, bool scratch, int64_t pf_stride,
                      float* c, const float* bias, const SlabFn& slab) {
   const int64_t N = NP * NR, T = rt.size(), kcb = slab_depth(K, T);
   for_panel_chunks(NP, scratch ? PANELS_AT_ONCE * kcb * NR : 0, [&](int64_t j0, int64_t j1, float* buf) {
@@ -474,11 +474,10 @@ void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, 
 #ifdef PP_AVX512
 
 // Up to two row tiles (M rows of x into c, then M1 rows of x1 into cs: all of a few-row product)
-// against one quantized panel
-// over the whole K, each weight row from codes to a 16-lane register and straight into the
-// FMAs: with 32 registers the M + M1 <= 12 accumulators, the weight row and the block's scales
-// all fit, so unlike the 8-lane path (REG_ROWS, SECOND) every few-row product goes this way and
-// the panel is dequantized once. One panel at a time: two panels' code streams read side by side
+// against one quantized panel over the whole K, each weight row from codes to a 16-lane register
+// and straight into the FMAs: with 32 registers the M + M1 <= 12 accumulators, the weight row and
+// the block's scales all fit, so unlike the 8-lane path (REG_ROWS, SECOND) every few-row product
+// goes this way and the panel is dequantized once. One panel at a time: two panels' code streams read side by side
 // ran 1.5x slower for 1-2 rows (isolated, 30 layers' weights, 1 thread). Same weights, same k
 // order: bit-identical.
 #define PQ_ROW(i)                                                       \
@@ -580,7 +579,7 @@ void quant_product(const RowTiles& rt, const uint8_t* q, int64_t NP, int64_t K, 
   // Each (slab, panel) is dequantized into the thread's scratch once per block of rows (one block
   // up to 288 rows) and then read from L1/L2 by every tile of the block, so the conversion costs
   // ~11 instructions per 16 weights against the tiles' 20 per 16 weights per 6 rows.
-  blocked_product(rt, NP, K, MCQ / MR, 1, 0, c, bias, [&](int64_t j, int64_t, int64_t pc, int64_t kc, float* buf) {
+  blocked_product(rt, NP, K, MCQ / MR, true, 0, c, bias, [&](int64_t j, int64_t, int64_t pc, int64_t kc, float* buf) {
     dequant<U4>(q + j * pbytes, pc, kc, buf);
     return std::pair<const float*, const float*>(buf, nullptr);
   });
@@ -603,7 +602,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torc
   const RowTiles rt = pack_rows(x);
   // W's slice of a chunk comes from memory for the first block of MC rows (a 16-panel chunk's
   // 576 KB then stays in L2 for the others); each panel step prefetches the next one's slab.
-  blocked_product(rt, NP, K, MC / MR, 0, K * NR, c, bias, [&](int64_t j, int64_t j1, int64_t pc, int64_t, float*) {
+  blocked_product(rt, NP, K, MC / MR, false, K * NR, c, bias, [&](int64_t j, int64_t j1, int64_t pc, int64_t, float*) {
     const float* bj = b + j * K * NR + pc * NR;
     return std::pair<const float*, const float*>(bj, j + 1 < j1 ? bj + K * NR : bj);
   });

@@ -11,22 +11,25 @@
 #define PP_AVX512 1  // 16-lane FMAs: twice the 8-lane peak where the core has 512-bit FMA units
 #endif
 
+namespace exp_poly {  // shared by exp256 and exp512
+constexpr float kLo = -87.f, kLog2e = 1.44269504f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP[5] = {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace exp_poly
+
 // e^x for x <= 88, 8 lanes: 2^k · p(r) with x = k ln2 + r, |r| <= ln2 / 2 and p of degree 6
 // (relative error ~1e-7); lanes below -87 flush to 0. libm's expf is scalar here, and a softmax
 // or SiLU spends most of its time in it.
 inline __m256 exp256(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.f);
+  using namespace exp_poly;
+  const __m256 lo = _mm256_set1_ps(kLo);
   const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
   x = _mm256_max_ps(x, lo);
-  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+  const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(k, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kP[0]);
+  for (int i = 1; i < 5; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP[i]));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
@@ -35,18 +38,16 @@ inline __m256 exp256(__m256 x) {
 #ifdef PP_AVX512
 // exp256 in 16 lanes (same polynomial and range handling)
 inline __m512 exp512(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.f);
+  using namespace exp_poly;
+  const __m512 lo = _mm512_set1_ps(kLo);
   const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
   x = _mm512_max_ps(x, lo);
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kP[0]);
+  for (int i = 1; i < 5; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP[i]));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(e));

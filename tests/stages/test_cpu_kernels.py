@@ -2,6 +2,9 @@
 fall back (the paged attention kernels are tested with the attention backends)."""
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,3 +86,20 @@ def test_skinny_linear_matches_f_linear(threads: int) -> None:
     y = linear(x, w)
     assert y.is_contiguous() and y.shape == (4, 300)
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A build killed mid-way leaves its lock; torch would wait on it forever at the next start.
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    from torch.utils.cpp_extension import _get_build_directory
+    lock = tmp_path / cpu_kernels._NAME / "lock"
+    assert _get_build_directory(cpu_kernels._NAME, verbose=False) == str(lock.parent)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    cpu_kernels._clear_stale_lock()
+    assert lock.exists()  # a build may be running right now
+    old = time.time() - cpu_kernels.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    cpu_kernels._clear_stale_lock()
+    assert not lock.exists()
+    cpu_kernels._clear_stale_lock()  # no lock: nothing to do
