@@ -6,12 +6,26 @@ land on different nodes when the cluster has them. Activations never go through 
 actors form one torch.distributed world (NCCL on CUDA, gloo on CPU) whose rendezvous the
 driver places on rank 0's node; Ray carries only the compact plans and the sampled tokens.
 
+When every worker shares the driver's node, the per-micro-batch path is a Ray compiled graph
+(plan -> every worker's ``execute`` -> tokens), built at the first micro-batch: a plan is written
+once into shared-memory channels that the workers' execution loops read, instead of one
+actor-task RPC per worker. On this 2-core box an ``execute.remote`` costs the driver ~0.6 ms to
+submit, and as much again to dispatch and to return, per worker; a compiled graph's round trip
+is ~0.1-0.2 ms (docs/BENCHMARKS.md, target 5). Across nodes Ray 2.60 gives a compiled graph's
+remote readers a single-buffered channel (ray-project/ray#49044), and a pipeline that keeps
+more than one micro-batch in flight then deadlocks (the driver's next write waits for the last
+stage to take the plan before, which waits for the driver to read its tokens): reproduced with
+three trivial actors on three nodes. There the workers get ordinary actor calls, as before.
+
     executor = RayExecutor(engine_config, model_source)   # embedded Ray, or RAY_ADDRESS
 """
 from __future__ import annotations
 
 import contextlib
+import gc
+import logging
 import os
+import queue
 import signal
 import socket
 import threading
@@ -28,6 +42,7 @@ from pp_runtime.config import EngineConfig
 from pp_runtime.executor import WorkerError
 
 PLACEMENT_TIMEOUT_S = 60.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _unnice() -> None:
@@ -143,7 +158,10 @@ class RayExecutor:
         except BaseException:
             self.shutdown()
             raise
-        self._in_flight: list[list] = []
+        self._dag = None  # the compiled graph, built at the first micro-batch, and its reader
+        self._reader: _ResultReader | None = None
+        self._use_graph = self._one_node()
+        self._in_flight: list = []
 
     # ---- placement ---------------------------------------------------------------------------
     def _place(self) -> object:
@@ -176,13 +194,53 @@ class RayExecutor:
         return sum(self._get([a.allocate_cache.remote(num_blocks) for a in self.actors], "cache allocation"))
 
     def submit(self, mb: MicroBatch) -> None:
-        wire = mb.to_wire()  # packed once, sent to every worker
-        self._in_flight.append([a.execute.remote(wire) for a in self.actors])
+        wire = mb.to_wire()  # packed once, read by every worker
+        graph = self._graph()
+        if graph is None:
+            self._in_flight.append([a.execute.remote(wire) for a in self.actors])
+            return
+        with _deferred_signals(STOP_SIGNALS) as caught:  # see _ResultReader
+            refs = graph.execute(wire)
+        _redeliver(caught)
+        self._reader.put(refs)
+        self._in_flight.append(refs)  # read by the reader thread; kept here to count and order
 
     def collect(self) -> list[int]:
         refs = self._in_flight.pop(0)
-        results = self._get(refs, "micro-batch")
+        results = self._get_graph_results() if self._dag is not None else self._get(refs, "micro-batch")
         return results[self.topo.rank(self.topo.pp - 1, 0)]
+
+    def _get_graph_results(self) -> list:
+        """The oldest execution's results from the reader thread. Every ``timeout_s`` without
+        them every worker is pinged (a dead or hung one raises WorkerError naming it); a broken
+        channel means a worker died, and the pings say which."""
+        while True:
+            try:
+                return self._reader.get(self.timeout_s)
+            except queue.Empty:
+                self._check_alive("micro-batch", self.timeout_s)
+            except (ray.exceptions.RayChannelError, ray.exceptions.RayActorError) as e:
+                self.failed = True
+                self._check_alive("micro-batch", self.timeout_s)
+                raise WorkerError(f"a worker failed during a micro-batch: {str(e).splitlines()[0]}") from None
+
+    def _graph(self) -> object | None:
+        """plan -> every worker's execute -> their results, compiled once when every worker runs on
+        the driver's node (None otherwise: see the module docstring). Up to pp micro-batches are
+        in flight (the engine's depth); one more slot lets the driver hand in the next plan while
+        it reads the oldest one's tokens."""
+        if self._dag is None and self._use_graph:
+            from ray.dag import InputNode, MultiOutputNode
+            with InputNode() as plan:
+                outputs = MultiOutputNode([a.execute.bind(plan) for a in self.actors])
+            self._dag = outputs.experimental_compile(_max_inflight_executions=self.topo.pp + 1,
+                                                     _submit_timeout=self.timeout_s)
+            self._reader = _ResultReader()
+        return self._dag
+
+    def _one_node(self) -> bool:
+        here = ray.get_runtime_context().get_node_id()
+        return all(info["node"] == here for info in self.infos)
 
     def drain_timings(self) -> list[list]:
         return self._get([a.drain_timings.remote() for a in self.actors], "timings")
@@ -201,7 +259,23 @@ class RayExecutor:
                 for a in self.actors]
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Tear down process groups (graceful), then kill every actor and free the placement."""
+        """Tear down the compiled graph and process groups (graceful), then kill every actor and
+        free the placement. A failed or interrupted run kills the actors first: a graph's teardown
+        waits for every execution loop, and a hung or mid-plan worker would never end its own."""
+        # After a kill, Ray logs each dead execution loop's ActorDiedError as a traceback (from our
+        # teardown, or from its own monitor thread's, which ours waits for): expected here, and
+        # the run's own error already names what failed.
+        with _quiet("ray.dag.compiled_dag_node", logging.WARNING if graceful and not self.failed else logging.CRITICAL):
+            if not graceful or self.failed:
+                for a in self.actors:
+                    ray.kill(a)
+            if self._dag_built():
+                self._dag.teardown()
+                self._reader.close()  # its read, if any, ended with the channels
+                # Nothing may hold the graph past ray.shutdown: results never collected (an
+                # interrupted run) keep it alive through their references.
+                self._in_flight, self._dag = [], None
+                gc.collect()
         if self.actors:
             try:
                 if graceful and not self.failed:
@@ -219,6 +293,9 @@ class RayExecutor:
             self._owns_ray = False
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _dag_built(self) -> bool:
+        return getattr(self, "_dag", None) is not None  # shutdown may run before __init__ got that far
+
     def _get(self, refs: list, what: str, timeout: float | None = None) -> list:
         """ray.get that names the worker when one died or stopped answering.
 
@@ -234,8 +311,11 @@ class RayExecutor:
                     break
                 except ray.exceptions.GetTimeoutError:
                     self._check_alive(what, timeout)
-                except ray.exceptions.RayActorError as e:
+                except (ray.exceptions.RayActorError, ray.exceptions.RayChannelError) as e:
+                    # A compiled graph's channels break when any of its workers dies: the pings
+                    # name the one that did.
                     self.failed = True
+                    self._check_alive(what, timeout)
                     raise WorkerError(f"{self._name(rank)} died during {what}: {str(e).splitlines()[0]}") from None
         return out
 
@@ -261,6 +341,49 @@ class RayExecutor:
         return f"worker stage {stage} tp_rank {tp_rank}{node}"
 
 
+class _ResultReader:
+    """Reads a compiled graph's results, oldest execution first, on a thread of its own.
+
+    A read must never be cut short: Ray reads an execution's outputs channel by channel, and a
+    read that times out or is interrupted after the first has lost those already read (the next
+    read pairs one worker's result with another's from the micro-batch before: seen as "expected
+    3 tokens, got 4"), and a KeyboardInterrupt raised inside Ray's read left the process to die
+    with SIGSEGV at exit. So this thread reads without a timeout and the driver waits on a queue,
+    where timeouts (worker pings) and signals are harmless. Teardown closes the channels, which
+    ends a read in progress."""
+
+    def __init__(self) -> None:
+        self._refs: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="pp-runtime-graph-reader", daemon=True).start()
+
+    def put(self, refs: list) -> None:
+        self._refs.put(refs)
+
+    def get(self, timeout: float) -> list:
+        """The next execution's results; queue.Empty after ``timeout`` s, or the read's error."""
+        ok, value = self._results.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        self._refs.put(None)
+
+    def _run(self) -> None:
+        while (refs := self._refs.get()) is not None:
+            try:
+                self._results.put((True, ray.get(refs, timeout=-1)))  # -1: no timeout (None: Ray's 10 s)
+            except Exception as e:  # a broken channel: every later read fails the same way
+                self._results.put((False, e))
+
+
+def _redeliver(caught: list) -> None:
+    """Run the handler of a signal held by _deferred_signals, now that it is safe to."""
+    if caught:
+        signal.raise_signal(caught[0])
+
+
 def _ensure_ray(world_size: int) -> bool:
     """Join RAY_ADDRESS's cluster, or start an embedded local Ray; True when we started it."""
     if ray.is_initialized():
@@ -273,7 +396,7 @@ def _ensure_ray(world_size: int) -> bool:
     # to run on this machine (plain ray.init() would join it). A Ctrl-C in the middle of starting
     # the node would leave its agents running with no one to stop them: hold it until the node
     # is up, then shut the node down and deliver it.
-    with _deferred_sigint() as interrupted:
+    with _deferred_signals() as interrupted:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
                  log_to_driver=False, _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0})
     if interrupted:
@@ -283,17 +406,32 @@ def _ensure_ray(world_size: int) -> bool:
 
 
 @contextlib.contextmanager
-def _deferred_sigint() -> Iterator[list]:
-    """Record SIGINT instead of raising it inside the block (main thread only)."""
+def _deferred_signals(signums: tuple[int, ...] = (signal.SIGINT,)) -> Iterator[list]:
+    """Record these signals instead of running their handlers inside the block (main thread only;
+    elsewhere Python runs no signal handlers anyway)."""
     caught: list = []
     if threading.current_thread() is not threading.main_thread():
         yield caught
         return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in signums}
     try:
         yield caught
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _quiet(logger: str, level: int) -> Iterator[None]:
+    """Only records of ``level`` and up from this logger inside the block (a graph's teardown
+    logs each step at INFO)."""
+    log = logging.getLogger(logger)
+    before = log.level
+    log.setLevel(level)
+    try:
+        yield
+    finally:
+        log.setLevel(before)
 
 
 def _placeable_stages(per_worker: dict, tp: int) -> int:

@@ -170,14 +170,12 @@ class StageWorker:
         return tokens if self.tp.rank == 0 else None
 
     def drain_timings(self) -> list[tuple[int, float, float, float]]:
-        out, self.timings = self.timings, []
-        return out
+        return _drain(self.timings)
 
     def drain_op_times(self) -> list[tuple[int, dict[str, float]]]:
         """(mb_id, seconds per op: preproj, attn, postproj, ffn_ln1, ffn_ln2, lm_head) of every
         ``time_ops`` micro-batch since the last drain; the rest of its step is its ``others``."""
-        out, self.op_times = self.op_times, []
-        return out
+        return _drain(self.op_times)
 
     def _hook_ops(self, on: bool) -> None:
         if on:
@@ -190,3 +188,13 @@ class StageWorker:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _drain(records: list) -> list:
+    """Take what is in ``records`` so far. Under Ray the steps append from the compiled graph's
+    thread while the drain runs on another: the slice and the delete are each atomic, and an
+    append between them lands after the n taken, so nothing is lost or taken twice."""
+    n = len(records)
+    out = records[:n]
+    del records[:n]
+    return out
