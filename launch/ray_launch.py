@@ -6,16 +6,19 @@ land on different nodes when the cluster has them. Activations never go through 
 actors form one torch.distributed world (NCCL on CUDA, gloo on CPU) whose rendezvous the
 driver places on rank 0's node; Ray carries only the compact plans and the sampled tokens.
 
-When every worker shares the driver's node, the per-micro-batch path is a Ray compiled graph
-(plan -> every worker's ``execute`` -> tokens), built at the first micro-batch: a plan is written
-once into shared-memory channels that the workers' execution loops read, instead of one
-actor-task RPC per worker. On this 2-core box an ``execute.remote`` costs the driver ~0.6 ms to
-submit, and as much again to dispatch and to return, per worker; a compiled graph's round trip
-is ~0.1-0.2 ms (docs/BENCHMARKS.md, target 5). Across nodes Ray 2.60 gives a compiled graph's
-remote readers a single-buffered channel (ray-project/ray#49044), and a pipeline that keeps
-more than one micro-batch in flight then deadlocks (the driver's next write waits for the last
-stage to take the plan before, which waits for the driver to read its tokens): reproduced with
-three trivial actors on three nodes. There the workers get ordinary actor calls, as before.
+When every worker shares the driver's node and the node has cores to spare, the per-micro-batch
+path is a Ray compiled graph (plan -> every worker's ``execute`` -> tokens), built at the first
+micro-batch: a plan is written once into shared-memory channels that the workers' execution
+loops read, instead of one actor-task RPC per worker. Measured at pp = 2 on the 2-core box
+(docs/BENCHMARKS.md, target 5): the driver's time per micro-batch 1.5-1.6 -> 0.5 ms and the
+control plane 6.9-7.5% -> 4.2-4.5% of a step, but throughput 7% *lower*, because a reader
+of Ray 2.60's channels spins while it waits (the driver's reader thread took ~90% of a core),
+and there the stages need both cores. So the graph is used only where the waiting costs no
+stage a core (GPU workers, big CPU nodes). Across nodes Ray gives remote readers a
+single-buffered channel (ray-project/ray#49044) and a pipeline with more than one micro-batch
+in flight deadlocks (the driver's next write waits for the last stage to take the plan before,
+which waits for the driver to read its tokens; reproduced with three trivial actors on three
+nodes): there, as on a busy node, the workers get ordinary actor calls.
 
     executor = RayExecutor(engine_config, model_source)   # embedded Ray, or RAY_ADDRESS
 """
@@ -160,7 +163,7 @@ class RayExecutor:
             raise
         self._dag = None  # the compiled graph, built at the first micro-batch, and its reader
         self._reader: _ResultReader | None = None
-        self._use_graph = self._one_node()
+        self._use_graph = self._graph_pays()
         self._in_flight: list = []
 
     # ---- placement ---------------------------------------------------------------------------
@@ -225,8 +228,8 @@ class RayExecutor:
                 raise WorkerError(f"a worker failed during a micro-batch: {str(e).splitlines()[0]}") from None
 
     def _graph(self) -> object | None:
-        """plan -> every worker's execute -> their results, compiled once when every worker runs on
-        the driver's node (None otherwise: see the module docstring). Up to pp micro-batches are
+        """plan -> every worker's execute -> their results, compiled once where it pays (None
+        otherwise: see the module docstring and _graph_pays). Up to pp micro-batches are
         in flight (the engine's depth); one more slot lets the driver hand in the next plan while
         it reads the oldest one's tokens."""
         if self._dag is None and self._use_graph:
@@ -238,9 +241,13 @@ class RayExecutor:
             self._reader = _ResultReader()
         return self._dag
 
-    def _one_node(self) -> bool:
+    def _graph_pays(self) -> bool:
+        """Every worker on the driver's node (a cross-node graph deadlocks), and a core for each
+        worker thread plus two (the driver and its reader thread spin while they wait)."""
         here = ray.get_runtime_context().get_node_id()
-        return all(info["node"] == here for info in self.infos)
+        if any(info["node"] != here for info in self.infos):
+            return False
+        return len(os.sched_getaffinity(0)) >= self.topo.world_size * (self.cfg.device.threads or 1) + 2
 
     def drain_timings(self) -> list[list]:
         return self._get([a.drain_timings.remote() for a in self.actors], "timings")

@@ -1,10 +1,11 @@
 """The per-micro-batch path through a Ray compiled graph (embedded Ray: every worker on the
-driver's node): same tokens as the local launcher over several runs, and the reader thread
+driver's node), used where its spinning readers cost no stage a core: same tokens as the local launcher over several runs, and the reader thread
 keeps an execution's results together while the driver's wait times out."""
 from __future__ import annotations
 
 import queue
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -16,10 +17,25 @@ from pp_runtime import LLM, SamplingParams  # noqa: E402
 PROMPTS = [list(range(3, 3 + n)) for n in (30, 12, 50, 7)]
 
 
-def test_compiled_graph_matches_local_over_runs() -> None:
+def test_graph_only_where_waiting_costs_no_stage_a_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))  # 2 workers + 2: pays
+    with LLM(model="llama-tiny", pp=2, launcher="ray", memory_budget_gb=0.05) as llm:
+        assert llm.executor._use_graph
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(3)))
+        assert not llm.executor._graph_pays()
+        cfg = llm.executor.cfg  # threads=0 counts 1 per worker; 2 threads each need 2 × 2 + 2 cores
+        llm.executor.cfg = replace(cfg, device=replace(cfg.device, threads=2))
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(5)))
+        assert not llm.executor._graph_pays()
+
+
+def test_compiled_graph_matches_local_over_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from launch.ray_launch import RayExecutor
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     with LLM(model="llama-tiny", memory_budget_gb=0.05, chunk_size=8) as one:
         expected = [o.token_ids for o in one.generate(PROMPTS, params)]
+    monkeypatch.setattr(RayExecutor, "_graph_pays", lambda self: True)  # this box may lack the cores
     with LLM(model="llama-tiny", pp=2, launcher="ray", memory_budget_gb=0.05, chunk_size=8) as llm:
         outs = llm.generate(PROMPTS, params)
         assert llm.executor._dag is not None, "one node: the compiled graph should carry the plans"
