@@ -142,6 +142,8 @@ class RayExecutor:
         self.actors: list = []
         self.pg = None
         self.failed = False  # a worker died or hung: skip the graceful part of shutdown
+        self._dag = None  # the compiled graph, built at the first micro-batch, and its reader
+        self._reader: _ResultReader | None = None
         try:
             self.pg = self._place()
             threads = cfg.device.threads or 1
@@ -161,10 +163,8 @@ class RayExecutor:
         except BaseException:
             self.shutdown()
             raise
-        self._dag = None  # the compiled graph, built at the first micro-batch, and its reader
-        self._reader: _ResultReader | None = None
         self._use_graph = self._graph_pays()
-        self._in_flight: list = []
+        self._in_flight: list[list] = []  # actor calls' refs per micro-batch (the graph's reader keeps its own)
 
     # ---- placement ---------------------------------------------------------------------------
     def _place(self) -> object:
@@ -206,11 +206,12 @@ class RayExecutor:
             refs = graph.execute(wire)
         _redeliver(caught)
         self._reader.put(refs)
-        self._in_flight.append(refs)  # read by the reader thread; kept here to count and order
 
     def collect(self) -> list[int]:
-        refs = self._in_flight.pop(0)
-        results = self._get_graph_results() if self._dag is not None else self._get(refs, "micro-batch")
+        if self._dag is not None:
+            results = self._get_graph_results()
+        else:
+            results = self._get(self._in_flight.pop(0), "micro-batch")
         return results[self.topo.rank(self.topo.pp - 1, 0)]
 
     def _get_graph_results(self) -> list:
@@ -223,9 +224,7 @@ class RayExecutor:
             except queue.Empty:
                 self._check_alive("micro-batch", self.timeout_s)
             except (ray.exceptions.RayChannelError, ray.exceptions.RayActorError) as e:
-                self.failed = True
-                self._check_alive("micro-batch", self.timeout_s)
-                raise WorkerError(f"a worker failed during a micro-batch: {str(e).splitlines()[0]}") from None
+                raise self._died("a worker", "micro-batch", self.timeout_s, e) from None
 
     def _graph(self) -> object | None:
         """plan -> every worker's execute -> their results, compiled once where it pays (None
@@ -276,12 +275,12 @@ class RayExecutor:
             if not graceful or self.failed:
                 for a in self.actors:
                     ray.kill(a)
-            if self._dag_built():
+            if self._dag is not None:
                 self._dag.teardown()
                 self._reader.close()  # its read, if any, ended with the channels
                 # Nothing may hold the graph past ray.shutdown: results never collected (an
                 # interrupted run) keep it alive through their references.
-                self._in_flight, self._dag = [], None
+                self._dag = None
                 gc.collect()
         if self.actors:
             try:
@@ -300,9 +299,6 @@ class RayExecutor:
             self._owns_ray = False
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _dag_built(self) -> bool:
-        return getattr(self, "_dag", None) is not None  # shutdown may run before __init__ got that far
-
     def _get(self, refs: list, what: str, timeout: float | None = None) -> list:
         """ray.get that names the worker when one died or stopped answering.
 
@@ -319,12 +315,15 @@ class RayExecutor:
                 except ray.exceptions.GetTimeoutError:
                     self._check_alive(what, timeout)
                 except (ray.exceptions.RayActorError, ray.exceptions.RayChannelError) as e:
-                    # A compiled graph's channels break when any of its workers dies: the pings
-                    # name the one that did.
-                    self.failed = True
-                    self._check_alive(what, timeout)
-                    raise WorkerError(f"{self._name(rank)} died during {what}: {str(e).splitlines()[0]}") from None
+                    raise self._died(self._name(rank), what, timeout, e) from None
         return out
+
+    def _died(self, who: str, what: str, timeout: float, e: Exception) -> WorkerError:
+        """The error for a worker that died. A compiled graph's channels break when any of its
+        workers dies, so the pings name the one that did (raising) before ``who`` is blamed."""
+        self.failed = True
+        self._check_alive(what, timeout)
+        return WorkerError(f"{who} died during {what}: {str(e).splitlines()[0]}")
 
     def _check_alive(self, what: str, timeout: float) -> None:
         pings = [a.ping.remote() for a in self.actors]

@@ -477,9 +477,9 @@ void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, 
 // against one quantized panel over the whole K, each weight row from codes to a 16-lane register
 // and straight into the FMAs: with 32 registers the M + M1 <= 12 accumulators, the weight row and
 // the block's scales all fit, so unlike the 8-lane path (REG_ROWS, SECOND) every few-row product
-// goes this way and the panel is dequantized once. One panel at a time: two panels' code streams read side by side
-// ran 1.5x slower for 1-2 rows (isolated, 30 layers' weights, 1 thread). Same weights, same k
-// order: bit-identical.
+// goes this way and the panel is dequantized once. One panel at a time: two panels' code streams
+// read side by side ran 1.5x slower for 1-2 rows (isolated, 30 layers' weights, 1 thread). Same
+// weights, same k order: bit-identical.
 #define PQ_ROW(i)                                                       \
   if constexpr (M > i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(a[k * M + i]), w, c##i);      \
   if constexpr (M1 > i) e##i = _mm512_fmadd_ps(_mm512_set1_ps(a1[k * M1 + i]), w, e##i);

@@ -1,6 +1,7 @@
 """The per-micro-batch path through a Ray compiled graph (embedded Ray: every worker on the
-driver's node), used where its spinning readers cost no stage a core: same tokens as the local launcher over several runs, and the reader thread
-keeps an execution's results together while the driver's wait times out."""
+driver's node), used where its spinning readers cost no stage a core: same tokens as the local
+launcher over several runs, and the reader thread keeps an execution's results together while
+the driver's wait times out."""
 from __future__ import annotations
 
 import queue
