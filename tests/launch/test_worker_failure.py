@@ -1,6 +1,6 @@
-"""A stage worker killed mid-run (Ray, pp=2): the run ends within the timeout bound with an
-error naming the worker, every request comes back (errors for the unfinished), and no worker
-process survives."""
+"""A stage worker killed mid-run (Ray, pp=2; plans by actor calls or by the compiled graph): the
+run ends within the timeout bound with an error naming the worker, every request comes back
+(errors for the unfinished), and no worker process survives."""
 from __future__ import annotations
 
 import os
@@ -25,10 +25,20 @@ def alive(pid: int) -> bool:
         return False
 
 
-def test_killed_stage_worker_is_reported_and_cleaned_up() -> None:
+@pytest.fixture(params=["actor calls", "compiled graph"], autouse=True)
+def per_step_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways plans reach the workers (launch/ray_launch.py): this box may lack the cores for
+    which the graph is chosen, so each test runs with the choice forced both ways."""
+    from launch.ray_launch import RayExecutor
+    monkeypatch.setattr(RayExecutor, "_graph_pays", lambda self: request.param == "compiled graph")
+    return request.param
+
+
+def test_killed_stage_worker_is_reported_and_cleaned_up(per_step_path: str) -> None:
     llm = LLM(model="llama-tiny", pp=2, launcher="ray", memory_budget_gb=0.05, chunk_size=4)
     try:
         pids = {(w["stage"], w["tp_rank"]): w["pid"] for w in llm.workers_info()}
+        assert llm.executor._use_graph == (per_step_path == "compiled graph")
         llm.executor.timeout_s = 20.0
         victim = pids[(1, 0)]
         prompts = [list(range(3, 3 + n)) for n in (30, 12, 50, 7)]
