@@ -6,27 +6,21 @@ land on different nodes when the cluster has them. Activations never go through 
 actors form one torch.distributed world (NCCL on CUDA, gloo on CPU) whose rendezvous the
 driver places on rank 0's node; Ray carries only the compact plans and the sampled tokens.
 
-When every worker shares the driver's node and the node has cores to spare, the per-micro-batch
-path is a Ray compiled graph (plan -> every worker's ``execute`` -> tokens), built at the first
-micro-batch: a plan is written once into shared-memory channels that the workers' execution
-loops read, instead of one actor-task RPC per worker. Measured at pp = 2 on the 2-core box
-(docs/BENCHMARKS.md, target 5): the driver's time per micro-batch 1.5-1.6 -> 0.5 ms and the
-control plane 6.9-7.5% -> 4.2-4.5% of a step, but throughput 7% *lower*, because a reader
-of Ray 2.60's channels spins while it waits (the driver's reader thread took ~90% of a core),
-and there the stages need both cores. So the graph is used only where the waiting costs no
-stage a core (GPU workers, big CPU nodes). Across nodes Ray gives remote readers a
-single-buffered channel (ray-project/ray#49044) and a pipeline with more than one micro-batch
-in flight deadlocks (the driver's next write waits for the last stage to take the plan before,
-which waits for the driver to read its tokens; reproduced with three trivial actors on three
-nodes): there, as on a busy node, the workers get ordinary actor calls.
+Per micro-batch, Ray is not on the path at all: plans and tokens go over a gloo control group
+of the workers and the driver. The driver sends each plan's pickled bytes to stage 0, every stage
+forwards them to the next before it computes, and the last stage sends the sampled tokens back;
+each worker runs a ``serve`` loop that blocks in gloo's receive (no spinning) until the next
+plan. Two actor-task RPCs per micro-batch cost the driver ~1.5 ms and the control plane 6.9-7.5%
+of a pp = 2 step on the 2-core box; a Ray compiled graph got that to 4.2-4.5% but its channel
+readers spin, costing 7% of throughput there, and deadlocks across nodes with more than one
+micro-batch in flight (ray-project/ray#49044). The control group is plain TCP, so it works the
+same within a node and across nodes (docs/BENCHMARKS.md, target 5).
 
     executor = RayExecutor(engine_config, model_source)   # embedded Ray, or RAY_ADDRESS
 """
 from __future__ import annotations
 
 import contextlib
-import gc
-import logging
 import os
 import queue
 import signal
@@ -40,12 +34,13 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pp_runtime.batch import MicroBatch
-from pp_runtime.comm import P2P, Topology, init_distributed
+from pp_runtime.comm import (P2P, TOKEN_TAG, ControlChannel, Topology, control_group, control_store,
+                             init_distributed)
 from pp_runtime.config import EngineConfig
 from pp_runtime.executor import WorkerError
 
 PLACEMENT_TIMEOUT_S = 60.0
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+POLL_S = 0.5  # how often a driver waiting for tokens checks that every serve loop still runs
 
 
 def _unnice() -> None:
@@ -60,20 +55,22 @@ def _unnice() -> None:
         pass
 
 
-@ray.remote(concurrency_groups={"control": 1})
+@ray.remote(concurrency_groups={"control": 1, "serve": 1})
 class StageActor:
-    """Hosts one StageWorker; Ray runs its calls one at a time, in submission order.
+    """Hosts one StageWorker. Set-up calls run one at a time, in submission order; ``serve``
+    then runs plans from the control group on a thread of its own ("serve").
 
     ``ping`` and ``now`` run in a separate "control" thread, so a worker busy with a long
     micro-batch still answers them: liveness is told apart from slowness."""
 
     def __init__(self, rank: int, topo: Topology, threads: int) -> None:
         import torch
-        self.rank, self.topo = rank, topo
+        self.rank, self.topo, self.threads = rank, topo, threads
         if threads:
             torch.set_num_threads(threads)
         _unnice()
         self.worker = None
+        self.control: ControlChannel | None = None
 
     def address(self) -> tuple[str, int, str, int]:
         """(ip, a free port on this node, node id, pid) — rank 0's becomes the rendezvous."""
@@ -108,8 +105,41 @@ class StageActor:
     def allocate_cache(self, num_blocks: int) -> int:
         return self.worker.allocate_cache(num_blocks)
 
-    def execute(self, wire: tuple) -> list[int] | None:
-        return self.worker.execute(wire)
+    def join_control(self, host: str, port: int, timeout_s: float) -> None:
+        """Join the driver's control group (it is the last rank, after every worker)."""
+        store = control_store(host, port, timeout_s)
+        self.control = ControlChannel(control_group(store, self.rank, self.topo.world_size + 1,
+                                                    ray.util.get_node_ip_address(), timeout_s))
+
+    @ray.method(concurrency_group="serve")
+    def serve(self) -> int:
+        """Run plans from the control group until the stop plan (None); returns how many ran.
+
+        A plan comes from the driver (stage 0) or from the same TP rank of the stage before, and
+        goes on to the stage after before this one computes, so the next stage has it when the
+        activations arrive. The last stage's TP rank 0 sends the sampled tokens to the driver."""
+        import torch
+        if self.threads:
+            torch.set_num_threads(self.threads)  # OpenMP's thread count is per calling thread
+        stage, tp_rank = self.topo.coords(self.rank)
+        driver = self.topo.world_size
+        src = driver if stage == 0 else self.topo.rank(stage - 1, tp_rank)
+        dst = self.topo.rank(stage + 1, tp_rank) if stage < self.topo.pp - 1 else None
+        replies = dst is None and tp_rank == 0
+        ran = 0
+        while True:
+            data = self.control.recv_raw(src, forever=True)
+            if dst is not None:
+                self.control.send_raw(data, dst)
+            wire = self.control.decode(data)
+            if wire is None:
+                break
+            tokens = self.worker.execute(wire)
+            if replies:
+                self.control.send(tokens, driver, TOKEN_TAG)
+            ran += 1
+        self.control.flush()
+        return ran
 
     def drain_timings(self) -> list:
         return self.worker.drain_timings()
@@ -129,6 +159,7 @@ class StageActor:
         import torch.distributed as dist
         if self.worker is not None:
             self.worker.link.flush()
+        self.control = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -142,8 +173,9 @@ class RayExecutor:
         self.actors: list = []
         self.pg = None
         self.failed = False  # a worker died or hung: skip the graceful part of shutdown
-        self._dag = None  # the compiled graph, built at the first micro-batch, and its reader
-        self._reader: _ResultReader | None = None
+        self.control: ControlChannel | None = None  # the driver's end of the control group
+        self._reader: _TokenReader | None = None
+        self._serving: list = []  # each worker's serve() call
         try:
             self.pg = self._place()
             threads = cfg.device.threads or 1
@@ -160,11 +192,23 @@ class RayExecutor:
                      for r in range(self.topo.world_size)]
             self.infos = self._get([a.setup.remote(specs[r], backend, init) for r, a in enumerate(self.actors)],
                                    "set-up", timeout=max(300.0, timeout_s))
+            self._connect()
         except BaseException:
             self.shutdown()
             raise
-        self._use_graph = self._graph_pays()
-        self._in_flight: list[list] = []  # actor calls' refs per micro-batch (the graph's reader keeps its own)
+
+    def _connect(self) -> None:
+        """Build the control group (workers, then the driver as the last rank; the driver serves
+        its store) and start every worker's serve loop."""
+        ip = ray.util.get_node_ip_address()
+        store = control_store(ip, 0, self.timeout_s)
+        joins = [a.join_control.remote(ip, store.port, self.timeout_s) for a in self.actors]
+        # Construction waits for every worker to join (a worker that fails to join fails it at timeout_s).
+        self.control = ControlChannel(control_group(store, self.topo.world_size, self.topo.world_size + 1, ip,
+                                                    self.timeout_s))
+        self._get(joins, "control group set-up")
+        self._serving = [a.serve.remote() for a in self.actors]
+        self._reader = _TokenReader(self.control, self.topo.rank(self.topo.pp - 1, 0))
 
     # ---- placement ---------------------------------------------------------------------------
     def _place(self) -> object:
@@ -197,56 +241,47 @@ class RayExecutor:
         return sum(self._get([a.allocate_cache.remote(num_blocks) for a in self.actors], "cache allocation"))
 
     def submit(self, mb: MicroBatch) -> None:
-        wire = mb.to_wire()  # packed once, read by every worker
-        graph = self._graph()
-        if graph is None:
-            self._in_flight.append([a.execute.remote(wire) for a in self.actors])
-            return
-        with _deferred_signals(STOP_SIGNALS) as caught:  # see _ResultReader
-            refs = graph.execute(wire)
-        _redeliver(caught)
-        self._reader.put(refs)
+        data = self.control.encode(mb.to_wire())  # pickled once, sent to each of stage 0's TP ranks
+        for rank in self.topo.tp_ranks(0):
+            self.control.send_raw(data, rank)
+        self._reader.expect()
 
     def collect(self) -> list[int]:
-        if self._dag is not None:
-            results = self._get_graph_results()
-        else:
-            results = self._get(self._in_flight.pop(0), "micro-batch")
-        return results[self.topo.rank(self.topo.pp - 1, 0)]
-
-    def _get_graph_results(self) -> list:
-        """The oldest execution's results from the reader thread. Every ``timeout_s`` without
-        them every worker is pinged (a dead or hung one raises WorkerError naming it); a broken
-        channel means a worker died, and the pings say which."""
+        """The oldest micro-batch's tokens. While they are not there, the serve loops are checked
+        every POLL_S (one that ended raised: its error is reported) and every worker is pinged
+        every ``timeout_s`` (a dead or hung one raises WorkerError naming it)."""
+        waited = 0.0
         while True:
             try:
-                return self._reader.get(self.timeout_s)
+                return self._reader.get(POLL_S)
             except queue.Empty:
-                self._check_alive("micro-batch", self.timeout_s)
-            except (ray.exceptions.RayChannelError, ray.exceptions.RayActorError) as e:
-                raise self._died("a worker", "micro-batch", self.timeout_s, e) from None
+                self._check_serving("micro-batch")
+                waited += POLL_S
+                if waited >= self.timeout_s:
+                    self._check_alive("micro-batch", self.timeout_s)
+                    waited = 0.0
+            except RuntimeError as e:  # gloo: the last stage's connection broke
+                self._check_serving("micro-batch")
+                raise self._died(self._name(self.topo.rank(self.topo.pp - 1, 0)), "micro-batch",
+                                 self.timeout_s, e) from None
 
-    def _graph(self) -> object | None:
-        """plan -> every worker's execute -> their results, compiled once where it pays (None
-        otherwise: see the module docstring and _graph_pays). Up to pp micro-batches are
-        in flight (the engine's depth); one more slot lets the driver hand in the next plan while
-        it reads the oldest one's tokens."""
-        if self._dag is None and self._use_graph:
-            from ray.dag import InputNode, MultiOutputNode
-            with InputNode() as plan:
-                outputs = MultiOutputNode([a.execute.bind(plan) for a in self.actors])
-            self._dag = outputs.experimental_compile(_max_inflight_executions=self.topo.pp + 1,
-                                                     _submit_timeout=self.timeout_s)
-            self._reader = _ResultReader()
-        return self._dag
-
-    def _graph_pays(self) -> bool:
-        """Every worker on the driver's node (a cross-node graph deadlocks), and a core for each
-        worker thread plus two (the driver and its reader thread spin while they wait)."""
-        here = ray.get_runtime_context().get_node_id()
-        if any(info["node"] != here for info in self.infos):
-            return False
-        return len(os.sched_getaffinity(0)) >= self.topo.world_size * (self.cfg.device.threads or 1) + 2
+    def _check_serving(self, what: str) -> None:
+        """Raise WorkerError for a serve loop that has ended (only the stop plan may end one)."""
+        done, _ = ray.wait(self._serving, num_returns=len(self._serving), timeout=0)
+        for rank, ref in enumerate(self._serving):
+            if ref not in done:
+                continue
+            try:
+                ray.get(ref, timeout=0)
+                error = "stopped serving plans"
+            except ray.exceptions.RayActorError as e:
+                raise self._died(self._name(rank), what, self.timeout_s, e) from None
+            except Exception as e:  # its step raised, or its link broke because another worker died
+                self.failed = True
+                self._check_alive(what, self.timeout_s)  # a dead worker is the cause: name it
+                error = f"failed: {_first_line(e)}"
+            self.failed = True
+            raise WorkerError(f"{self._name(rank)} {error} during {what}")
 
     def drain_timings(self) -> list[list]:
         return self._get([a.drain_timings.remote() for a in self.actors], "timings")
@@ -265,23 +300,23 @@ class RayExecutor:
                 for a in self.actors]
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Tear down the compiled graph and process groups (graceful), then kill every actor and
-        free the placement. A failed or interrupted run kills the actors first: a graph's teardown
-        waits for every execution loop, and a hung or mid-plan worker would never end its own."""
-        # After a kill, Ray logs each dead execution loop's ActorDiedError as a traceback (from our
-        # teardown, or from its own monitor thread's, which ours waits for): expected here, and
-        # the run's own error already names what failed.
-        with _quiet("ray.dag.compiled_dag_node", logging.WARNING if graceful and not self.failed else logging.CRITICAL):
+        """Stop the serve loops and the process groups (graceful), then kill every actor and free
+        the placement. A failed or interrupted run kills the actors first: a hung or mid-plan
+        worker would never end its serve loop, and the kill breaks the driver's pending receive."""
+        if self.control is not None:
+            if graceful and not self.failed:
+                try:
+                    for rank in self.topo.tp_ranks(0):
+                        self.control.send(None, rank)  # the stop plan, forwarded stage to stage
+                    self.control.flush()
+                    ray.get(self._serving, timeout=10)
+                except Exception:  # a worker that cannot stop its loop is killed below
+                    self.failed = True
             if not graceful or self.failed:
                 for a in self.actors:
                     ray.kill(a)
-            if self._dag is not None:
-                self._dag.teardown()
-                self._reader.close()  # its read, if any, ended with the channels
-                # Nothing may hold the graph past ray.shutdown: results never collected (an
-                # interrupted run) keep it alive through their references.
-                self._dag = None
-                gc.collect()
+            self._reader.close()
+            self.control = None  # after the kills: nothing waits on the group when it goes
         if self.actors:
             try:
                 if graceful and not self.failed:
@@ -319,8 +354,8 @@ class RayExecutor:
         return out
 
     def _died(self, who: str, what: str, timeout: float, e: Exception) -> WorkerError:
-        """The error for a worker that died. A compiled graph's channels break when any of its
-        workers dies, so the pings name the one that did (raising) before ``who`` is blamed."""
+        """The error for a worker that died. Its peers' connections break when any worker dies,
+        so the pings name the one that did (raising) before ``who`` is blamed."""
         self.failed = True
         self._check_alive(what, timeout)
         return WorkerError(f"{who} died during {what}: {str(e).splitlines()[0]}")
@@ -347,47 +382,46 @@ class RayExecutor:
         return f"worker stage {stage} tp_rank {tp_rank}{node}"
 
 
-class _ResultReader:
-    """Reads a compiled graph's results, oldest execution first, on a thread of its own.
+class _TokenReader:
+    """Receives the last stage's tokens, one message per submitted micro-batch, on a thread of
+    its own: gloo's wait cannot be interrupted, so the driver waits on a queue instead, where
+    timeouts (liveness checks) and Ctrl-C are harmless. A broken connection ends the receive."""
 
-    A read must never be cut short: Ray reads an execution's outputs channel by channel, and a
-    read that times out or is interrupted after the first has lost those already read (the next
-    read pairs one worker's result with another's from the micro-batch before: seen as "expected
-    3 tokens, got 4"), and a KeyboardInterrupt raised inside Ray's read left the process to die
-    with SIGSEGV at exit. So this thread reads without a timeout and the driver waits on a queue,
-    where timeouts (worker pings) and signals are harmless. Teardown closes the channels, which
-    ends a read in progress."""
-
-    def __init__(self) -> None:
-        self._refs: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, control: ControlChannel, src: int) -> None:
+        self.control, self.src = control, src
+        self._asks: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="pp-runtime-graph-reader", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="pp-runtime-token-reader", daemon=True)
+        self._thread.start()
 
-    def put(self, refs: list) -> None:
-        self._refs.put(refs)
+    def expect(self) -> None:
+        self._asks.put(True)
 
-    def get(self, timeout: float) -> list:
-        """The next execution's results; queue.Empty after ``timeout`` s, or the read's error."""
+    def get(self, timeout: float) -> list[int]:
+        """The next micro-batch's tokens; queue.Empty after ``timeout`` s, or the receive's error."""
         ok, value = self._results.get(timeout=timeout)
         if not ok:
             raise value
         return value
 
     def close(self) -> None:
-        self._refs.put(None)
+        self._asks.put(False)
+        self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        while (refs := self._refs.get()) is not None:
+        while self._asks.get():
             try:
-                self._results.put((True, ray.get(refs, timeout=-1)))  # -1: no timeout (None: Ray's 10 s)
-            except Exception as e:  # a broken channel: every later read fails the same way
+                self._results.put((True, self.control.recv(self.src, TOKEN_TAG, forever=True)))
+            except RuntimeError as e:  # gloo: a peer's connection closed; every later receive fails too
                 self._results.put((False, e))
+                return
 
 
-def _redeliver(caught: list) -> None:
-    """Run the handler of a signal held by _deferred_signals, now that it is safe to."""
-    if caught:
-        signal.raise_signal(caught[0])
+def _first_line(e: BaseException) -> str:
+    """'ValueError: what went wrong' for an error raised in a worker (Ray wraps it)."""
+    cause = getattr(e, "cause", None) or e
+    text = str(cause).strip()
+    return f"{type(cause).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _ensure_ray(world_size: int) -> bool:
@@ -425,19 +459,6 @@ def _deferred_signals(signums: tuple[int, ...] = (signal.SIGINT,)) -> Iterator[l
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-
-
-@contextlib.contextmanager
-def _quiet(logger: str, level: int) -> Iterator[None]:
-    """Only records of ``level`` and up from this logger inside the block (a graph's teardown
-    logs each step at INFO)."""
-    log = logging.getLogger(logger)
-    before = log.level
-    log.setLevel(level)
-    try:
-        yield
-    finally:
-        log.setLevel(before)
 
 
 def _placeable_stages(per_worker: dict, tp: int) -> int:

@@ -13,7 +13,6 @@ move over the default group (NCCL on CUDA, gloo on CPU) exactly as under Ray.
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 import time
 from typing import Callable
@@ -23,35 +22,8 @@ import torch
 import torch.distributed as dist
 
 from pp_runtime.batch import MicroBatch
-from pp_runtime.comm import P2P, Topology, init_distributed
+from pp_runtime.comm import P2P, ControlChannel, Topology, init_distributed
 from pp_runtime.config import EngineConfig
-
-
-class ControlChannel:
-    """Plans out from rank 0 and tokens back, as length-prefixed byte tensors on a gloo group."""
-
-    def __init__(self, group: object) -> None:
-        self.group = group
-        self._pending: deque = deque()
-
-    def send(self, obj: object, dst: int) -> None:
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.long)
-        while self._pending and self._pending[0][0].is_completed():
-            self._pending.popleft()
-        for t in (size, data):  # keep tensors alive until the send completes
-            self._pending.append((dist.isend(t, dst=dst, group=self.group), t))
-
-    def recv(self, src: int) -> object:
-        size = torch.empty(1, dtype=torch.long)
-        dist.recv(size, src=src, group=self.group)
-        data = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.recv(data, src=src, group=self.group)
-        return pickle.loads(data.numpy().tobytes())
-
-    def flush(self) -> None:
-        while self._pending:
-            self._pending.popleft()[0].wait()
 
 
 def _build_worker(cfg: EngineConfig, source: object, topo: Topology) -> tuple[object, ControlChannel]:
@@ -169,7 +141,7 @@ def worker_loop(cfg: EngineConfig, source: object) -> None:
     worker.allocate_cache(sizes[0])
     dist.all_gather_object([None] * topo.world_size, worker.info(), group=control.group)
     while True:
-        kind, wire = control.recv(0)
+        kind, wire = control.recv(0, forever=True)  # between runs the driver may idle
         if kind == "stop":
             break
         if kind in ("timings", "ops", "clock"):  # answered in order, after every plan sent before it

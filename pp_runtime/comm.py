@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,79 @@ class P2P:
             self._pending.popleft()
         t = tensor.contiguous()
         self._pending.append((dist.isend(t, dst=self.next_rank), t))
+
+    def flush(self) -> None:
+        while self._pending:
+            self._pending.popleft()[0].wait()
+
+
+# A plan's header is awaited with no deadline: an idle deployment waits for its next run for as
+# long as it lives (gloo's default would end a wait after the group's timeout).
+FOREVER = datetime.timedelta(days=3650)
+PLAN_TAG, TOKEN_TAG = 0, 1
+
+
+def control_store(host: str, port: int, timeout_s: float) -> object:
+    """The TCPStore of a control group: port 0 serves one here (on a free port, its ``.port``),
+    any other port joins the one served at host:port."""
+    return dist.TCPStore(host, port, None, port == 0, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def control_group(store: object, rank: int, size: int, bind_ip: str, timeout_s: float) -> object:
+    """A gloo group of its own for plans and tokens; construction returns once all ``size``
+    ranks have joined.
+
+    Its own group, not the activations' world: the driver is a member (the last rank) but has no
+    GPU and no layers, and on CUDA the activations' world is NCCL, which moves only CUDA tensors.
+    ``bind_ip`` is this process's address as its peers reach it (its Ray node's IP)."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_ip)]
+    return dist.ProcessGroupGloo(dist.PrefixStore("pp-runtime-control", store), rank, size, opts)
+
+
+class ControlChannel:
+    """Pickled objects as length-prefixed byte tensors over a gloo group's point-to-point ops.
+
+    ``group`` is anything with ProcessGroup's ``send([t], dst, tag)`` / ``recv([t], src, tag)``
+    (ranks are the group's own). Sends are asynchronous, so the sender never waits for its
+    receiver; the tensors stay referenced until their sends complete."""
+
+    def __init__(self, group: object) -> None:
+        self.group = group
+        self._pending: collections.deque = collections.deque()
+
+    @staticmethod
+    def encode(obj: object) -> torch.Tensor:
+        return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+    @staticmethod
+    def decode(data: torch.Tensor) -> object:
+        return pickle.loads(data.numpy().tobytes())
+
+    def send(self, obj: object, dst: int, tag: int = PLAN_TAG) -> None:
+        self.send_raw(self.encode(obj), dst, tag)
+
+    def send_raw(self, data: torch.Tensor, dst: int, tag: int = PLAN_TAG) -> None:
+        """Send already-encoded bytes (a stage forwards a plan as it came, without re-pickling)."""
+        size = torch.tensor([data.numel()], dtype=torch.long)
+        while self._pending and self._pending[0][0].is_completed():
+            self._pending.popleft()
+        for t in (size, data):
+            self._pending.append((self.group.send([t], dst, tag), t))
+
+    def recv(self, src: int, tag: int = PLAN_TAG, forever: bool = False) -> object:
+        return self.decode(self.recv_raw(src, tag, forever))
+
+    def recv_raw(self, src: int, tag: int = PLAN_TAG, forever: bool = False) -> torch.Tensor:
+        """The next message from ``src``; ``forever``: no deadline for it to start (the body
+        follows its header at once, so only the header may wait long)."""
+        size = torch.empty(1, dtype=torch.long)
+        work = self.group.recv([size], src, tag)
+        work.wait(FOREVER) if forever else work.wait()
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self.group.recv([data], src, tag).wait()
+        return data
 
     def flush(self) -> None:
         while self._pending:

@@ -191,7 +191,7 @@ class StageWorker:
 
 
 def _drain(records: list) -> list:
-    """Take what is in ``records`` so far. Under Ray the steps append from the compiled graph's
+    """Take what is in ``records`` so far. Under Ray the steps append from the serve loop's
     thread while the drain runs on another: the slice and the delete are each atomic, and an
     append between them lands after the n taken, so nothing is lost or taken twice."""
     n = len(records)

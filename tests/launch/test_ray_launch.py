@@ -75,9 +75,7 @@ def test_embedded_model_pipeline(cluster: object, pp: int) -> None:
         got = [o.token_ids for o in llm.generate(prompts, params)]
         layers = [w["layers"] for w in llm.workers_info()]
         nodes = {w["node"] for w in llm.workers_info()}
-        # stages on several nodes: ordinary actor calls (a compiled graph's cross-node channels
-        # would deadlock with pp micro-batches in flight; launch/ray_launch.py)
-        assert len(nodes) > 1 and llm.executor._dag is None
+        assert len(nodes) > 1  # stages on several nodes: plans and tokens cross nodes on the control group
     assert got == expected
     assert layers[0][0] == 0 and layers[-1][1] == 30 and len(layers) == pp
 

@@ -1,4 +1,4 @@
-"""A stage worker killed mid-run (Ray, pp=2; plans by actor calls or by the compiled graph): the
+"""A stage worker killed, hung or failing mid-run (Ray, pp=2, plans on the control group): the
 run ends within the timeout bound with an error naming the worker, every request comes back
 (errors for the unfinished), and no worker process survives."""
 from __future__ import annotations
@@ -25,20 +25,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture(params=["actor calls", "compiled graph"], autouse=True)
-def per_step_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both ways plans reach the workers (launch/ray_launch.py): this box may lack the cores for
-    which the graph is chosen, so each test runs with the choice forced both ways."""
-    from launch.ray_launch import RayExecutor
-    monkeypatch.setattr(RayExecutor, "_graph_pays", lambda self: request.param == "compiled graph")
-    return request.param
-
-
-def test_killed_stage_worker_is_reported_and_cleaned_up(per_step_path: str) -> None:
+def test_killed_stage_worker_is_reported_and_cleaned_up() -> None:
     llm = LLM(model="llama-tiny", pp=2, launcher="ray", memory_budget_gb=0.05, chunk_size=4)
     try:
         pids = {(w["stage"], w["tp_rank"]): w["pid"] for w in llm.workers_info()}
-        assert llm.executor._use_graph == (per_step_path == "compiled graph")
         llm.executor.timeout_s = 20.0
         victim = pids[(1, 0)]
         prompts = [list(range(3, 3 + n)) for n in (30, 12, 50, 7)]
@@ -80,3 +70,37 @@ def test_hung_stage_worker_times_out_with_its_name() -> None:
     while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in pids.values() if alive(p)], "worker processes survived"
+
+
+def test_failing_step_is_reported_with_its_cause_and_worker() -> None:
+    """A plan that a worker cannot run ends its serve loop: the driver reports that worker and
+    the cause within a poll, not at the ping timeout, and shutdown does not wait on the loops."""
+    llm = LLM(model="llama-tiny", pp=2, launcher="ray", memory_budget_gb=0.05, chunk_size=4)
+    try:
+        pids = [w["pid"] for w in llm.workers_info()]
+        executor = llm.executor
+        executor.control.send(("not", "a", "plan"), 0)  # stage 0 forwards it, then fails to unpack it
+        executor._reader.expect()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"stage 0 tp_rank 0 .*failed: ValueError") as err:
+            executor.collect()
+        assert time.monotonic() - started < executor.timeout_s / 2, "found by the ping timeout, not the poll"
+        assert executor.failed, err.value
+    finally:
+        llm.shutdown()
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if alive(p)], "worker processes survived"
+
+
+def test_idle_deployment_outlives_the_control_groups_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between runs the serve loops wait for a plan with no deadline: a deployment left idle for
+    longer than its groups' timeout still runs the next request."""
+    from launch.ray_launch import RayExecutor
+    monkeypatch.setattr(RayExecutor.__init__, "__defaults__", (2.0,))  # timeout_s
+    with LLM(model="llama-tiny", pp=2, launcher="ray", memory_budget_gb=0.05) as llm:
+        first = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids
+        time.sleep(3.0)
+        again = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids
+    assert again == first and len(first) == 3
