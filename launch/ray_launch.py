@@ -133,6 +133,8 @@ class StageActor:
                 self.control.send_raw(data, dst)
             wire = self.control.decode(data)
             if wire is None:
+                if replies:
+                    self.control.send(None, driver, TOKEN_TAG)  # ends the driver's token reader
                 break
             tokens = self.worker.execute(wire)
             if replies:
@@ -244,7 +246,6 @@ class RayExecutor:
         data = self.control.encode(mb.to_wire())  # pickled once, sent to each of stage 0's TP ranks
         for rank in self.topo.tp_ranks(0):
             self.control.send_raw(data, rank)
-        self._reader.expect()
 
     def collect(self) -> list[int]:
         """The oldest micro-batch's tokens. While they are not there, the serve loops are checked
@@ -383,19 +384,16 @@ class RayExecutor:
 
 
 class _TokenReader:
-    """Receives the last stage's tokens, one message per submitted micro-batch, on a thread of
-    its own: gloo's wait cannot be interrupted, so the driver waits on a queue instead, where
-    timeouts (liveness checks) and Ctrl-C are harmless. A broken connection ends the receive."""
+    """Receives the last stage's tokens, one message per micro-batch, on a thread of its own:
+    gloo's wait cannot be interrupted, so the driver waits on a queue instead, where timeouts
+    (liveness checks) and Ctrl-C are harmless. It ends at the stop plan's goodbye (None) or when
+    a worker's connection breaks (after a kill)."""
 
     def __init__(self, control: ControlChannel, src: int) -> None:
-        self.control, self.src = control, src
-        self._asks: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="pp-runtime-token-reader", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(control, src), name="pp-runtime-token-reader",
+                                        daemon=True)
         self._thread.start()
-
-    def expect(self) -> None:
-        self._asks.put(True)
 
     def get(self, timeout: float) -> list[int]:
         """The next micro-batch's tokens; queue.Empty after ``timeout`` s, or the receive's error."""
@@ -405,16 +403,18 @@ class _TokenReader:
         return value
 
     def close(self) -> None:
-        self._asks.put(False)
         self._thread.join(timeout=10)
 
-    def _run(self) -> None:
-        while self._asks.get():
+    def _run(self, control: ControlChannel, src: int) -> None:
+        while True:
             try:
-                self._results.put((True, self.control.recv(self.src, TOKEN_TAG, forever=True)))
+                tokens = control.recv(src, TOKEN_TAG, forever=True)
             except RuntimeError as e:  # gloo: a peer's connection closed; every later receive fails too
                 self._results.put((False, e))
                 return
+            if tokens is None:
+                return
+            self._results.put((True, tokens))
 
 
 def _first_line(e: BaseException) -> str:

@@ -31,16 +31,16 @@ def test_killed_stage_worker_is_reported_and_cleaned_up() -> None:
         pids = {(w["stage"], w["tp_rank"]): w["pid"] for w in llm.workers_info()}
         llm.executor.timeout_s = 20.0
         victim = pids[(1, 0)]
-        prompts = [list(range(3, 3 + n)) for n in (30, 12, 50, 7)]
-        killer = threading.Timer(1.0, os.kill, (victim, signal.SIGKILL))
+        prompts = [list(range(3, 3 + n)) for n in (30, 12, 50, 7)] * 2
+        killer = threading.Timer(0.3, os.kill, (victim, signal.SIGKILL))  # the run takes seconds
         started = time.monotonic()
         killer.start()
         outs = llm.generate(prompts, SamplingParams(max_tokens=400, ignore_eos=True))
         elapsed = time.monotonic() - started
     finally:
         llm.shutdown()
-    assert elapsed < 1.0 + 20.0 + 10.0, f"took {elapsed:.1f} s"
-    assert len(outs) == 4 and llm.broken and "stage 1 tp_rank 0" in llm.broken
+    assert elapsed < 0.3 + 20.0 + 10.0, f"took {elapsed:.1f} s"
+    assert len(outs) == 8 and llm.broken and "stage 1 tp_rank 0" in llm.broken
     errors = [o for o in outs if o.finish_reason == "error"]
     assert errors and all("stage 1 tp_rank 0" in o.error for o in errors)
     deadline = time.monotonic() + 15
@@ -80,7 +80,6 @@ def test_failing_step_is_reported_with_its_cause_and_worker() -> None:
         pids = [w["pid"] for w in llm.workers_info()]
         executor = llm.executor
         executor.control.send(("not", "a", "plan"), 0)  # stage 0 forwards it, then fails to unpack it
-        executor._reader.expect()
         started = time.monotonic()
         with pytest.raises(RuntimeError, match=r"stage 0 tp_rank 0 .*failed: ValueError") as err:
             executor.collect()

@@ -1,0 +1,56 @@
+"""ControlChannel over a real gloo group (two ranks on loopback, one thread each): objects
+small and larger than a receive's capacity arrive whole and in order, a receive posted ahead
+keeps what was sent before it was asked for, and a ``forever`` wait outlives the group's timeout."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pp_runtime.comm import TOKEN_TAG, ControlChannel, control_group, control_store  # noqa: E402
+
+
+def pair(timeout_s: float = 10.0) -> tuple[ControlChannel, ControlChannel]:
+    """Two channels on one group (rank 0 serves the store); construction needs both ranks at once."""
+    store0 = control_store("127.0.0.1", 0, timeout_s)
+    store1 = control_store("127.0.0.1", store0.port, timeout_s)
+    groups: dict[int, object] = {}
+    t = threading.Thread(target=lambda: groups.__setitem__(1, control_group(store1, 1, 2, "127.0.0.1", timeout_s)))
+    t.start()
+    groups[0] = control_group(store0, 0, 2, "127.0.0.1", timeout_s)
+    t.join()
+    return ControlChannel(groups[0]), ControlChannel(groups[1])
+
+
+@pytest.mark.parametrize("size", [0, 100, ControlChannel.CAPACITY - 8, ControlChannel.CAPACITY - 7, 300_000])
+def test_objects_of_any_size_arrive_whole_and_in_order(size: int) -> None:
+    a, b = pair()
+    objs = [bytes(range(256)) * (size // 256) + b"x" * (size % 256), ("plan", 1), None, list(range(size // 8))]
+    for o in objs:
+        a.send(o, 1)
+    a.send([7, 8], 1, TOKEN_TAG)  # another tag: its own order
+    assert b.recv(0, TOKEN_TAG) == [7, 8]
+    assert [b.recv(0) for _ in objs] == objs
+    b.send("back", 0)
+    assert a.recv(1) == "back"
+    a.flush()
+
+
+def test_raw_bytes_forward_unchanged() -> None:
+    a, b = pair()
+    data = ControlChannel.encode({"k": list(range(20_000))})
+    a.send_raw(data, 1)
+    got = b.recv_raw(0)
+    assert torch.equal(got, data) and ControlChannel.decode(got)["k"][-1] == 19_999
+
+
+def test_forever_outlives_the_groups_timeout() -> None:
+    a, b = pair(timeout_s=1.0)
+    threading.Timer(1.5, a.send, ("late", 1)).start()
+    started = time.monotonic()
+    assert b.recv(0, forever=True) == "late" and time.monotonic() - started >= 1.4
+    with pytest.raises(RuntimeError):  # without forever, the group's timeout ends the wait
+        b.recv(0)
