@@ -6,15 +6,16 @@ land on different nodes when the cluster has them. Activations never go through 
 actors form one torch.distributed world (NCCL on CUDA, gloo on CPU) whose rendezvous the
 driver places on rank 0's node; Ray carries only the compact plans and the sampled tokens.
 
-Per micro-batch, Ray is not on the path at all: plans and tokens go over a gloo control group
-of the workers and the driver. The driver sends each plan's pickled bytes to stage 0, every stage
+Per micro-batch, Ray is not on the path at all: plans and tokens go over TCP connections
+(pp_runtime/control.py). The driver sends each plan's pickled bytes to stage 0, every stage
 forwards them to the next before it computes, and the last stage sends the sampled tokens back;
-each worker runs a ``serve`` loop that blocks in gloo's receive (no spinning) until the next
-plan. Two actor-task RPCs per micro-batch cost the driver ~1.5 ms and the control plane 6.9-7.5%
-of a pp = 2 step on the 2-core box; a Ray compiled graph got that to 4.2-4.5% but its channel
-readers spin, costing 7% of throughput there, and deadlocks across nodes with more than one
-micro-batch in flight (ray-project/ray#49044). The control group is plain TCP, so it works the
-same within a node and across nodes (docs/BENCHMARKS.md, target 5).
+each worker runs a ``serve`` loop blocked in a socket receive (no spinning) until the next plan.
+Measured at pp = 2 on the 2-core box (docs/BENCHMARKS.md, target 5): two actor-task RPCs per
+micro-batch cost the driver ~1.6 ms and the control plane 7.3% of a step; a Ray compiled graph
+got that to 4.2-4.5% but its channel readers spin (7% less throughput there) and it deadlocks
+across nodes with more than one micro-batch in flight (ray-project/ray#49044); a gloo group got
+4.8%, with three thread wake-ups per message received. Sockets work the same within a node and
+across nodes.
 
     executor = RayExecutor(engine_config, model_source)   # embedded Ray, or RAY_ADDRESS
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
+import pickle
 import signal
 import socket
 import threading
@@ -34,13 +35,15 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from pp_runtime.batch import MicroBatch
-from pp_runtime.comm import (P2P, TOKEN_TAG, ControlChannel, Topology, control_group, control_store,
-                             init_distributed)
+from pp_runtime.comm import P2P, Topology, init_distributed
+from pp_runtime.control import Connection, Listener
 from pp_runtime.config import EngineConfig
 from pp_runtime.executor import WorkerError
 
 PLACEMENT_TIMEOUT_S = 60.0
-POLL_S = 0.5  # how often a driver waiting for tokens checks that every serve loop still runs
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+POLL_S = 0.5
+BROKEN_WAIT_S = 2.0  # after a broken connection, how long the serve loops get to report why  # how often a driver waiting for tokens checks that every serve loop still runs
 
 
 def _unnice() -> None:
@@ -58,7 +61,7 @@ def _unnice() -> None:
 @ray.remote(concurrency_groups={"control": 1, "serve": 1})
 class StageActor:
     """Hosts one StageWorker. Set-up calls run one at a time, in submission order; ``serve``
-    then runs plans from the control group on a thread of its own ("serve").
+    then runs plans from its control connections on a thread of its own ("serve").
 
     ``ping`` and ``now`` run in a separate "control" thread, so a worker busy with a long
     micro-batch still answers them: liveness is told apart from slowness."""
@@ -70,7 +73,7 @@ class StageActor:
             torch.set_num_threads(threads)
         _unnice()
         self.worker = None
-        self.control: ControlChannel | None = None
+        self.listener: Listener | None = None
 
     def address(self) -> tuple[str, int, str, int]:
         """(ip, a free port on this node, node id, pid) — rank 0's becomes the rendezvous."""
@@ -105,43 +108,45 @@ class StageActor:
     def allocate_cache(self, num_blocks: int) -> int:
         return self.worker.allocate_cache(num_blocks)
 
-    def join_control(self, host: str, port: int, timeout_s: float) -> None:
-        """Join the driver's control group (it is the last rank, after every worker)."""
-        store = control_store(host, port, timeout_s)
-        self.control = ControlChannel(control_group(store, self.rank, self.topo.world_size + 1,
-                                                    ray.util.get_node_ip_address(), timeout_s))
+    def open_control(self) -> tuple[str, int]:
+        """Listen for this worker's control connections; their address (this node's IP)."""
+        self.listener = Listener(ray.util.get_node_ip_address())
+        return self.listener.address
 
     @ray.method(concurrency_group="serve")
-    def serve(self) -> int:
-        """Run plans from the control group until the stop plan (None); returns how many ran.
+    def serve(self, downstream: tuple[str, int] | None, replies: bool, timeout_s: float) -> int:
+        """Run plans as they arrive until the stop plan (None); returns how many ran.
 
-        A plan comes from the driver (stage 0) or from the same TP rank of the stage before, and
-        goes on to the stage after before this one computes, so the next stage has it when the
-        activations arrive. The last stage's TP rank 0 sends the sampled tokens to the driver."""
+        Plans come from the driver (stage 0) or from the same TP rank of the stage before, and go
+        on to ``downstream`` (the stage after) before this one computes, so the next stage has
+        its plan when the activations arrive. With ``replies`` (the last stage's TP rank 0) the
+        sampled tokens go back to the driver."""
+        import pickle
+
         import torch
         if self.threads:
             torch.set_num_threads(self.threads)  # OpenMP's thread count is per calling thread
-        stage, tp_rank = self.topo.coords(self.rank)
-        driver = self.topo.world_size
-        src = driver if stage == 0 else self.topo.rank(stage - 1, tp_rank)
-        dst = self.topo.rank(stage + 1, tp_rank) if stage < self.topo.pp - 1 else None
-        replies = dst is None and tp_rank == 0
+        down = Connection.connect(downstream, "plans", timeout_s) if downstream else None
+        conns = dict(reversed(self.listener.accept(timeout_s)) for _ in range(1 + replies))
+        self.listener.close()
+        up, out = conns["plans"], conns.get("tokens")
         ran = 0
-        while True:
-            data = self.control.recv_raw(src, forever=True)
-            if dst is not None:
-                self.control.send_raw(data, dst)
-            wire = self.control.decode(data)
-            if wire is None:
-                if replies:
-                    self.control.send(None, driver, TOKEN_TAG)  # ends the driver's token reader
-                break
-            tokens = self.worker.execute(wire)
-            if replies:
-                self.control.send(tokens, driver, TOKEN_TAG)
-            ran += 1
-        self.control.flush()
-        return ran
+        try:
+            while True:
+                data = up.recv_bytes()  # no deadline: an idle deployment waits for its next run
+                if down is not None:
+                    down.send_bytes(data)
+                wire = pickle.loads(data)
+                if wire is None:
+                    return ran
+                tokens = self.worker.execute(wire)
+                if out is not None:
+                    out.send(tokens)
+                ran += 1
+        finally:
+            for conn in (up, down, out):
+                if conn is not None:
+                    conn.close()
 
     def drain_timings(self) -> list:
         return self.worker.drain_timings()
@@ -161,7 +166,6 @@ class StageActor:
         import torch.distributed as dist
         if self.worker is not None:
             self.worker.link.flush()
-        self.control = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -175,8 +179,8 @@ class RayExecutor:
         self.actors: list = []
         self.pg = None
         self.failed = False  # a worker died or hung: skip the graceful part of shutdown
-        self.control: ControlChannel | None = None  # the driver's end of the control group
-        self._reader: _TokenReader | None = None
+        self._plans: list[Connection] = []  # to stage 0's TP ranks
+        self._tokens: Connection | None = None  # from the last stage's TP rank 0
         self._serving: list = []  # each worker's serve() call
         try:
             self.pg = self._place()
@@ -200,17 +204,16 @@ class RayExecutor:
             raise
 
     def _connect(self) -> None:
-        """Build the control group (workers, then the driver as the last rank; the driver serves
-        its store) and start every worker's serve loop."""
-        ip = ray.util.get_node_ip_address()
-        store = control_store(ip, 0, self.timeout_s)
-        joins = [a.join_control.remote(ip, store.port, self.timeout_s) for a in self.actors]
-        # Construction waits for every worker to join (a worker that fails to join fails it at timeout_s).
-        self.control = ControlChannel(control_group(store, self.topo.world_size, self.topo.world_size + 1, ip,
-                                                    self.timeout_s))
-        self._get(joins, "control group set-up")
-        self._serving = [a.serve.remote() for a in self.actors]
-        self._reader = _TokenReader(self.control, self.topo.rank(self.topo.pp - 1, 0))
+        """Start every worker's serve loop and connect the driver to its ends of the pipeline."""
+        addrs = self._get([a.open_control.remote() for a in self.actors], "control set-up")
+        last = self.topo.rank(self.topo.pp - 1, 0)
+        self._serving = []
+        for rank, actor in enumerate(self.actors):
+            stage, tp_rank = self.topo.coords(rank)
+            down = addrs[self.topo.rank(stage + 1, tp_rank)] if stage < self.topo.pp - 1 else None
+            self._serving.append(actor.serve.remote(down, rank == last, self.timeout_s))
+        self._plans = [Connection.connect(addrs[r], "plans", self.timeout_s) for r in self.topo.tp_ranks(0)]
+        self._tokens = Connection.connect(addrs[last], "tokens", self.timeout_s)
 
     # ---- placement ---------------------------------------------------------------------------
     def _place(self) -> object:
@@ -243,9 +246,18 @@ class RayExecutor:
         return sum(self._get([a.allocate_cache.remote(num_blocks) for a in self.actors], "cache allocation"))
 
     def submit(self, mb: MicroBatch) -> None:
-        data = self.control.encode(mb.to_wire())  # pickled once, sent to each of stage 0's TP ranks
-        for rank in self.topo.tp_ranks(0):
-            self.control.send_raw(data, rank)
+        data = pickle.dumps(mb.to_wire(), protocol=pickle.HIGHEST_PROTOCOL)  # once, for every stage-0 rank
+        # A Ctrl-C in the middle of a send would leave half a plan on the stream, and the worker
+        # waiting for the rest forever: signals wait until the plan is out.
+        with _deferred_signals(STOP_SIGNALS) as caught:
+            for rank, conn in zip(self.topo.tp_ranks(0), self._plans):
+                try:
+                    conn.send_bytes(data)
+                except OSError as e:  # its connection broke: it died, or its serve loop ended
+                    self._check_serving("plan delivery", BROKEN_WAIT_S)
+                    raise self._died(self._name(rank), "plan delivery", self.timeout_s, e) from None
+        if caught:
+            signal.raise_signal(caught[0])
 
     def collect(self) -> list[int]:
         """The oldest micro-batch's tokens. While they are not there, the serve loops are checked
@@ -254,35 +266,39 @@ class RayExecutor:
         waited = 0.0
         while True:
             try:
-                return self._reader.get(POLL_S)
-            except queue.Empty:
+                return self._tokens.recv(POLL_S)
+            except TimeoutError:
                 self._check_serving("micro-batch")
                 waited += POLL_S
                 if waited >= self.timeout_s:
                     self._check_alive("micro-batch", self.timeout_s)
                     waited = 0.0
-            except RuntimeError as e:  # gloo: the last stage's connection broke
-                self._check_serving("micro-batch")
+            except OSError as e:  # the last stage's connection broke
+                self._check_serving("micro-batch", BROKEN_WAIT_S)
                 raise self._died(self._name(self.topo.rank(self.topo.pp - 1, 0)), "micro-batch",
                                  self.timeout_s, e) from None
 
-    def _check_serving(self, what: str) -> None:
-        """Raise WorkerError for a serve loop that has ended (only the stop plan may end one)."""
-        done, _ = ray.wait(self._serving, num_returns=len(self._serving), timeout=0)
+    def _check_serving(self, what: str, wait_s: float = 0.0) -> None:
+        """Raise WorkerError when a serve loop has ended (only the stop plan may end one); with
+        ``wait_s``, first wait that long for all of them (a broken connection: its loops are
+        ending). A dead worker is named first; else the root cause: an error that is not a broken
+        connection, which one failing worker causes in its neighbours."""
+        done, _ = ray.wait(self._serving, num_returns=len(self._serving), timeout=wait_s)
+        if not done:
+            return
+        self.failed = True
+        self._check_alive(what, self.timeout_s)
+        ended = []
         for rank, ref in enumerate(self._serving):
-            if ref not in done:
-                continue
-            try:
-                ray.get(ref, timeout=0)
-                error = "stopped serving plans"
-            except ray.exceptions.RayActorError as e:
-                raise self._died(self._name(rank), what, self.timeout_s, e) from None
-            except Exception as e:  # its step raised, or its link broke because another worker died
-                self.failed = True
-                self._check_alive(what, self.timeout_s)  # a dead worker is the cause: name it
-                error = f"failed: {_first_line(e)}"
-            self.failed = True
-            raise WorkerError(f"{self._name(rank)} {error} during {what}")
+            if ref in done:
+                try:
+                    ray.get(ref, timeout=0)
+                    ended.append((rank, None))
+                except Exception as e:  # its step raised, or its connections broke
+                    ended.append((rank, e))
+        rank, e = min(ended, key=lambda r: isinstance(getattr(r[1], "cause", r[1]), OSError))
+        error = "stopped serving plans" if e is None else f"failed: {_first_line(e)}"
+        raise WorkerError(f"{self._name(rank)} {error} during {what}")
 
     def drain_timings(self) -> list[list]:
         return self._get([a.drain_timings.remote() for a in self.actors], "timings")
@@ -303,21 +319,21 @@ class RayExecutor:
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the serve loops and the process groups (graceful), then kill every actor and free
         the placement. A failed or interrupted run kills the actors first: a hung or mid-plan
-        worker would never end its serve loop, and the kill breaks the driver's pending receive."""
-        if self.control is not None:
+        worker would never end its serve loop."""
+        if self._plans:
             if graceful and not self.failed:
                 try:
-                    for rank in self.topo.tp_ranks(0):
-                        self.control.send(None, rank)  # the stop plan, forwarded stage to stage
-                    self.control.flush()
+                    for conn in self._plans:
+                        conn.send(None)  # the stop plan, forwarded stage to stage
                     ray.get(self._serving, timeout=10)
                 except Exception:  # a worker that cannot stop its loop is killed below
                     self.failed = True
             if not graceful or self.failed:
                 for a in self.actors:
                     ray.kill(a)
-            self._reader.close()
-            self.control = None  # after the kills: nothing waits on the group when it goes
+            for conn in self._plans + [self._tokens]:
+                conn.close()
+            self._plans, self._tokens = [], None
         if self.actors:
             try:
                 if graceful and not self.failed:
@@ -381,40 +397,6 @@ class RayExecutor:
         info = getattr(self, "infos", None)
         node = f" on node {info[rank]['node'][:12]}" if info else ""
         return f"worker stage {stage} tp_rank {tp_rank}{node}"
-
-
-class _TokenReader:
-    """Receives the last stage's tokens, one message per micro-batch, on a thread of its own:
-    gloo's wait cannot be interrupted, so the driver waits on a queue instead, where timeouts
-    (liveness checks) and Ctrl-C are harmless. It ends at the stop plan's goodbye (None) or when
-    a worker's connection breaks (after a kill)."""
-
-    def __init__(self, control: ControlChannel, src: int) -> None:
-        self._results: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, args=(control, src), name="pp-runtime-token-reader",
-                                        daemon=True)
-        self._thread.start()
-
-    def get(self, timeout: float) -> list[int]:
-        """The next micro-batch's tokens; queue.Empty after ``timeout`` s, or the receive's error."""
-        ok, value = self._results.get(timeout=timeout)
-        if not ok:
-            raise value
-        return value
-
-    def close(self) -> None:
-        self._thread.join(timeout=10)
-
-    def _run(self, control: ControlChannel, src: int) -> None:
-        while True:
-            try:
-                tokens = control.recv(src, TOKEN_TAG, forever=True)
-            except RuntimeError as e:  # gloo: a peer's connection closed; every later receive fails too
-                self._results.put((False, e))
-                return
-            if tokens is None:
-                return
-            self._results.put((True, tokens))
 
 
 def _first_line(e: BaseException) -> str:

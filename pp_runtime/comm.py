@@ -78,29 +78,10 @@ class P2P:
             self._pending.popleft()[0].wait()
 
 
-# A plan's header is awaited with no deadline: an idle deployment waits for its next run for as
-# long as it lives (gloo's default would end a wait after the group's timeout).
+# A plan is awaited with no deadline: an idle deployment waits for its next run for as long as
+# it lives (gloo's default would end a wait after the group's timeout).
 FOREVER = datetime.timedelta(days=3650)
 PLAN_TAG, TOKEN_TAG = 0, 1
-
-
-def control_store(host: str, port: int, timeout_s: float) -> object:
-    """The TCPStore of a control group: port 0 serves one here (on a free port, its ``.port``),
-    any other port joins the one served at host:port."""
-    return dist.TCPStore(host, port, None, port == 0, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-
-
-def control_group(store: object, rank: int, size: int, bind_ip: str, timeout_s: float) -> object:
-    """A gloo group of its own for plans and tokens; construction returns once all ``size``
-    ranks have joined.
-
-    Its own group, not the activations' world: the driver is a member (the last rank) but has no
-    GPU and no layers, and on CUDA the activations' world is NCCL, which moves only CUDA tensors.
-    ``bind_ip`` is this process's address as its peers reach it (its Ray node's IP)."""
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = datetime.timedelta(seconds=timeout_s)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_ip)]
-    return dist.ProcessGroupGloo(dist.PrefixStore("pp-runtime-control", store), rank, size, opts)
 
 
 class ControlChannel:

@@ -79,7 +79,7 @@ def test_failing_step_is_reported_with_its_cause_and_worker() -> None:
     try:
         pids = [w["pid"] for w in llm.workers_info()]
         executor = llm.executor
-        executor.control.send(("not", "a", "plan"), 0)  # stage 0 forwards it, then fails to unpack it
+        executor._plans[0].send(("not", "a", "plan"))  # stage 0 forwards it, then fails to unpack it
         started = time.monotonic()
         with pytest.raises(RuntimeError, match=r"stage 0 tp_rank 0 .*failed: ValueError") as err:
             executor.collect()

@@ -10,17 +10,29 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pp_runtime.comm import TOKEN_TAG, ControlChannel, control_group, control_store  # noqa: E402
+import datetime  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+
+from pp_runtime.comm import TOKEN_TAG, ControlChannel  # noqa: E402
+
+
+def group(store: object, rank: int, timeout_s: float) -> object:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(store, rank, 2, opts)
 
 
 def pair(timeout_s: float = 10.0) -> tuple[ControlChannel, ControlChannel]:
-    """Two channels on one group (rank 0 serves the store); construction needs both ranks at once."""
-    store0 = control_store("127.0.0.1", 0, timeout_s)
-    store1 = control_store("127.0.0.1", store0.port, timeout_s)
+    """Two channels on one two-rank group; construction needs both ranks at once (two threads)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store0 = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
+    store1 = dist.TCPStore("127.0.0.1", store0.port, None, False, timeout)
     groups: dict[int, object] = {}
-    t = threading.Thread(target=lambda: groups.__setitem__(1, control_group(store1, 1, 2, "127.0.0.1", timeout_s)))
+    t = threading.Thread(target=lambda: groups.__setitem__(1, group(store1, 1, timeout_s)))
     t.start()
-    groups[0] = control_group(store0, 0, 2, "127.0.0.1", timeout_s)
+    groups[0] = group(store0, 0, timeout_s)
     t.join()
     return ControlChannel(groups[0]), ControlChannel(groups[1])
 
