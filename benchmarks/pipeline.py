@@ -7,7 +7,7 @@ control-plane cost (driver work + plan delivery) as a fraction of step time at p
 TTFT: prompt of --prompt-len tokens, chunk --chunk, one output token. pp=2 runs two Ray
 workers with one thread each; pp=1 runs in process with 1 and with 2 threads (same cores).
 Control plane (the analysis of benchmarks/pp_scaling.py): driver time = scheduling + plan
-packing + Ray submission + postprocess, per step; delivery delay = how long a free worker
+packing + sending it + postprocess, per step; delivery delay = how long a free worker
 waited for a plan that had already been sent (t_ready − max(submit, its previous t_end)), per
 micro-batch.
 """

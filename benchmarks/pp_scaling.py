@@ -20,7 +20,7 @@ micro-batches of a few rows whose cost is mostly per micro-batch, and at pp=2 th
 as many of them (docs/BENCHMARKS.md, target 4).
 
 At pp=2 (sarathi run), per micro-batch and as a fraction of the mean stage step:
-  * driver work: scheduling + plan packing + Ray submission + postprocess (Engine.stats);
+  * driver work: scheduling + plan packing + sending it to stage 0 + postprocess (Engine.stats);
   * plan delivery: how long a free worker waited for a plan already sent;
   * token return: from the last stage's end to the driver holding the tokens, counted from when
     the driver started waiting for them (time it spent elsewhere is not return latency).
