@@ -332,7 +332,8 @@ class RayExecutor:
                 for a in self.actors:
                     ray.kill(a)
             for conn in self._plans + [self._tokens]:
-                conn.close()
+                if conn is not None:  # set-up may have failed between the two connects
+                    conn.close()
             self._plans, self._tokens = [], None
         if self.actors:
             try:
