@@ -4,7 +4,7 @@ The placement group has one bundle per stage holding that stage's tp workers, wi
 SPREAD strategy: a stage's TP workers always share a node (they share a bundle), and stages
 land on different nodes when the cluster has them. Activations never go through Ray: the
 actors form one torch.distributed world (NCCL on CUDA, gloo on CPU) whose rendezvous the
-driver places on rank 0's node; Ray carries only the compact plans and the sampled tokens.
+driver places on rank 0's node. Ray places, starts, pings and stops the workers.
 
 Per micro-batch, Ray is not on the path at all: plans and tokens go over TCP connections
 (pp_runtime/control.py). The driver sends each plan's pickled bytes to stage 0, every stage
@@ -42,8 +42,8 @@ from pp_runtime.executor import WorkerError
 
 PLACEMENT_TIMEOUT_S = 60.0
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-POLL_S = 0.5
-BROKEN_WAIT_S = 2.0  # after a broken connection, how long the serve loops get to report why  # how often a driver waiting for tokens checks that every serve loop still runs
+POLL_S = 0.5  # how often a driver waiting for tokens checks that every serve loop still runs
+BROKEN_WAIT_S = 2.0  # after a broken connection, how long the serve loops get to report why
 
 
 def _unnice() -> None:
@@ -121,8 +121,6 @@ class StageActor:
         on to ``downstream`` (the stage after) before this one computes, so the next stage has
         its plan when the activations arrive. With ``replies`` (the last stage's TP rank 0) the
         sampled tokens go back to the driver."""
-        import pickle
-
         import torch
         if self.threads:
             torch.set_num_threads(self.threads)  # OpenMP's thread count is per calling thread
@@ -367,7 +365,7 @@ class RayExecutor:
                     break
                 except ray.exceptions.GetTimeoutError:
                     self._check_alive(what, timeout)
-                except (ray.exceptions.RayActorError, ray.exceptions.RayChannelError) as e:
+                except ray.exceptions.RayActorError as e:
                     raise self._died(self._name(rank), what, timeout, e) from None
         return out
 

@@ -81,7 +81,6 @@ class P2P:
 # A plan is awaited with no deadline: an idle deployment waits for its next run for as long as
 # it lives (gloo's default would end a wait after the group's timeout).
 FOREVER = datetime.timedelta(days=3650)
-PLAN_TAG, TOKEN_TAG = 0, 1
 
 
 class ControlChannel:
@@ -93,10 +92,11 @@ class ControlChannel:
     receiver's go-ahead, a round trip through both processes' network threads. A length-prefixed
     pair (size, then body) paid that for every body (the body's receive can only be posted after
     the size arrives): when the Ray launcher used this channel, plan delivery and token return
-    took 1.7-1.9 ms each at pp = 2 on the busy 2-core box, 0.7-1.0 ms with this scheme. So a message is [payload length: int64][payload] received into a CAPACITY buffer, with
-    only a larger payload's rest in a second message; and after each receive the next one from
-    that peer is posted at once, so a message sent while its receiver computes is already there
-    when it asks. Sends are asynchronous; their tensors stay referenced until they complete."""
+    took 1.7-1.9 ms each at pp = 2 on the busy 2-core box, 0.7-1.0 ms with this scheme. So a
+    message is [payload length: int64][payload] received into a CAPACITY buffer, with only a
+    larger payload's rest in a second message; and after each receive the next one from that
+    peer is posted at once, so a message sent while its receiver computes is already there when
+    it asks. Sends are asynchronous; their tensors stay referenced until they complete."""
 
     CAPACITY = 1 << 16  # bytes a receive is posted with; a plan of 24 sequences is a few KB
 
@@ -105,19 +105,8 @@ class ControlChannel:
         self._pending: collections.deque = collections.deque()
         self._inboxes: dict[tuple[int, int], _Inbox] = {}
 
-    @staticmethod
-    def encode(obj: object) -> torch.Tensor:
-        return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-
-    @staticmethod
-    def decode(data: torch.Tensor) -> object:
-        return pickle.loads(data.numpy().tobytes())
-
-    def send(self, obj: object, dst: int, tag: int = PLAN_TAG) -> None:
-        self.send_raw(self.encode(obj), dst, tag)
-
-    def send_raw(self, data: torch.Tensor, dst: int, tag: int = PLAN_TAG) -> None:
-        """Send already-encoded bytes (a stage forwards a plan as it came, without re-pickling)."""
+    def send(self, obj: object, dst: int, tag: int = 0) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         n = data.numel()
         head = torch.empty(8 + min(n, self.CAPACITY - 8), dtype=torch.uint8)
         head[:8].view(torch.int64)[0] = n
@@ -128,13 +117,10 @@ class ControlChannel:
         for t in parts:
             self._pending.append((self.group.send([t], dst, tag), t))
 
-    def recv(self, src: int, tag: int = PLAN_TAG, forever: bool = False) -> object:
-        return self.decode(self.recv_raw(src, tag, forever))
-
-    def recv_raw(self, src: int, tag: int = PLAN_TAG, forever: bool = False) -> torch.Tensor:
-        """The next message's bytes from ``src``; ``forever``: no deadline for it to start (an
-        idle deployment waits for its next plan as long as it lives; a large payload's rest
-        follows its head at once)."""
+    def recv(self, src: int, tag: int = 0, forever: bool = False) -> object:
+        """The next object from ``src``; ``forever``: no deadline for it to start (an idle
+        deployment waits for its next plan as long as it lives; a large payload's rest follows
+        its head at once)."""
         inbox = self._inboxes.get((src, tag))
         if inbox is None:
             inbox = self._inboxes[(src, tag)] = _Inbox(self.group, src, tag, self.CAPACITY)
@@ -146,7 +132,7 @@ class ControlChannel:
         if n > first:
             self.group.recv([data[first:]], src, tag).wait()
             inbox.repost()
-        return data
+        return pickle.loads(data.numpy().tobytes())
 
     def flush(self) -> None:
         while self._pending:

@@ -14,7 +14,7 @@ import datetime  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-from pp_runtime.comm import TOKEN_TAG, ControlChannel  # noqa: E402
+from pp_runtime.comm import ControlChannel  # noqa: E402
 
 
 def group(store: object, rank: int, timeout_s: float) -> object:
@@ -43,20 +43,12 @@ def test_objects_of_any_size_arrive_whole_and_in_order(size: int) -> None:
     objs = [bytes(range(256)) * (size // 256) + b"x" * (size % 256), ("plan", 1), None, list(range(size // 8))]
     for o in objs:
         a.send(o, 1)
-    a.send([7, 8], 1, TOKEN_TAG)  # another tag: its own order
-    assert b.recv(0, TOKEN_TAG) == [7, 8]
+    a.send([7, 8], 1, tag=1)  # another tag: its own order
+    assert b.recv(0, tag=1) == [7, 8]
     assert [b.recv(0) for _ in objs] == objs
     b.send("back", 0)
     assert a.recv(1) == "back"
     a.flush()
-
-
-def test_raw_bytes_forward_unchanged() -> None:
-    a, b = pair()
-    data = ControlChannel.encode({"k": list(range(20_000))})
-    a.send_raw(data, 1)
-    got = b.recv_raw(0)
-    assert torch.equal(got, data) and ControlChannel.decode(got)["k"][-1] == 19_999
 
 
 def test_forever_outlives_the_groups_timeout() -> None:
