@@ -8,8 +8,11 @@
 For sarathi and orca: the same requests (total lengths Zipf θ = 0.4 in --min-len..--max-len,
 P:D = 10, all at t = 0) at pp=1 (in process, one thread) and pp=2 (two Ray workers, one
 thread each); throughput = (prompt + generated tokens) / wall seconds, and the pipeline
-efficiency tput(pp=2) / (2 × tput(pp=1)) (target ≥ 0.9 for sarathi). Same chunk, batch size
-and KV budget everywhere. Both deployments stay up and their runs alternate (pp=1, pp=2, then
+efficiency tput(pp=2) / (2 × tput(pp=1)) (target ≥ 0.9 for sarathi). Same batch size and KV
+budget everywhere, and the same chunk unless --pp2-chunk gives pp=2 its own: at pp=2 each
+request decodes once per two micro-batches, so a chunk half as long keeps a round trip's mix of
+prompt and decode tokens what it is at pp=1 (SARATHI sizes the chunk from the P:D ratio and the
+decodes per micro-batch). Both deployments stay up and their runs alternate (pp=1, pp=2, then
 pp=2, pp=1, ...) for --rounds rounds: this box drifts by 10-30% between runs minutes apart, so
 each round's pp=2 run is paired with that round's pp=1 run, and the efficiency printed is the
 median of the rounds' paired ratios (benchmarks/pairing.py).
@@ -40,8 +43,8 @@ from pp_runtime import LLM, SamplingParams
 from pp_runtime.workload import WorkloadConfig, generate_workload
 
 
-def run_once(llm: LLM, items: list, policy: str) -> float:
-    llm.reconfigure(policy=policy)
+def run_once(llm: LLM, items: list, policy: str, chunk: int) -> float:
+    llm.reconfigure(policy=policy, chunk_size=chunk)
     reqs = [llm.make_request(it.request_id, it.prompt_token_ids,
                              SamplingParams(max_tokens=it.max_tokens, ignore_eos=True)) for it in items]
     t = time.perf_counter()
@@ -96,15 +99,17 @@ def memory(llm: LLM) -> dict:
             "block_bytes": llm.config.cache.block_size * m.kv_bytes_per_token}
 
 
-def paired_runs(llms: dict[int, LLM], items: list, tokens: int, policies: list[str], rounds: int, r: dict) -> None:
-    """Every policy's runs at pp=1 and pp=2, alternating within each round; per-round figures in r."""
+def paired_runs(llms: dict[int, LLM], items: list, tokens: int, policies: list[str], rounds: int,
+                chunks: dict[int, int], r: dict) -> None:
+    """Every policy's runs at pp=1 and pp=2 (chunk per pp), alternating within each round; per-round
+    figures in r."""
     r["rounds"] = {}
     for policy in policies:
         per = {1: [], 2: []}
         for k, pp in alternating(rounds, (1, 2)):
             llm = llms[pp]
             llm.executor.drain_timings()
-            wall = run_once(llm, items, policy)
+            wall = run_once(llm, items, policy, chunks[pp])
             per[pp].append(tokens / wall)
             print(f"{policy:8s} pp={pp} round {k}: {tokens} tokens in {wall:7.1f} s = {tokens / wall:6.1f} tok/s",
                   flush=True)
@@ -124,6 +129,7 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--pp2-chunk", type=int, default=None, help="pp=2's chunk (default: --chunk)")
     ap.add_argument("--max-batch-size", type=int, default=24)
     ap.add_argument("--schedulers", default="sarathi,orca")
     ap.add_argument("--rounds", type=int, default=2, help="pp=1 / pp=2 pairs per scheduler")
@@ -139,14 +145,15 @@ def main() -> None:
                         pd_ratio=10, arrival="all", seed=0)
     policies = a.schedulers.split(",")
     r: dict = {"workload": {"num_requests": a.num_requests, "min_len": a.min_len, "max_len": a.max_len,
-                            "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "throughput_tok_s": {}, "efficiency": {}}
+                            "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk,
+                    "pp2_chunk": a.pp2_chunk or a.chunk, "throughput_tok_s": {}, "efficiency": {}}
     with contextlib.ExitStack() as stack:
         llms = {pp: stack.enter_context(LLM(pp=pp, launcher="local" if pp == 1 else "ray", **common)) for pp in (1, 2)}
         items = generate_workload(wl, llms[1].source.config.vocab_size)
         tokens = sum(len(it.prompt_token_ids) + it.max_tokens for it in items)
         for llm in llms.values():
             llm.generate([items[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2))  # warm-up
-        paired_runs(llms, items, tokens, policies, a.rounds, r)
+        paired_runs(llms, items, tokens, policies, a.rounds, {1: a.chunk, 2: a.pp2_chunk or a.chunk}, r)
         r["memory_pp2"] = memory(llms[2])
     print("pipeline efficiency tput(pp=2) / (2 × tput(pp=1)), median of paired rounds, target >= 0.9 for sarathi: "
           + ", ".join(f"{p} {e:.3f} (rounds: {', '.join(f'{x:.3f}' for x in r['rounds'][p]['efficiency'])})"

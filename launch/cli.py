@@ -118,7 +118,7 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF folder, .gguf file or preset (default smollm2-135m)")
     p.add_argument("--pp", type=_positive_int, default=1, help="pipeline stages")
     p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks per stage")
-    p.add_argument("--partition", default=None, help="layers per stage, comma separated (e.g. 16,14)")
+    p.add_argument("--partition", default=None, help="layers per stage, comma separated (e.g. 16,14; 15.5,14.5 cuts a layer after its attention)")
     p.add_argument("--launcher", choices=("local", "ray", "torchrun"), default=None)
     p.add_argument("--scheduler", choices=SCHEDULER_POLICIES, default="sarathi")
     p.add_argument("--chunk-size", type=_positive_int, default=256)
@@ -186,19 +186,20 @@ def build_parser() -> argparse.ArgumentParser:
                                 "OUT/stage-K/profile.csv per stage (pp_runtime/profile_deploy.py)")
     dep.add_argument("--pp", type=_positive_int, default=1, help="pipeline stages")
     dep.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks per stage")
-    dep.add_argument("--partition", default=None, help="layers per stage, comma separated (e.g. 16,14)")
+    dep.add_argument("--partition", default=None, help="layers per stage, comma separated (e.g. 16,14; 15.5,14.5 cuts a layer after its attention)")
     dep.add_argument("--launcher", choices=("local", "ray", "torchrun"), default=None)
     dep.add_argument("--memory-budget-gb", type=_positive_float, default=None, help="M_G per worker (CPU default 4)")
     return parser
 
 
-def parse_partition(text: str | None) -> list[int] | None:
+def parse_partition(text: str | None) -> list[float] | None:
+    """"16,14" or "15.5,14.5" (a half splits a layer after its attention block)."""
     if not text:
         return None
     try:
-        return [int(x) for x in text.split(",")]
+        return [int(x) if float(x).is_integer() else float(x) for x in text.split(",")]
     except ValueError:
-        raise ValueError(f"--partition must be comma-separated integers, got {text!r}") from None
+        raise ValueError(f"--partition must be comma-separated layer counts, got {text!r}") from None
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:

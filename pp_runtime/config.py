@@ -80,19 +80,26 @@ class ModelConfig(HeadSizes):
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """pp stages × tp ranks; ``partition`` optionally gives the layer count of each stage."""
+    """pp stages × tp ranks; ``partition`` optionally gives the layer count of each stage.
+
+    Counts may end in .5: a stage boundary then falls inside a layer, between its attention
+    block and its MLP (e.g. 15.5, 14.5). The last stage also runs the LM head, which for a
+    decode row costs several layers' linears on a large-vocabulary model: a whole layer moved
+    off it can overshoot, half of one is a finer step."""
 
     pp: int = 1
     tp: int = 1
-    partition: tuple[int, ...] | None = None
+    partition: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         _positive(self, "pp", "tp")
         if self.partition is not None:
             if len(self.partition) != self.pp:
                 raise ValueError(f"ParallelConfig.partition has {len(self.partition)} entries, pp={self.pp}")
-            if any(n <= 0 for n in self.partition):
-                raise ValueError("ParallelConfig.partition entries must be positive")
+            if any(isinstance(n, bool) or not isinstance(n, (int, float)) or n <= 0 or (2 * n) % 1
+                   for n in self.partition):
+                raise ValueError("ParallelConfig.partition entries must be positive multiples of 0.5 "
+                                 f"(layer counts, halves split a layer after its attention), got {list(self.partition)}")
 
     @property
     def world_size(self) -> int:
@@ -109,13 +116,15 @@ class ParallelConfig:
             if getattr(model, name) % self.tp:
                 raise ValueError(f"tp={self.tp} does not divide the model's {name}={getattr(model, name)}")
 
-    def layer_ranges(self, num_layers: int) -> list[tuple[int, int]]:
-        """[start, end) per stage: even split, remainder spread over the first stages."""
+    def stage_units(self, num_layers: int) -> list[tuple[int, int]]:
+        """[start, end) per stage in half-layer units: unit 2i is layer i's attention block, 2i + 1
+        its MLP. Without a partition: whole layers, an even split with the remainder spread over
+        the first stages."""
         if self.partition is not None:
-            sizes = list(self.partition)
+            sizes = [round(2 * n) for n in self.partition]
         else:
             base, extra = divmod(num_layers, self.pp)
-            sizes = [base + (1 if s < extra else 0) for s in range(self.pp)]
+            sizes = [2 * (base + (1 if s < extra else 0)) for s in range(self.pp)]
         ranges, start = [], 0
         for n in sizes:
             ranges.append((start, start + n))

@@ -389,8 +389,9 @@ def _check_engine(engine: Mapping[str, Any]) -> None:
         elif key == "memory_budget_gb":
             _check_positive_number(key, value)
         elif key == "partition":
-            if not isinstance(value, (list, tuple)) or not value or not all(_is_int(v) and v > 0 for v in value):
-                raise ValueError(f"partition must be a list of positive layer counts, got {value!r}")
+            if not isinstance(value, (list, tuple)) or not value or not all(
+                    (_is_int(v) or (isinstance(v, float) and (2 * v).is_integer())) and v > 0 for v in value):
+                raise ValueError(f"partition must be a list of positive layer counts (multiples of 0.5), got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """LLaMA-family decoder (LLaMA 2/3, Mistral, Qwen2, SmolLM) cut to one pipeline stage.
 
-A stage owns layers [start, end); the first stage also embeds token ids, the last also
-applies the final norm and the LM head. Linear layers run once over every token of the
-micro-batch (prefill chunk and decodes together); only attention looks at sequences.
+A stage owns half-layer units [start, end) (unit 2i: layer i's attention block, 2i + 1: its
+MLP), so a stage boundary may fall inside a layer; the first stage also embeds token ids, the
+last also applies the final norm and the LM head. Linear layers run once over every token of
+the micro-batch (prefill chunk and decodes together); only attention looks at sequences.
 
-    model = StageModel(cfg, (0, cfg.num_layers), TPContext(), torch.float32, "cpu", "torch")
+    model = StageModel(cfg, (0, 2 * cfg.num_layers), TPContext(), torch.float32, "cpu", "torch", True, True)
     hidden = model(token_ids, meta, kv_caches)   # (T, H)
     logits = model.logits(hidden[meta.sample_idx])   # (S, V)
 """
@@ -63,29 +64,44 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: TPContext, dtype: torch.dtype, rope: RotaryEmbedding,
-                 backend: object) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, ctx, dtype, rope, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, ctx, dtype)
+    """x + attn(norm(x)), then h + mlp(norm(h)). A layer cut by a stage boundary keeps only its
+    attention block (the stage before) or only its MLP block (the stage after); the residual
+    stream h is what crosses the boundary, as between whole layers."""
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, dtype: torch.dtype, rope: RotaryEmbedding,
+                 backend: object, attn: bool = True, mlp: bool = True) -> None:
+        super().__init__()
+        if attn:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.self_attn = Attention(cfg, ctx, dtype, rope, backend)
+        if mlp:
+            self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            self.mlp = MLP(cfg, ctx, dtype)
+        self.has_attn, self.has_mlp = attn, mlp
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata,
+                kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        if not self.has_mlp:
+            return self.self_attn(self.input_layernorm(x), meta, kv).add_(x)  # (T, H), o_proj's fresh output
+        if not self.has_attn:
+            return self.mlp(self.post_attention_layernorm(x)).add_(x)
         h, hn = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), meta, kv), x)
         return self.mlp(hn).add_(h)  # the MLP's output is fresh: the residual goes into it
 
 
 class StageModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, layers: tuple[int, int], ctx: TPContext, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, units: tuple[int, int], ctx: TPContext, dtype: torch.dtype,
                  device: str, attention: str, is_first: bool, is_last: bool) -> None:
         super().__init__()
-        self.cfg, self.layer_range, self.is_first, self.is_last = cfg, layers, is_first, is_last
+        self.cfg, self.units, self.is_first, self.is_last = cfg, units, is_first, is_last
+        self.layer_range = (units[0] // 2, (units[1] + 1) // 2)  # layers this stage holds a part of
         self.backend = make_backend(attention, device, cfg.head_size ** -0.5)
         rope = RotaryEmbedding(cfg.head_size, cfg.max_position_embeddings, cfg.rope_theta)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype) if is_first else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, dtype, rope, self.backend)
-                                    for _ in range(layers[1] - layers[0]))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, dtype, rope, self.backend,
+                                                 attn=units[0] <= 2 * i, mlp=2 * i + 1 < units[1])
+                                    for i in range(*self.layer_range))
+        self.num_attention_layers = sum(layer.has_attn for layer in self.layers)  # each has a KV cache
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if is_last else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype) if is_last else None
         if is_first and is_last and cfg.tie_word_embeddings:
@@ -104,10 +120,12 @@ class StageModel(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
                 ) -> torch.Tensor:
-        """x: token ids (T,) on the first stage, else hidden states (T, H). Returns (T, H)."""
+        """x: token ids (T,) on the first stage, else hidden states (T, H). Returns (T, H).
+        kv_caches: one (K, V) per layer with attention, in order."""
         h = self.embed_tokens(x) if self.is_first else x
-        for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, meta, kv)
+        caches = iter(kv_caches)
+        for layer in self.layers:
+            h = layer(h, meta, next(caches) if layer.has_attn else None)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

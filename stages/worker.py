@@ -78,13 +78,13 @@ class StageWorker:
             else torch.device("cpu")
         self.dtype = TORCH_DTYPES[spec.device.dtype]
         cfg = spec.source.config
-        self.layer_range = spec.parallel.layer_ranges(cfg.num_layers)[spec.stage]
+        self.units = spec.parallel.stage_units(cfg.num_layers)[spec.stage]  # half layers
         self.is_first = spec.stage == 0
         self.is_last = spec.stage == spec.parallel.pp - 1
         self.tp = tp
         self.link = link
         with torch.device(self.device):
-            self.model = StageModel(cfg, self.layer_range, tp, self.dtype, spec.device.device,
+            self.model = StageModel(cfg, self.units, tp, self.dtype, spec.device.device,
                                     spec.device.attention, self.is_first, self.is_last)
         # GGUF blocks stay as stored where the CPU GEMM reads them (fp32 activations, kernels built)
         native = spec.device.gguf_weights == "native" and self.device.type == "cpu" \
@@ -103,7 +103,7 @@ class StageWorker:
     # ---- set-up ----------------------------------------------------------------------------
     def info(self) -> dict:
         return {"stage": self.spec.stage, "tp_rank": self.spec.tp_rank, "pid": os.getpid(),
-                "node": os.uname().nodename, "device": str(self.device), "layers": list(self.layer_range),
+                "node": os.uname().nodename, "device": str(self.device), "layers": [u / 2 if u % 2 else u // 2 for u in self.units],
                 "weight_bytes": self.weight_bytes, "layer_weight_bytes": self._layer_bytes(),
                 "attention": self.model.backend.name}
 
@@ -114,7 +114,7 @@ class StageWorker:
     def memory_profile(self) -> MemoryProfile:
         cfg = self.spec.source.config
         kv_heads = cfg.num_kv_heads // self.tp.size
-        per_token = 2 * len(self.model.layers) * kv_heads * cfg.head_size * self.dtype.itemsize
+        per_token = 2 * self.model.num_attention_layers * kv_heads * cfg.head_size * self.dtype.itemsize
         budget = self.spec.cache.memory_budget_bytes
         if budget is None:  # CUDA default: 90% of the card
             budget = int(0.9 * torch.cuda.get_device_properties(self.device).total_memory) \
@@ -122,14 +122,14 @@ class StageWorker:
         return MemoryProfile(budget, self.weight_bytes, per_token)
 
     def allocate_cache(self, num_blocks: int) -> int:
-        """One (K, V) pair of (num_blocks, block_size, H_kv/tp, D) per layer; returns bytes.
+        """One (K, V) pair of (num_blocks, block_size, H_kv/tp, D) per layer with attention; returns bytes.
 
         Zero-filled, because attention reads whole blocks and masks the unused tail: a masked
         key must still be finite (NaN × 0 weight is NaN). On CPU the zeros come from the OS's
         zero pages (numpy's calloc), so GiBs cost nothing until they are written."""
         cfg = self.spec.source.config
         shape = (num_blocks, self.block_size, cfg.num_kv_heads // self.tp.size, cfg.head_size)
-        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in self.model.layers]
+        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(self.model.num_attention_layers)]
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:

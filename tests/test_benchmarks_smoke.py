@@ -107,14 +107,15 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     walls = {1: [10.0, 12.0, 8.0], 2: [6.0, 4.0, 5.0]}  # seconds per round
     calls = []
 
-    def run_once(llm: Fake, items: list, policy: str) -> float:
+    def run_once(llm: Fake, items: list, policy: str, chunk: int) -> float:
         calls.append((policy, llm.pp))
+        assert chunk == {1: 256, 2: 128}[llm.pp]  # each pp runs at its own chunk
         return walls[llm.pp][sum(1 for p, pp in calls if p == policy and pp == llm.pp) - 1]
 
     monkeypatch.setattr(ps, "run_once", run_once)
     monkeypatch.setattr(ps, "control_plane", lambda llm, t: {"pp": llm.pp})
     r = {"throughput_tok_s": {}, "efficiency": {}}
-    ps.paired_runs({1: Fake(1), 2: Fake(2)}, [], 120, ["sarathi"], 3, r)
+    ps.paired_runs({1: Fake(1), 2: Fake(2)}, [], 120, ["sarathi"], 3, {1: 256, 2: 128}, r)
     assert [pp for _, pp in calls] == [1, 2, 2, 1, 1, 2]
     # per round tput2 / (2 tput1) = wall1 / (2 wall2): 10/12, 12/8, 8/10; the ratio of the median
     # throughputs would be 1.0 instead

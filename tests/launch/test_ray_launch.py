@@ -65,19 +65,21 @@ def test_parallel_greedy_matches_single_and_hf(cluster: object, hf_models: dict,
     assert max(layer_bytes) <= full / (pp * tp) * (1.01 if 4 % pp == 0 else 2)
 
 
-@pytest.mark.parametrize("pp", (2, 3))
-def test_embedded_model_pipeline(cluster: object, pp: int) -> None:
+@pytest.mark.parametrize("pp, partition", ((2, None), (3, None), (2, (15.5, 14.5))))
+def test_embedded_model_pipeline(cluster: object, pp: int, partition: tuple[float, ...] | None) -> None:
     prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 28], [504, 3575, 282, 4649, 314]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with LLM(memory_budget_gb=1.0, max_model_len=512) as one:
         expected = [o.token_ids for o in one.generate(prompts, params)]
-    with LLM(pp=pp, launcher="ray", memory_budget_gb=1.0, max_model_len=512, chunk_size=3) as llm:
+    with LLM(pp=pp, launcher="ray", memory_budget_gb=1.0, max_model_len=512, chunk_size=3, partition=partition) as llm:
         got = [o.token_ids for o in llm.generate(prompts, params)]
         layers = [w["layers"] for w in llm.workers_info()]
         nodes = {w["node"] for w in llm.workers_info()}
         assert len(nodes) > 1  # stages on several nodes: plans and tokens cross nodes on the control group
     assert got == expected
     assert layers[0][0] == 0 and layers[-1][1] == 30 and len(layers) == pp
+    if partition:  # layer 15 cut after its attention: [0, 15.5) and [15.5, 30)
+        assert [b - a for a, b in layers] == list(partition)
 
 
 def test_consecutive_chunks_of_one_prompt_in_flight_together(cluster: object) -> None:

@@ -54,7 +54,7 @@ def test_embedding_rows_of_a_packed_table() -> None:
 
 def _model(folder: str, dtype: torch.dtype = torch.float32) -> StageModel:
     src = resolve_model(folder)
-    m = StageModel(src.config, (0, src.config.num_layers), TPContext(), dtype, "cpu", "torch", True, True)
+    m = StageModel(src.config, (0, 2 * src.config.num_layers), TPContext(), dtype, "cpu", "torch", True, True)
     load_weights(m, src, TPContext())
     return m
 

@@ -1,6 +1,8 @@
 """Stage model numerics: chunked prefill equals one-shot prefill; pipeline stages compose."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -60,9 +62,10 @@ def test_logits_match_transformers(hf_models: dict) -> None:
     assert torch.allclose(ours, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("partition", ((2, 2), (1, 3), (3, 1)))
-def test_stages_compose_to_full_model(hf_models: dict, partition: tuple[int, int]) -> None:
-    """Two stages (layers split as given) hand hidden states over and equal the one-stage model."""
+@pytest.mark.parametrize("partition", ((2, 2), (1, 3), (3, 1), (2.5, 1.5), (0.5, 3.5), (3.5, 0.5)))
+def test_stages_compose_to_full_model(hf_models: dict, partition: tuple[float, float]) -> None:
+    """Two stages (layers split as given, halves cutting a layer after its attention) hand hidden
+    states over and equal the one-stage model bit for bit."""
     path = str(hf_models["llama"])
     prompt = mixed_prompts(lengths=(20,))[0]
     one = make_worker(path)
@@ -72,7 +75,12 @@ def test_stages_compose_to_full_model(hf_models: dict, partition: tuple[int, int
                           DeviceConfig("cpu", "float32", "torch"))
         stages.append(StageWorker(spec, TPContext(), None))
         stages[-1].allocate_cache(8)
-    assert [len(s.model.layers) for s in stages] == list(partition)
+    # a cut layer has its attention (and KV cache) on the first stage, its MLP on the second
+    assert [s.model.num_attention_layers for s in stages] == [math.ceil(partition[0]), math.floor(partition[1])]
+    assert [len(s.kv_caches) for s in stages] == [s.model.num_attention_layers for s in stages]
+    assert [s.info()["layers"] for s in stages] == [[0, partition[0]], [partition[0], 4]]
+    profiles = [s.memory_profile().kv_bytes_per_token for s in stages]
+    assert sum(profiles) == one.memory_profile().kv_bytes_per_token
     c = SeqChunk(0, 0, tuple(prompt), tuple(range(5)), True, None)
     with torch.inference_mode():
         meta = build_metadata((c,), BLOCK, one.device)

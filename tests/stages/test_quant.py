@@ -125,7 +125,8 @@ def gguf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def stage(path: Path, ctx: TPContext, native: bool, layers: tuple[int, int] = (0, LAYERS)) -> tuple[StageModel, int]:
     src = resolve_model(str(path))
-    m = StageModel(src.config, layers, ctx, torch.float32, "cpu", "torch", layers[0] == 0, layers[1] == LAYERS)
+    units = (2 * layers[0], 2 * layers[1])  # half-layer units
+    m = StageModel(src.config, units, ctx, torch.float32, "cpu", "torch", layers[0] == 0, layers[1] == LAYERS)
     return m, load_weights(m, src, ctx, native=native)
 
 
