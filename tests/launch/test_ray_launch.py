@@ -65,6 +65,19 @@ def test_parallel_greedy_matches_single_and_hf(cluster: object, hf_models: dict,
     assert max(layer_bytes) <= full / (pp * tp) * (1.01 if 4 % pp == 0 else 2)
 
 
+def test_half_layer_partition_with_tensor_parallel_matches_hf(cluster: object, hf_models: dict,
+                                                                reference: tuple) -> None:
+    """A stage boundary inside layer 1 (its attention and KV on stage 0, its MLP on stage 1), each
+    stage TP-sharded over 2 ranks: the same greedy tokens as Hugging Face."""
+    prompts, expected = reference
+    with LLM(model=str(hf_models["llama"]), pp=2, tp=2, launcher="ray", memory_budget_gb=0.05, max_batch_size=4,
+             chunk_size=5, partition=(1.5, 2.5)) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        layers = sorted({(w["stage"], tuple(w["layers"])) for w in llm.workers_info()})
+    assert [o.token_ids for o in outs] == expected
+    assert layers == [(0, (0, 1.5)), (1, (1.5, 4))]
+
+
 @pytest.mark.parametrize("pp, partition", ((2, None), (3, None), (2, (15.5, 14.5))))
 def test_embedded_model_pipeline(cluster: object, pp: int, partition: tuple[float, ...] | None) -> None:
     prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 28], [504, 3575, 282, 4649, 314]]
