@@ -22,6 +22,11 @@ The run ends in a drain: once the last prompt is in, the remaining requests (the
 micro-batches of a few rows whose cost is mostly per micro-batch, and at pp=2 there are twice
 as many of them (docs/BENCHMARKS.md, target 4).
 
+By phase (first scheduler, round 0): the prefill phase — until the last micro-batch with a prompt
+chunk leaves the last stage — and the drain after it, when only decodes are left; each against
+pp=1's summed step times of the same kinds, with how many decodes rode on chunks. The drain is
+where pp=2 loses: each request advances one token per pass through the pipeline whatever pp is.
+
 At pp=2 (sarathi run), per micro-batch and as a fraction of the mean stage step:
   * driver work: scheduling + plan packing + sending it to stage 0 + postprocess (Engine.stats);
   * plan delivery: how long a free worker waited for a plan already sent;
@@ -99,6 +104,27 @@ def memory(llm: LLM) -> dict:
             "block_bytes": llm.config.cache.block_size * m.kv_bytes_per_token}
 
 
+def phase_split(llm: LLM, timings: list[list]) -> dict:
+    """Where a run's time went, by phase: the prefill phase (until the last micro-batch carrying a
+    prompt chunk leaves the last stage) and the drain after it, when only decodes are left. At
+    pp=1, the summed step times of the two kinds of step; with one stage that is the wall time."""
+    kinds = {mb.mb_id: mb.prefill_tokens > 0 for mb in llm.engine.history}
+    decodes = {True: 0, False: 0}
+    for mb in llm.engine.history:
+        decodes[mb.prefill_tokens > 0] += mb.decode_tokens
+    last = timings[-1]  # the last stage (its TP rank 0)
+    start = min(w[0][1] for w in timings if w)  # the first plan in hand
+    prefill_end = max((e for mb, _, _, e in last if kinds[mb]), default=start)
+    out = {"piggybacked_decodes": decodes[True], "decode_only_decodes": decodes[False],
+           "decode_only_microbatches": sum(1 for k in kinds.values() if not k)}
+    if len(timings) == 1:
+        out["prefill_s"] = sum(e - s for mb, _, s, e in last if kinds[mb])
+        out["drain_s"] = sum(e - s for mb, _, s, e in last if not kinds[mb])
+    else:
+        out["prefill_s"], out["drain_s"] = prefill_end - start, last[-1][3] - prefill_end
+    return out
+
+
 def paired_runs(llms: dict[int, LLM], items: list, tokens: int, policies: list[str], rounds: int,
                 chunks: dict[int, int], r: dict) -> None:
     """Every policy's runs at pp=1 and pp=2 (chunk per pp), alternating within each round; per-round
@@ -113,8 +139,11 @@ def paired_runs(llms: dict[int, LLM], items: list, tokens: int, policies: list[s
             per[pp].append(tokens / wall)
             print(f"{policy:8s} pp={pp} round {k}: {tokens} tokens in {wall:7.1f} s = {tokens / wall:6.1f} tok/s",
                   flush=True)
-            if pp == 2 and policy == policies[0] and k == 0:
-                r["control_plane_pp2"] = control_plane(llm, llm.executor.drain_timings())
+            if policy == policies[0] and k == 0:
+                timings = llm.executor.drain_timings()
+                r.setdefault("phases", {})[f"pp{pp}"] = phase_split(llm, timings)
+                if pp == 2:
+                    r["control_plane_pp2"] = control_plane(llm, timings)
         eff = ratios(per[2], [2 * t for t in per[1]])  # tput2 / (2 tput1) per round
         r["rounds"][policy] = {"pp1_tok_s": per[1], "pp2_tok_s": per[2], "efficiency": eff}
         for pp in (1, 2):
@@ -158,6 +187,15 @@ def main() -> None:
     print("pipeline efficiency tput(pp=2) / (2 × tput(pp=1)), median of paired rounds, target >= 0.9 for sarathi: "
           + ", ".join(f"{p} {e:.3f} (rounds: {', '.join(f'{x:.3f}' for x in r['rounds'][p]['efficiency'])})"
                       for p, e in r["efficiency"].items()))
+    ph = r["phases"]
+    print(f"{policies[0]} by phase, round 0 (pp=1: summed step times; pp=2: wall): prefill phase "
+          f"{ph['pp1']['prefill_s']:.2f} s at pp=1, {ph['pp2']['prefill_s']:.2f} s at pp=2 = "
+          f"{ph['pp1']['prefill_s'] / (2 * ph['pp2']['prefill_s']):.3f} of ideal; drain (decode-only) "
+          f"{ph['pp1']['drain_s']:.2f} s vs {ph['pp2']['drain_s']:.2f} s = "
+          f"{ph['pp1']['drain_s'] / (2 * max(ph['pp2']['drain_s'], 1e-9)):.3f}; decodes on chunks "
+          f"{ph['pp1']['piggybacked_decodes']} vs {ph['pp2']['piggybacked_decodes']}, in decode-only micro-batches "
+          f"{ph['pp1']['decode_only_decodes']} ({ph['pp1']['decode_only_microbatches']}) vs "
+          f"{ph['pp2']['decode_only_decodes']} ({ph['pp2']['decode_only_microbatches']})")
     c = r["control_plane_pp2"]
     print(f"control plane at pp=2 ({c['microbatches']} micro-batches, mean stage step {c['mean_step_ms']:.1f} ms): "
           f"driver {c['driver_ms_per_mb']:.2f} + delivery {c['delivery_ms_per_mb']:.2f} + token return "

@@ -53,6 +53,9 @@ def test_decode_maximal_smoke(hf_models: dict, tmp_path: Path) -> None:
 def test_pp_scaling_smoke(tmp_path: Path) -> None:
     r = run(["benchmarks/pp_scaling.py", "--smoke"], tmp_path)
     assert set(r["throughput_tok_s"]) == {"sarathi_pp1", "sarathi_pp2", "orca_pp1", "orca_pp2"}
+    for pp in ("pp1", "pp2"):  # the phases add up to the work done
+        ph = r["phases"][pp]
+        assert ph["prefill_s"] > 0 and ph["drain_s"] >= 0 and ph["piggybacked_decodes"] + ph["decode_only_decodes"] > 0
     c = r["control_plane_pp2"]
     assert c["microbatches"] > 0 and c["mean_step_ms"] > 0 and c["return_ms_per_mb"] >= 0
     m = r["memory_pp2"]
@@ -114,6 +117,7 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(ps, "run_once", run_once)
     monkeypatch.setattr(ps, "control_plane", lambda llm, t: {"pp": llm.pp})
+    monkeypatch.setattr(ps, "phase_split", lambda llm, t: {})
     r = {"throughput_tok_s": {}, "efficiency": {}}
     ps.paired_runs({1: Fake(1), 2: Fake(2)}, [], 120, ["sarathi"], 3, {1: 256, 2: 128}, r)
     assert [pp for _, pp in calls] == [1, 2, 2, 1, 1, 2]
