@@ -159,6 +159,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--pp2-chunk", type=int, default=None, help="pp=2's chunk (default: --chunk)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float16"))
     ap.add_argument("--max-batch-size", type=int, default=24)
     ap.add_argument("--schedulers", default="sarathi,orca")
     ap.add_argument("--rounds", type=int, default=2, help="pp=1 / pp=2 pairs per scheduler")
@@ -169,12 +170,12 @@ def main() -> None:
     if a.smoke:
         a.num_requests, a.min_len, a.max_len, a.chunk, a.rounds = 6, 24, 64, 16, 1
     common = dict(model=model, chunk_size=a.chunk, max_batch_size=a.max_batch_size, memory_budget_gb=2.0,
-                  max_model_len=2048, threads=1)
+                  max_model_len=2048, threads=1, kv_cache_dtype=a.kv_cache_dtype)
     wl = WorkloadConfig(kind="zipf", num_requests=a.num_requests, min_len=a.min_len, max_len=a.max_len, theta=0.4,
                         pd_ratio=10, arrival="all", seed=0)
     policies = a.schedulers.split(",")
     r: dict = {"workload": {"num_requests": a.num_requests, "min_len": a.min_len, "max_len": a.max_len,
-                            "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk,
+                            "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "kv_cache_dtype": a.kv_cache_dtype,
                     "pp2_chunk": a.pp2_chunk or a.chunk, "throughput_tok_s": {}, "efficiency": {}}
     with contextlib.ExitStack() as stack:
         llms = {pp: stack.enter_context(LLM(pp=pp, launcher="local" if pp == 1 else "ray", **common)) for pp in (1, 2)}

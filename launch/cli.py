@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from pp_runtime.config import DTYPES, GGUF_WEIGHTS, SCHEDULER_POLICIES
+from pp_runtime.config import DTYPES, GGUF_WEIGHTS, KV_DTYPES, SCHEDULER_POLICIES
 
 
 class _Interrupts:
@@ -136,6 +136,9 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS, default="native",
                    help="GGUF Q4_0/Q4_1/Q8_0 matrices: keep the stored blocks (CPU fp32 GEMM dequantizes "
                         "on the fly, same weights) or load them as floats")
+    p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
+                   help="auto: the model's dtype; float16: half the KV bytes of an fp32 model on CPU "
+                        "(twice the tokens per budget, faster long-context decode; values rounded once)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--quiet", action="store_true")
@@ -208,7 +211,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 chunk_size=a.chunk_size, max_batch_size=a.max_batch_size, tile_align=a.tile_align,
                 dtype=a.dtype, device=a.device, attention=a.attention, seed=a.seed, block_size=a.block_size,
                 memory_budget_gb=a.memory_budget_gb, max_model_len=a.max_model_len, partition=partition,
-                threads=a.threads, gguf_weights=a.gguf_weights, verbose=not a.quiet)
+                threads=a.threads, gguf_weights=a.gguf_weights, kv_cache_dtype=a.kv_cache_dtype,
+                verbose=not a.quiet)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

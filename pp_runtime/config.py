@@ -168,21 +168,31 @@ class SchedulerConfig:
         return self.max_running or self.max_batch_size
 
 
+KV_DTYPES = ("auto", "float16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache: ``block_size`` tokens per block.
 
     memory_budget_bytes is the paper's M_G per worker: weights (M_S) come out of it and the
     rest holds KV blocks. On CUDA, None means 90% of the device's memory.
+
+    kv_dtype: "auto" stores K/V in the model's dtype; "float16" halves them for an fp32 model on
+    CPU — twice the tokens in the same budget, and half the bytes that decode attention (bound by
+    reading K/V) streams. Values are rounded once when written; attention still computes in fp32.
     """
 
     block_size: int = 16
     memory_budget_bytes: int | None = 4 << 30
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _positive(self, "block_size")
         if self.memory_budget_bytes is not None:
             _positive(self, "memory_budget_bytes")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"CacheConfig.kv_dtype must be {' or '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
 
 
 GGUF_WEIGHTS = ("native", "dequantize")

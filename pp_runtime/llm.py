@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
-from pp_runtime.config import (CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig)
+from pp_runtime.config import (KV_DTYPES, CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig)
 from pp_runtime.engine import Engine
 from pp_runtime.executor import WorkerError
 from pp_runtime.kv_cache import BlockManager
@@ -96,7 +96,8 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
                         dtype: str = "float32", device: str = "cpu", attention: str = "auto", seed: int = 0,
                         block_size: int = 16, memory_budget_gb: float | None = None,
                         max_model_len: int | None = None, partition: Sequence[int] | None = None,
-                        threads: int = 0, gguf_weights: str = "native") -> tuple[EngineConfig, object]:
+                        threads: int = 0, gguf_weights: str = "native",
+                        kv_cache_dtype: str = "auto") -> tuple[EngineConfig, object]:
     """Resolve the model and validate every setting; raises ValueError naming the bad one.
     max_batch_size None is kept as 1 here and replaced once the memory plan gives B."""
     from stages.weights import resolve_model
@@ -108,6 +109,11 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
         import torch
         if not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA GPU is available")
+    if kv_cache_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be {' or '.join(KV_DTYPES)}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "float16" and (device != "cpu" or dtype != "float32"):
+        raise ValueError(f"kv_cache_dtype float16 is for float32 models on CPU (got --device {device} --dtype "
+                         f"{dtype}: there the cache already takes the model's dtype; use auto)")
     if memory_budget_gb is not None and not memory_budget_gb > 0:
         raise ValueError(f"memory_budget_gb must be > 0, got {memory_budget_gb}")
     budget = None if memory_budget_gb is None and device == "cuda" else \
@@ -116,7 +122,7 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
     cfg = EngineConfig(
         model_path=source.path, parallel=parallel,
         scheduler=SchedulerConfig(scheduler, chunk_size, max_batch_size or 1, tile_align, max_len),
-        cache=CacheConfig(block_size, budget), device=DeviceConfig(device, dtype, attention, threads, gguf_weights), seed=seed)
+        cache=CacheConfig(block_size, budget, kv_cache_dtype), device=DeviceConfig(device, dtype, attention, threads, gguf_weights), seed=seed)
     return cfg, source
 
 
@@ -140,10 +146,10 @@ class LLM:
                  attention: str = "auto", seed: int = 0, block_size: int = 16,
                  memory_budget_gb: float | None = None, max_model_len: int | None = None,
                  partition: Sequence[int] | None = None, threads: int = 0, verbose: bool = False,
-                 gguf_weights: str = "native") -> None:
+                 gguf_weights: str = "native", kv_cache_dtype: str = "auto") -> None:
         self.config, self.source = build_engine_config(
             model, pp, tp, scheduler, chunk_size, max_batch_size, tile_align, dtype, device, attention, seed,
-            block_size, memory_budget_gb, max_model_len, partition, threads, gguf_weights)
+            block_size, memory_budget_gb, max_model_len, partition, threads, gguf_weights, kv_cache_dtype)
         parallel, max_len = self.config.parallel, self.config.scheduler.max_model_len
         self.launcher = launcher or ("local" if parallel.world_size == 1 else "ray")
         with _keep_sigterm_handler():

@@ -77,6 +77,7 @@ class StageWorker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if spec.device.device == "cuda" \
             else torch.device("cpu")
         self.dtype = TORCH_DTYPES[spec.device.dtype]
+        self.kv_dtype = torch.float16 if spec.cache.kv_dtype == "float16" else self.dtype
         cfg = spec.source.config
         self.units = spec.parallel.stage_units(cfg.num_layers)[spec.stage]  # half layers
         self.is_first = spec.stage == 0
@@ -114,7 +115,7 @@ class StageWorker:
     def memory_profile(self) -> MemoryProfile:
         cfg = self.spec.source.config
         kv_heads = cfg.num_kv_heads // self.tp.size
-        per_token = 2 * self.model.num_attention_layers * kv_heads * cfg.head_size * self.dtype.itemsize
+        per_token = 2 * self.model.num_attention_layers * kv_heads * cfg.head_size * self.kv_dtype.itemsize
         budget = self.spec.cache.memory_budget_bytes
         if budget is None:  # CUDA default: 90% of the card
             budget = int(0.9 * torch.cuda.get_device_properties(self.device).total_memory) \
@@ -134,9 +135,9 @@ class StageWorker:
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        same_width = {4: np.int32, 2: np.int16}[self.dtype.itemsize]  # all-zero bits are 0.0
-        return torch.from_numpy(np.zeros(shape, dtype=same_width)).view(self.dtype)
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        same_width = {4: np.int32, 2: np.int16}[self.kv_dtype.itemsize]  # all-zero bits are 0.0
+        return torch.from_numpy(np.zeros(shape, dtype=same_width)).view(self.kv_dtype)
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()

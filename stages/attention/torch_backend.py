@@ -18,10 +18,11 @@ from stages.attention.metadata import AttentionMetadata
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: AttentionMetadata) -> None:
-    """Store the new tokens' K/V (T, H_kv, D) in the paged caches (NB, BS, H_kv, D)."""
+    """Store the new tokens' K/V (T, H_kv, D) in the paged caches (NB, BS, H_kv, D), rounded to
+    the cache's dtype where it is narrower (``CacheConfig.kv_dtype``)."""
     h, d = k.shape[1:]
-    k_cache.view(-1, h, d).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, h, d).index_copy_(0, meta.slot_mapping, v)
+    k_cache.view(-1, h, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, h, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
 
 def causal_offset_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
@@ -65,11 +66,13 @@ class TorchAttention:
                 continue
             qi = q[row:row + n].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
             if meta.fresh_prefill[i]:  # nothing cached: attend to the chunk itself, plain causal
-                ki, vi, mask, causal = k[row:row + n], v[row:row + n], None, True
+                # as the cache holds them (an fp16 cache rounds them), as the kernels read them
+                ki, vi = (t[row:row + n].to(k_cache.dtype).to(q.dtype) for t in (k, v))
+                mask, causal = None, True
             else:  # whole blocks of the context, then trimmed to its length
                 table = meta.prefill_tables[i]
-                ki = k_cache.index_select(0, table).view(-1, h_kv, d)[:ctx]  # (ctx, H_kv, D)
-                vi = v_cache.index_select(0, table).view(-1, h_kv, d)[:ctx]
+                ki = k_cache.index_select(0, table).view(-1, h_kv, d)[:ctx].to(q.dtype)  # (ctx, H_kv, D)
+                vi = v_cache.index_select(0, table).view(-1, h_kv, d)[:ctx].to(q.dtype)
                 mask, causal = causal_offset_mask(n, ctx, q.device), False
             o = F.scaled_dot_product_attention(qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
                                                attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True)
@@ -81,8 +84,8 @@ class TorchAttention:
         elif meta.num_decodes:
             b = meta.num_decodes
             idx = meta.decode_tables.reshape(-1)
-            kd = k_cache.index_select(0, idx).view(b, -1, h_kv, d).transpose(1, 2)  # (B, H_kv, L, D)
-            vd = v_cache.index_select(0, idx).view(b, -1, h_kv, d).transpose(1, 2)
+            kd = k_cache.index_select(0, idx).view(b, -1, h_kv, d).transpose(1, 2).to(q.dtype)  # (B, H_kv, L, D)
+            vd = v_cache.index_select(0, idx).view(b, -1, h_kv, d).transpose(1, 2).to(q.dtype)
             mask = meta.decode_mask[:, None, None, :]  # (B, 1, 1, L)
             o = F.scaled_dot_product_attention(q[row:].unsqueeze(2), kd, vd, attn_mask=mask, scale=self.scale,
                                                enable_gqa=True)  # (B, H, 1, D)

@@ -15,8 +15,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torc
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (fp32, CPU)");
-  m.def("paged_prefill", &paged_prefill, "paged causal prefill attention of one chunk, into out (fp32, CPU)");
+  m.def("paged_decode", &paged_decode, "paged decode attention (fp32 q, fp32 or fp16 K/V caches, CPU)");
+  m.def("paged_prefill", &paged_prefill, "paged causal prefill attention of one chunk, into out (fp32 q, fp32 or fp16 K/V caches, CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (fp32, CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "h += x in place, then RMSNorm of h (fp32, CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (T, 2I) gate/up output (fp32, CPU)");

@@ -1,5 +1,6 @@
 // Paged decode attention for fp32 on CPU (see stages/cpu_kernels.py).
-// q (B, H, D); k_cache, v_cache (NB, BS, H_kv, D); tables (B, NBT) int64; lens (B,) int64.
+// q (B, H, D); k_cache, v_cache (NB, BS, H_kv, D) fp32 or fp16 (T: widened as read); tables (B, NBT)
+// int64; lens (B,) int64.
 // Each KV head's G = H / H_kv query heads share every K/V row read; two passes (scores and
 // softmax over a contiguous buffer, then the V sum), each row read once, block by block.
 // With AVX2 and a common head size / group (64 or 128; 1, 2, 3, 4 or 8), heads_tiled does
@@ -16,10 +17,11 @@
 
 namespace {
 
+template <typename T>
 struct Args {
   const float* q;
-  const float* k;
-  const float* v;
+  const T* k;
+  const T* v;
   const int64_t* tables;
   const int64_t* lens;
   float* out;
@@ -30,8 +32,8 @@ struct Args {
 // One (sequence b, KV head h). DC / GC: the head size / query heads per KV head if known at
 // compile time, else 0 (a.Dyn / a.G): with both fixed, each K or V row is loaded once for all
 // G heads and the d-loops vectorise with G accumulators.
-template <int DC, int GC>
-void one_head(const Args& a, int64_t b, int64_t h, std::vector<float>& p, std::vector<float>& acc,
+template <typename T, int DC, int GC>
+void one_head(const Args<T>& a, int64_t b, int64_t h, std::vector<float>& p, std::vector<float>& acc,
               std::vector<float>& inv) {
   const int64_t D = DC > 0 ? DC : a.Dyn;
   const int64_t G = GC > 0 ? GC : a.G, len = a.lens[b], row_stride = a.Hkv * D;
@@ -41,12 +43,12 @@ void one_head(const Args& a, int64_t b, int64_t h, std::vector<float>& p, std::v
   // pass 1: scores of the G query heads against each K row, read once
   for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {
     const int64_t n = std::min(a.BS, len - start);
-    const float* kr = a.k + (table[blk] * a.BS * a.Hkv + h) * D;
+    const T* kr = a.k + (table[blk] * a.BS * a.Hkv + h) * D;
     for (int64_t j = 0; j < n; ++j, kr += row_stride) {
       if constexpr (GC > 0) {
         float dot[GC] = {};
         for (int64_t d = 0; d < D; ++d) {
-          const float kd = kr[d];
+          const float kd = to_f32(kr[d]);
           for (int g = 0; g < GC; ++g) dot[g] += qb[g * D + d] * kd;
         }
         for (int g = 0; g < GC; ++g) p[g * len + start + j] = dot[g] * a.scale;
@@ -54,7 +56,7 @@ void one_head(const Args& a, int64_t b, int64_t h, std::vector<float>& p, std::v
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qb + g * D;
           float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * kr[d];
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * to_f32(kr[d]);
           p[g * len + start + j] = dot * a.scale;
         }
       }
@@ -69,21 +71,21 @@ void one_head(const Args& a, int64_t b, int64_t h, std::vector<float>& p, std::v
   std::fill(acc.begin(), acc.begin() + G * D, 0.f);
   for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {
     const int64_t n = std::min(a.BS, len - start);
-    const float* vr = a.v + (table[blk] * a.BS * a.Hkv + h) * D;
+    const T* vr = a.v + (table[blk] * a.BS * a.Hkv + h) * D;
     for (int64_t j = 0; j < n; ++j, vr += row_stride) {
       if constexpr (GC > 0) {
         float w[GC];
         for (int g = 0; g < GC; ++g) w[g] = p[g * len + start + j];
         float* ag = acc.data();
         for (int64_t d = 0; d < D; ++d) {
-          const float vd = vr[d];
+          const float vd = to_f32(vr[d]);
           for (int g = 0; g < GC; ++g) ag[g * D + d] += w[g] * vd;
         }
       } else {
         for (int64_t g = 0; g < G; ++g) {
           const float w = p[g * len + start + j];
           float* ag = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) ag[d] += w * vr[d];
+          for (int64_t d = 0; d < D; ++d) ag[d] += w * to_f32(vr[d]);
         }
       }
     }
@@ -113,8 +115,8 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 
 // scores of the G query heads (qb: (G, D)) against R rows from kr (stride rs): p[g·len + j] = q_g·k_j·scale
-template <int DC, int GC, int R>
-inline void score_rows(const float* qb, const float* kr, int64_t rs, float scale, float* p, int64_t len) {
+template <typename T, int DC, int GC, int R>
+inline void score_rows(const float* qb, const T* kr, int64_t rs, float scale, float* p, int64_t len) {
   __m256 acc[GC][R];
   for (int g = 0; g < GC; ++g)
     for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_ps();
@@ -122,7 +124,7 @@ inline void score_rows(const float* qb, const float* kr, int64_t rs, float scale
     __m256 qv[GC];
     for (int g = 0; g < GC; ++g) qv[g] = _mm256_loadu_ps(qb + g * DC + d);
     for (int r = 0; r < R; ++r) {
-      const __m256 kv = _mm256_loadu_ps(kr + r * rs + d);
+      const __m256 kv = load8(kr + r * rs + d);
       for (int g = 0; g < GC; ++g) acc[g][r] = _mm256_fmadd_ps(qv[g], kv, acc[g][r]);
     }
   }
@@ -141,8 +143,8 @@ inline void score_rows(const float* qb, const float* kr, int64_t rs, float scale
 // keys, 15 layers' caches, 1 thread); all heads of a row before the next row keeps the walk
 // sequential within a block: 10.5 GB/s scattered, 20 GB/s when the blocks are in order, 35 GB/s
 // hot in cache (compute is not the limit). Software prefetch of the next block did not help.
-template <int DC, int GC>
-void heads_tiled(const Args& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& p, std::vector<float>& acc,
+template <typename T, int DC, int GC>
+void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& p, std::vector<float>& acc,
                  std::vector<float>& inv) {
   constexpr int R = rows_at_once(GC), CV = slice_vectors(GC), W = 8 * CV, RV = 4;
   static_assert(DC % W == 0, "head size must be a whole number of slices");
@@ -160,10 +162,10 @@ void heads_tiled(const Args& a, int64_t b, int64_t h0, int64_t h1, std::vector<f
       const bool full = j + R <= n;
       for (int64_t h = h0; h < h1; ++h) {
         const float* qb = a.q + (b * a.H + h * GC) * DC;
-        const float* kr = a.k + (table[blk] * a.BS * a.Hkv + h) * DC + j * rs;
+        const T* kr = a.k + (table[blk] * a.BS * a.Hkv + h) * DC + j * rs;
         float* ph = p.data() + (h - h0) * GC * len + start + j;
-        if (full) score_rows<DC, GC, R>(qb, kr, rs, a.scale, ph, len);
-        else score_rows<DC, GC, 1>(qb, kr, rs, a.scale, ph, len);
+        if (full) score_rows<T, DC, GC, R>(qb, kr, rs, a.scale, ph, len);
+        else score_rows<T, DC, GC, 1>(qb, kr, rs, a.scale, ph, len);
       }
       j += full ? R : 1;
     }
@@ -179,19 +181,19 @@ void heads_tiled(const Args& a, int64_t b, int64_t h0, int64_t h1, std::vector<f
     for (int64_t j0 = 0; j0 < n; j0 += RV) {  // RV rows in order, as in pass 1
       const int64_t nr = std::min<int64_t>(RV, n - j0);
       for (int64_t h = h0; h < h1; ++h) {
-        const float* vb = a.v + (table[blk] * a.BS * a.Hkv + h) * DC + j0 * rs;
+        const T* vb = a.v + (table[blk] * a.BS * a.Hkv + h) * DC + j0 * rs;
         const float* ph = p.data() + (h - h0) * GC * len + start + j0;
         float* ah = acc.data() + (h - h0) * GC * DC;
         for (int c0 = 0; c0 < DC; c0 += W) {
           __m256 o[GC][CV];
           for (int g = 0; g < GC; ++g)
             for (int c = 0; c < CV; ++c) o[g][c] = _mm256_loadu_ps(ah + g * DC + c0 + 8 * c);
-          const float* vr = vb + c0;
+          const T* vr = vb + c0;
           for (int64_t j = 0; j < nr; ++j, vr += rs) {
             __m256 w[GC];
             for (int g = 0; g < GC; ++g) w[g] = _mm256_broadcast_ss(ph + g * len + j);
             for (int c = 0; c < CV; ++c) {
-              const __m256 vv = _mm256_loadu_ps(vr + 8 * c);
+              const __m256 vv = load8(vr + 8 * c);
               for (int g = 0; g < GC; ++g) o[g][c] = _mm256_fmadd_ps(w[g], vv, o[g][c]);
             }
           }
@@ -209,8 +211,8 @@ void heads_tiled(const Args& a, int64_t b, int64_t h0, int64_t h1, std::vector<f
 }
 #endif
 
-template <int DC, int GC>
-void run(const Args& a, int64_t B) {
+template <typename T, int DC, int GC>
+void run(const Args<T>& a, int64_t B) {
 #ifdef PP_AVX2
   if constexpr (DC > 0 && GC > 0) {
     // a task per sequence (all its KV heads) when that still gives every thread work; else per head
@@ -220,7 +222,7 @@ void run(const Args& a, int64_t B) {
       std::vector<float> p, acc, inv;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i * per / a.Hkv, h0 = i * per % a.Hkv;
-        heads_tiled<DC, GC>(a, b, h0, h0 + per, p, acc, inv);
+        heads_tiled<T, DC, GC>(a, b, h0, h0 + per, p, acc, inv);
       }
     });
     return;
@@ -228,19 +230,30 @@ void run(const Args& a, int64_t B) {
 #endif
   at::parallel_for(0, B * a.Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p, acc(a.G * (DC > 0 ? DC : a.Dyn)), inv(a.G);
-    for (int64_t i = begin; i < end; ++i) one_head<DC, GC>(a, i / a.Hkv, i % a.Hkv, p, acc, inv);
+    for (int64_t i = begin; i < end; ++i) one_head<T, DC, GC>(a, i / a.Hkv, i % a.Hkv, p, acc, inv);
   });
 }
 
-template <int DC>
-void run_g(const Args& a, int64_t B) {
+template <typename T, int DC>
+void run_g(const Args<T>& a, int64_t B) {
   switch (a.G) {  // the GQA groupings of common checkpoints (SmolLM2: 3; LLaMA-3, Mistral: 4)
-    case 1: return run<DC, 1>(a, B);
-    case 2: return run<DC, 2>(a, B);
-    case 3: return run<DC, 3>(a, B);
-    case 4: return run<DC, 4>(a, B);
-    case 8: return run<DC, 8>(a, B);
-    default: return run<DC, 0>(a, B);
+    case 1: return run<T, DC, 1>(a, B);
+    case 2: return run<T, DC, 2>(a, B);
+    case 3: return run<T, DC, 3>(a, B);
+    case 4: return run<T, DC, 4>(a, B);
+    case 8: return run<T, DC, 8>(a, B);
+    default: return run<T, DC, 0>(a, B);
+  }
+}
+
+template <typename T>
+void run_d(const Args<T>& a, int64_t B) {
+  if (a.Dyn == 64) {
+    run_g<T, 64>(a, B);
+  } else if (a.Dyn == 128) {
+    run_g<T, 128>(a, B);
+  } else {
+    run<T, 0, 0>(a, B);
   }
 }
 
@@ -248,8 +261,9 @@ void run_g(const Args& a, int64_t B) {
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor lens, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-              v_cache.dtype() == torch::kFloat32, "paged_decode: float32 only");
+  const auto kv = k_cache.scalar_type();
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && (kv == torch::kFloat32 || kv == torch::kFloat16) &&
+              v_cache.scalar_type() == kv, "paged_decode: float32 q, float32 or float16 caches");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               tables.is_contiguous() && lens.is_contiguous(), "paged_decode: contiguous inputs");
   TORCH_CHECK(tables.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64, "paged_decode: int64 tables/lens");
@@ -257,15 +271,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t Hkv = k_cache.size(2);
   TORCH_CHECK(H % Hkv == 0 && k_cache.size(3) == D, "paged_decode: head shapes");
   auto out = torch::empty_like(q);
-  Args a{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(),
-         lens.data_ptr<int64_t>(), out.data_ptr<float>(), H, Hkv, H / Hkv, k_cache.size(1), tables.size(1), D,
-         static_cast<float>(scale)};
-  if (D == 64) {
-    run_g<64>(a, B);
-  } else if (D == 128) {
-    run_g<128>(a, B);
+  if (kv == torch::kFloat16) {
+    run_d(Args<c10::Half>{q.data_ptr<float>(), k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>(),
+                          tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), H, Hkv,
+                          H / Hkv, k_cache.size(1), tables.size(1), D, static_cast<float>(scale)}, B);
   } else {
-    run<0, 0>(a, B);
+    run_d(Args<float>{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), H, Hkv, H / Hkv,
+                      k_cache.size(1), tables.size(1), D, static_cast<float>(scale)}, B);
   }
   return out;
 }

@@ -1,5 +1,6 @@
 // Paged causal prefill attention for fp32 on CPU (see stages/cpu_kernels.py), one chunk per call.
-// q (n, H, D) with any row stride; k_cache, v_cache (NB, BS, H_kv, D); table (nb,) int64;
+// q (n, H, D) with any row stride; k_cache, v_cache (NB, BS, H_kv, D), fp32 or fp16 (widened to
+// fp32 when packed); table (nb,) int64;
 // the chunk is the last n of ctx positions, its own K/V already written to the cache.
 //
 // Why not SDPA: its CPU flash kernel runs a fresh 256-token causal chunk at ~11 GFLOP/s, and a
@@ -30,8 +31,8 @@ constexpr float kNoMax = -1e30f;
 
 struct Args {
   const float* q;
-  const float* k;
-  const float* v;
+  const void* k;  // T: float or c10::Half, as the cache is
+  const void* v;
   const int64_t* table;
   float* out;
   int64_t q_row, out_row, n, ctx, H, Hkv, G, D, BS;
@@ -117,14 +118,18 @@ inline void pv_tile(const float* p, int64_t ldp, const float* vp, int64_t kc, fl
 }
 
 // The panels of KV head h for the positions of cache block blk (both read once, in place).
+template <typename T>
 void pack_block(const Args& a, int64_t h, int64_t blk, float* kt, float* vp) {
   const int64_t j0 = blk * a.BS, j1 = std::min(a.ctx, j0 + a.BS), D = a.D, row = a.Hkv * D;
-  const float* kr = a.k + (a.table[blk] * a.BS * a.Hkv + h) * D;
-  const float* vr = a.v + (a.table[blk] * a.BS * a.Hkv + h) * D;
+  const T* kr = static_cast<const T*>(a.k) + (a.table[blk] * a.BS * a.Hkv + h) * D;
+  const T* vr = static_cast<const T*>(a.v) + (a.table[blk] * a.BS * a.Hkv + h) * D;
   for (int64_t j = j0; j < j1; ++j, kr += row, vr += row) {
     float* kp = kt + (h * (a.Lp / NR) + j / NR) * D * NR + j % NR;
-    for (int64_t d = 0; d < D; ++d) kp[d * NR] = kr[d];
-    for (int64_t c = 0; c < D; c += NR) std::copy(vr + c, vr + c + NR, vp + ((h * (D / NR) + c / NR) * a.Lp + j) * NR);
+    for (int64_t d = 0; d < D; ++d) kp[d * NR] = to_f32(kr[d]);
+    for (int64_t c = 0; c < D; c += NR) {
+      float* vo = vp + ((h * (D / NR) + c / NR) * a.Lp + j) * NR;
+      for (int64_t i = 0; i < NR; ++i) vo[i] = to_f32(vr[c + i]);
+    }
   }
 }
 
@@ -203,8 +208,10 @@ void run(const Args& a) {
 
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
                    int64_t ctx, double scale, torch::Tensor out) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
-              v_cache.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32, "paged_prefill: float32 only");
+  const auto kv = k_cache.scalar_type();
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && (kv == torch::kFloat32 || kv == torch::kFloat16) &&
+              v_cache.scalar_type() == kv && out.dtype() == torch::kFloat32,
+              "paged_prefill: float32 q and out, float32 or float16 caches");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_prefill: q rows (H, D) contiguous");
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2),
               "paged_prefill: out like q");
@@ -225,12 +232,15 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   for (int64_t h = 0; h < Hkv && Lp > ctx; ++h)
     for (int64_t d = 0; d < D; ++d)
       std::fill_n(kt.get() + ((h * (Lp / NR) + Lp / NR - 1) * D + d) * NR + ctx % NR, Lp - ctx, 0.f);
-  Args a{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table.data_ptr<int64_t>(),
+  Args a{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr<int64_t>(),
          out.data_ptr<float>(), q.stride(0), out.stride(0), n, ctx, H, Hkv, H / Hkv, D, BS,
          static_cast<float>(scale), kt.get(), vp.get(), Lp};
   const int64_t blocks = (ctx + BS - 1) / BS;
   at::parallel_for(0, Hkv * blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) pack_block(a, i / blocks, i % blocks, kt.get(), vp.get());
+    for (int64_t i = begin; i < end; ++i) {
+      if (kv == torch::kFloat16) pack_block<c10::Half>(a, i / blocks, i % blocks, kt.get(), vp.get());
+      else pack_block<float>(a, i / blocks, i % blocks, kt.get(), vp.get());
+    }
   });
   if (D == 64) {
     run<64>(a);

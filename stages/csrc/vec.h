@@ -4,9 +4,20 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#include <c10/util/Half.h>
+
+// K/V cache elements: fp32, or fp16 (--kv-cache-dtype float16) widened to fp32 as they are read
+inline float to_f32(float x) { return x; }
+inline float to_f32(c10::Half x) { return static_cast<float>(x); }
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PP_AVX2 1
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {  // 8 halves -> 8 floats, exactly
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 #if defined(__AVX512F__)
 #define PP_AVX512 1  // 16-lane FMAs: twice the 8-lane peak where the core has 512-bit FMA units
 #endif

@@ -168,3 +168,19 @@ def test_kv_cache_far_below_demand_preempts_without_changing_outputs(scheduler: 
     assert all(o.finish_reason == "length" for i, o in enumerate(got) if i != 5)
     preemptions = sum(r.num_preemptions for r in small.last_run.requests)
     assert preemptions >= 5 and summary["preemptions"] == preemptions
+
+
+def test_float16_kv_cache_holds_twice_the_tokens_in_the_same_budget() -> None:
+    """LLM(kv_cache_dtype="float16") at pp = 2: every stage's cache is half, the plan holds twice
+    the blocks for the same budget, and a run completes; a bad value names the setting."""
+    kw = dict(model="llama-tiny", pp=2, launcher="local", chunk_size=8, max_batch_size=3, memory_budget_gb=0.05)
+    plans = {}
+    for kv in ("auto", "float16"):
+        with LLM(kv_cache_dtype=kv, **kw) as llm:
+            plans[kv] = llm.memory
+            out = llm.generate([list(range(3, 40))], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+            assert out.finish_reason == "length" and len(out.token_ids) == 5
+    assert plans["float16"].kv_bytes_per_token * 2 == plans["auto"].kv_bytes_per_token
+    assert plans["float16"].num_blocks >= 2 * plans["auto"].num_blocks - 1
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or float16, got 'fp8'"):
+        LLM(kv_cache_dtype="fp8", **kw)

@@ -148,3 +148,55 @@ def test_xformers_kernel_matches_torch_on_cuda() -> None:
     ours = make_backend("xformers", "cuda", D ** -0.5).forward(q, k, v, kc.clone(), vc.clone(), meta)
     ref = TorchAttention(D ** -0.5).forward(q, k, v, kc, vc, meta)
     torch.testing.assert_close(ours, ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("hkv,grp,d", [(3, 3, 64), (2, 4, 128), (2, 5, 64), (1, 5, 48)])
+def test_kernels_read_float16_caches_as_their_float32_widening(threads: int, hkv: int, grp: int, d: int) -> None:
+    """--kv-cache-dtype float16: both kernels widen each K/V element exactly as it is read, so the
+    register-tiled decode path and the prefill kernel (which widens while packing) give bit for bit
+    the fp32 kernel's result on the widened cache; the plain-loop decode path (group 5) may sum in
+    another order once the compiler vectorises the widening, so it is held to float rounding."""
+    if not cpu_kernels.available():
+        pytest.skip("CPU paged-attention kernel could not be built here")
+    g = torch.Generator().manual_seed(d + grp)
+    bs, b, nb = 16, 5, 8
+    kh = torch.randn(60, bs, hkv, d, generator=g).half()
+    vh = torch.randn(60, bs, hkv, d, generator=g).half()
+    tables = torch.randperm(60, generator=g)[:b * nb].view(b, nb).contiguous()
+    lens = torch.tensor([1, 17, 50, 100, 128])
+    q = torch.randn(b, hkv * grp, d, generator=g)
+    n, ctx = 40, 100
+    qp = torch.randn(n, hkv * grp, d, generator=g)
+    out16, out32 = torch.empty_like(qp), torch.empty_like(qp)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dec16 = cpu_kernels.paged_decode(q, kh, vh, tables, lens, d ** -0.5)
+        dec32 = cpu_kernels.paged_decode(q, kh.float(), vh.float(), tables, lens, d ** -0.5)
+        if d % cpu_kernels.TILE == 0:
+            cpu_kernels.paged_prefill(qp, kh, vh, tables[0], ctx, d ** -0.5, out16)
+            cpu_kernels.paged_prefill(qp, kh.float(), vh.float(), tables[0], ctx, d ** -0.5, out32)
+    finally:
+        torch.set_num_threads(old)
+    if grp in (1, 2, 3, 4, 8) and d in (64, 128):
+        assert torch.equal(dec16, dec32)
+    else:
+        torch.testing.assert_close(dec16, dec32, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out16, out32)
+
+
+@pytest.mark.parametrize("paged_kernel", [True, False])
+def test_torch_backend_with_float16_cache_matches_dense_on_the_rounded_kv(paged_kernel: bool,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp16 cache: the new tokens' K/V are rounded once as they are written, and every path
+    (kernels, gather + SDPA, a fresh chunk attending to itself) attends over those rounded values."""
+    if paged_kernel and not cpu_kernels.available():
+        pytest.skip("CPU paged-attention kernel could not be built here")
+    monkeypatch.setattr(TorchAttention, "_use_paged_kernel", staticmethod(lambda q: paged_kernel))
+    chunks, q, k, v, kc, vc = mixed_batch(d=16)
+    kc16, vc16 = kc.half(), vc.half()
+    meta = build_metadata(chunks, BS, torch.device("cpu"))
+    out = TorchAttention(16 ** -0.5).forward(q, k, v, kc16, vc16, meta)
+    assert kc16.dtype == torch.float16  # written in place, still half
+    torch.testing.assert_close(out, dense_reference(chunks, q, kc16.float(), vc16.float()), rtol=1e-5, atol=1e-5)

@@ -17,8 +17,8 @@ from tests.conftest import ARCHS, mixed_prompts
 BLOCK = 4
 
 
-def make_worker(path: str, pp: int = 1, stage: int = 0) -> StageWorker:
-    spec = WorkerSpec(resolve_model(path), stage, 0, ParallelConfig(pp), CacheConfig(BLOCK, 1 << 26),
+def make_worker(path: str, pp: int = 1, stage: int = 0, kv_dtype: str = "auto") -> StageWorker:
+    spec = WorkerSpec(resolve_model(path), stage, 0, ParallelConfig(pp), CacheConfig(BLOCK, 1 << 26, kv_dtype),
                       DeviceConfig("cpu", "float32", "torch"))
     w = StageWorker(spec, TPContext(), None)
     w.allocate_cache(64)
@@ -118,3 +118,18 @@ def test_kv_cache_starts_zeroed(hf_models: dict, dtype: str) -> None:
     w.allocate_cache(32)
     for k, v in w.kv_caches:
         assert k.dtype == getattr(torch, dtype) and not k.any() and not v.any()
+
+
+def test_float16_kv_cache_halves_the_bytes_and_tracks_float32(hf_models: dict) -> None:
+    """--kv-cache-dtype float16 on an fp32 model: half the KV bytes per token (twice the blocks in
+    a budget), logits over a prompt fed in chunks (cached K/V read back) within fp16 rounding."""
+    path = str(hf_models["llama"])
+    prompt = mixed_prompts(lengths=(30,))[0]
+    w32, w16 = make_worker(path), make_worker(path, kv_dtype="float16")
+    assert w16.memory_profile().kv_bytes_per_token * 2 == w32.memory_profile().kv_bytes_per_token
+    assert all(k.dtype == torch.float16 and v.dtype == torch.float16 for k, v in w16.kv_caches)
+    table = tuple(range(8))
+    with torch.inference_mode():
+        a, b = run_chunks(w32, prompt, 7, table), run_chunks(w16, prompt, 7, table)
+    assert not torch.equal(a, b)  # the cache really rounds
+    torch.testing.assert_close(b, a, rtol=0, atol=2e-3 * a.abs().max().item())
