@@ -175,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--dtype", choices=DTYPES, default="float32")
     pr.add_argument("--attention", choices=("torch", "xformers", "auto"), default="auto")
     pr.add_argument("--threads", type=_nonnegative_int, default=0)
+    pr.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto")
     pr.add_argument("--grid", default="default",
                     help="default, quick, or overrides such as 'decode=1,4,16;context=768;prefill=' "
                          "(stages/profile.py: parse_grid)")
@@ -200,7 +201,8 @@ def parse_partition(text: str | None) -> list[float] | None:
     if not text:
         return None
     try:
-        return [int(x) if float(x).is_integer() else float(x) for x in text.split(",")]
+        values = [float(x) for x in text.split(",")]
+        return [int(v) if v.is_integer() else v for v in values]
     except ValueError:
         raise ValueError(f"--partition must be comma-separated layer counts, got {text!r}") from None
 
@@ -342,6 +344,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
     siblings = [_profile_sibling(a, k, barrier) for k in range(1, a.colocate)]
     try:
         run_profile(a.model, a.device, a.dtype, a.out, grid=a.grid, threads=a.threads, attention=a.attention,
+                    kv_dtype=a.kv_cache_dtype,
                     progress=not a.quiet, ready=(lambda: _file_barrier(barrier[0], int(barrier[1])))
                     if barrier else None)
     finally:
@@ -360,7 +363,7 @@ def _profile_deployment(a: argparse.Namespace, grid: object) -> int:
     partition = parse_partition(a.partition)
     with LLM(a.model, pp=a.pp, tp=a.tp, launcher=a.launcher, dtype=a.dtype, device=a.device, attention=a.attention,
              block_size=grid.block_size, memory_budget_gb=a.memory_budget_gb, max_model_len=grid.max_len(),
-             partition=partition, threads=a.threads) as llm:
+             partition=partition, threads=a.threads, kv_cache_dtype=a.kv_cache_dtype) as llm:
         profile_deployment(llm, a.grid, a.out, progress=not a.quiet)
     print(f"per-stage profiles in {a.out}/stage-K/profile.csv")
     return 0
@@ -372,6 +375,7 @@ def _profile_sibling(a: argparse.Namespace, k: int, barrier: tuple[str, str]) ->
     out.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, "-m", "launch.cli", "profile", "--device", a.device, "--dtype", a.dtype,
             "--attention", a.attention, "--threads", str(a.threads), "--grid", a.grid, "--out", str(out), "--quiet",
+            "--kv-cache-dtype", a.kv_cache_dtype,
             "--barrier", *barrier]
     if a.model:
         args += ["--model", a.model]

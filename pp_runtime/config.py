@@ -7,6 +7,7 @@ never written back here.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 SCHEDULER_POLICIES = ("sarathi", "orca", "prefill_first", "request_level")
@@ -96,7 +97,7 @@ class ParallelConfig:
         if self.partition is not None:
             if len(self.partition) != self.pp:
                 raise ValueError(f"ParallelConfig.partition has {len(self.partition)} entries, pp={self.pp}")
-            if any(isinstance(n, bool) or not isinstance(n, (int, float)) or n <= 0 or (2 * n) % 1
+            if any(isinstance(n, bool) or not isinstance(n, numbers.Real) or n <= 0 or (2 * n) % 1
                    for n in self.partition):
                 raise ValueError("ParallelConfig.partition entries must be positive multiples of 0.5 "
                                  f"(layer counts, halves split a layer after its attention), got {list(self.partition)}")
@@ -107,7 +108,7 @@ class ParallelConfig:
 
     def check_model(self, model: ModelConfig) -> None:
         """Raise ValueError when this split does not fit ``model``."""
-        if self.pp > model.num_layers:
+        if self.partition is None and self.pp > model.num_layers:
             raise ValueError(f"pp={self.pp} exceeds the model's num_layers={model.num_layers}")
         if self.partition is not None and sum(self.partition) != model.num_layers:
             raise ValueError(f"partition {list(self.partition)} sums to {sum(self.partition)}, "
@@ -169,6 +170,15 @@ class SchedulerConfig:
 
 
 KV_DTYPES = ("auto", "float16")
+
+
+def check_kv_dtype(kv_dtype: str, device: str, dtype: str) -> None:
+    """ValueError unless the KV cache dtype suits the model's: float16 is for fp32 models on CPU."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be {' or '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if kv_dtype == "float16" and (device != "cpu" or dtype != "float32"):
+        raise ValueError(f"kv_cache_dtype float16 is for float32 models on CPU (got --device {device} --dtype "
+                         f"{dtype}: there the cache already takes the model's dtype; use auto)")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ KeyboardInterrupt (Ctrl-C; the CLI turns SIGTERM into one) cancels them and kill
 from __future__ import annotations
 
 import inspect
+import numbers
 import signal
 import sys
 import threading
@@ -22,7 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
-from pp_runtime.config import (KV_DTYPES, CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig)
+from pp_runtime.config import (CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig,
+                               check_kv_dtype)
 from pp_runtime.engine import Engine
 from pp_runtime.executor import WorkerError
 from pp_runtime.kv_cache import BlockManager
@@ -83,19 +85,29 @@ class MemoryPlan:
 
 
 def plan_memory(profiles: list, block_size: int, max_model_len: int) -> MemoryPlan:
-    """Every stage holds the same block pool, so the tightest worker sets its size."""
-    tight = min(profiles, key=lambda p: (p.budget_bytes - p.weight_bytes) / p.kv_bytes_per_token)
+    """Every stage holds the same block pool, so the tightest worker sets its size. A stage
+    holding only the MLP half of a layer (partition 3.5, 0.5) keeps no K/V and sets nothing."""
+    holders = [p for p in profiles if p.kv_bytes_per_token > 0]
+    tight = min(holders, key=lambda p: (p.budget_bytes - p.weight_bytes) / p.kv_bytes_per_token)
     free = tight.budget_bytes - tight.weight_bytes
     num_blocks = max(0, free // (block_size * tight.kv_bytes_per_token))
     return MemoryPlan(num_blocks, max(0, free // (max_model_len * tight.kv_bytes_per_token)),
                       tight.budget_bytes, tight.weight_bytes, tight.kv_bytes_per_token, max_model_len)
 
 
+def _plain_number(n: object) -> object:
+    """A numpy or other Real as int or float (a YAML or numpy loader may give either); else as is,
+    for ParallelConfig to reject by name."""
+    if isinstance(n, numbers.Real) and not isinstance(n, bool):
+        return int(n) if float(n).is_integer() else float(n)
+    return n
+
+
 def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, scheduler: str = "sarathi",
                         chunk_size: int = 256, max_batch_size: int | None = None, tile_align: bool = False,
                         dtype: str = "float32", device: str = "cpu", attention: str = "auto", seed: int = 0,
                         block_size: int = 16, memory_budget_gb: float | None = None,
-                        max_model_len: int | None = None, partition: Sequence[int] | None = None,
+                        max_model_len: int | None = None, partition: Sequence[float] | None = None,
                         threads: int = 0, gguf_weights: str = "native",
                         kv_cache_dtype: str = "auto") -> tuple[EngineConfig, object]:
     """Resolve the model and validate every setting; raises ValueError naming the bad one.
@@ -103,17 +115,13 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
     from stages.weights import resolve_model
     source = resolve_model(model)
     mcfg = source.config
-    parallel = ParallelConfig(pp, tp, tuple(partition) if partition else None)
+    parallel = ParallelConfig(pp, tp, tuple(_plain_number(n) for n in partition) if partition else None)
     parallel.check_model(mcfg)
     if device == "cuda":
         import torch
         if not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA GPU is available")
-    if kv_cache_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be {' or '.join(KV_DTYPES)}, got {kv_cache_dtype!r}")
-    if kv_cache_dtype == "float16" and (device != "cpu" or dtype != "float32"):
-        raise ValueError(f"kv_cache_dtype float16 is for float32 models on CPU (got --device {device} --dtype "
-                         f"{dtype}: there the cache already takes the model's dtype; use auto)")
+    check_kv_dtype(kv_cache_dtype, device, dtype)
     if memory_budget_gb is not None and not memory_budget_gb > 0:
         raise ValueError(f"memory_budget_gb must be > 0, got {memory_budget_gb}")
     budget = None if memory_budget_gb is None and device == "cuda" else \
@@ -145,7 +153,7 @@ class LLM:
                  tile_align: bool = False, dtype: str = "float32", device: str = "cpu",
                  attention: str = "auto", seed: int = 0, block_size: int = 16,
                  memory_budget_gb: float | None = None, max_model_len: int | None = None,
-                 partition: Sequence[int] | None = None, threads: int = 0, verbose: bool = False,
+                 partition: Sequence[float] | None = None, threads: int = 0, verbose: bool = False,
                  gguf_weights: str = "native", kv_cache_dtype: str = "auto") -> None:
         self.config, self.source = build_engine_config(
             model, pp, tp, scheduler, chunk_size, max_batch_size, tile_align, dtype, device, attention, seed,

@@ -42,6 +42,9 @@ from pp_runtime.profile_grid import (Grid, Layout, Point, format_table, grid_poi
 def check_fits(llm: object, grid: Grid) -> Layout:
     """The grid's KV layout, or ValueError naming what the deployment lacks."""
     cache, model = llm.config.cache, llm.source.config
+    if any(u % 2 for span in llm.config.parallel.stage_units(model.num_layers) for u in span):
+        raise ValueError(f"partition {list(llm.config.parallel.partition)}: a profile is per layer for the simulator, "
+                         "which models whole layers per stage; profile a whole-layer partition")
     if grid.block_size != cache.block_size:
         raise ValueError(f"grid block_size={grid.block_size} differs from the deployment's {cache.block_size}")
     if grid.max_len() > model.max_position_embeddings:
@@ -154,7 +157,7 @@ def profile_deployment(llm: object, grid: str | Grid, out_dir: str, progress: bo
         all_rows.append(rows)
     cfg = llm.config
     summary = {"pp": pp, "tp": cfg.parallel.tp, "launcher": llm.launcher, "threads": cfg.device.threads,
-               "device": cfg.device.device, "dtype": cfg.device.dtype, "grid": grid if isinstance(grid, str) else
+               "device": cfg.device.device, "dtype": cfg.device.dtype, "kv_cache_dtype": cfg.cache.kv_dtype, "grid": grid if isinstance(grid, str) else
                "custom", "warmup": g.warmup, "reps": g.reps, "stat": g.stat, "stages": stages,
                "overheads_us": overheads_us(on_driver_clock, submitted, returned, keep),
                "jitter": stage_jitter(runs)}

@@ -106,7 +106,7 @@ class StageWorker:
         return {"stage": self.spec.stage, "tp_rank": self.spec.tp_rank, "pid": os.getpid(),
                 "node": os.uname().nodename, "device": str(self.device), "layers": [u / 2 if u % 2 else u // 2 for u in self.units],
                 "weight_bytes": self.weight_bytes, "layer_weight_bytes": self._layer_bytes(),
-                "attention": self.model.backend.name}
+                "attention": self.model.backend.name, "kv_dtype": str(self.kv_dtype).removeprefix("torch.")}
 
     def _layer_bytes(self) -> int:
         """Resident bytes of the decoder layers alone (embedding and LM head excluded)."""

@@ -21,8 +21,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Store the new tokens' K/V (T, H_kv, D) in the paged caches (NB, BS, H_kv, D), rounded to
     the cache's dtype where it is narrower (``CacheConfig.kv_dtype``)."""
     h, d = k.shape[1:]
-    k_cache.view(-1, h, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, h, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    k_cache.view(-1, h, d).index_copy_(0, meta.slot_mapping, _narrow(k, k_cache.dtype))
+    v_cache.view(-1, h, d).index_copy_(0, meta.slot_mapping, _narrow(v, v_cache.dtype))
+
+
+def _narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's dtype; into fp16 clamped to its finite range (65504), since an inf key
+    would turn every score of the row into NaN."""
+    if x.dtype == dtype:
+        return x
+    if dtype == torch.float16:
+        x = x.clamp(-65504.0, 65504.0)
+    return x.to(dtype)
 
 
 def causal_offset_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
@@ -67,7 +77,7 @@ class TorchAttention:
             qi = q[row:row + n].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
             if meta.fresh_prefill[i]:  # nothing cached: attend to the chunk itself, plain causal
                 # as the cache holds them (an fp16 cache rounds them), as the kernels read them
-                ki, vi = (t[row:row + n].to(k_cache.dtype).to(q.dtype) for t in (k, v))
+                ki, vi = (_narrow(t[row:row + n], k_cache.dtype).to(q.dtype) for t in (k, v))
                 mask, causal = None, True
             else:  # whole blocks of the context, then trimmed to its length
                 table = meta.prefill_tables[i]

@@ -166,6 +166,8 @@ BAD_CONFIGS = {  # name: (extra arguments, message); {llama} {gguf} {dir} {missi
     "partition": (["--model", "{llama}", "--pp", "2", "--partition", "3,3"],
                   "partition [3, 3] sums to 6, model has 4 layers"),
     "partition_text": (["--model", "{llama}", "--partition", "a,b"], "--partition must be comma-separated"),
+    "partition_float_text": (["--model", "{llama}", "--pp", "2", "--partition", "3.0,2.0"],
+                             "partition [3, 2] sums to 5, model has 4 layers"),
     "partition_third": (["--model", "{llama}", "--pp", "2", "--partition", "2.25,1.75"],
                         "partition entries must be positive multiples of 0.5"),
     "partition_half_sum": (["--model", "{llama}", "--pp", "2", "--partition", "2.5,2"],

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pp_runtime.llm import LLM, StreamOutput
@@ -184,3 +185,18 @@ def test_float16_kv_cache_holds_twice_the_tokens_in_the_same_budget() -> None:
     assert plans["float16"].num_blocks >= 2 * plans["auto"].num_blocks - 1
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto or float16, got 'fp8'"):
         LLM(kv_cache_dtype="fp8", **kw)
+
+
+@pytest.mark.parametrize("partition", ((3.5, 0.5), (np.float64(2.5), np.int64(1), np.float64(0.5)), (0.5, 0.5, 3)))
+def test_half_layer_partitions_generate_what_one_stage_does(partition: tuple) -> None:
+    """Cut layers in a local pipeline, including a stage holding only an MLP half (no KV cache:
+    it must not size the block pool) and numpy numbers as a config file's loader may give them."""
+    prompts = [list(range(3, 40)), list(range(50, 61))]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    kw = dict(model="llama-tiny", launcher="local", chunk_size=8, max_batch_size=3, memory_budget_gb=0.05)
+    with LLM(**kw) as one:
+        expected = [o.token_ids for o in one.generate(prompts, params)]
+        blocks = one.memory.num_blocks
+    with LLM(pp=len(partition), partition=partition, **kw) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        assert llm.memory.num_blocks >= blocks  # the stages with attention hold fewer layers' K/V each

@@ -106,3 +106,11 @@ def test_stage_jitter_short_term_shared_and_independent() -> None:
     drift = stage_jitter([run([0.01 * j for j in range(6)])])
     assert drift["short"][0] < drift["sigma"][0] / 2 and drift["shared_corr"] is None
     assert drift["independent"] == drift["short"]
+
+
+def test_a_half_layer_partition_is_refused_by_name(tmp_path: Path) -> None:
+    """The simulator models whole layers per stage: profiling a cut layer would spread its costs
+    wrongly, so it is a clear error before any batch runs."""
+    with LLM(model="llama-tiny", pp=2, launcher="local", partition=(2.5, 1.5), memory_budget_gb=0.05) as llm:
+        with pytest.raises(ValueError, match=r"partition \[2.5, 1.5\].*whole-layer partition"):
+            profile_deployment(llm, "quick", str(tmp_path), progress=False)

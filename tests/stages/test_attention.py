@@ -200,3 +200,14 @@ def test_torch_backend_with_float16_cache_matches_dense_on_the_rounded_kv(paged_
     out = TorchAttention(16 ** -0.5).forward(q, k, v, kc16, vc16, meta)
     assert kc16.dtype == torch.float16  # written in place, still half
     torch.testing.assert_close(out, dense_reference(chunks, q, kc16.float(), vc16.float()), rtol=1e-5, atol=1e-5)
+
+
+def test_float16_cache_write_clamps_to_its_finite_range() -> None:
+    """A K/V value past fp16's range is stored as ±65504, not inf (an inf key makes the row NaN)."""
+    chunks, q, k, v, kc, vc = mixed_batch(d=16)
+    k[0, 0, 0], v[1, 1, 1] = 1e6, -1e6
+    kc16, vc16 = kc.half(), vc.half()
+    meta = build_metadata(chunks, BS, torch.device("cpu"))
+    out = TorchAttention(16 ** -0.5).forward(q, k, v, kc16, vc16, meta)
+    assert torch.isfinite(kc16).all() and torch.isfinite(vc16).all() and not out.isnan().any()
+    assert kc16.float().max() == 65504.0 and vc16.float().min() == -65504.0
