@@ -45,6 +45,7 @@ import time
 
 from pairing import alternating, ratios  # same directory: run as a script
 from pp_runtime import LLM, SamplingParams
+from pp_runtime.config import KV_DTYPES
 from pp_runtime.workload import WorkloadConfig, generate_workload
 
 
@@ -159,7 +160,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--pp2-chunk", type=int, default=None, help="pp=2's chunk (default: --chunk)")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float16"))
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES)
     ap.add_argument("--max-batch-size", type=int, default=24)
     ap.add_argument("--schedulers", default="sarathi,orca")
     ap.add_argument("--rounds", type=int, default=2, help="pp=1 / pp=2 pairs per scheduler")

@@ -197,12 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_partition(text: str | None) -> list[float] | None:
-    """"16,14" or "15.5,14.5" (a half splits a layer after its attention block)."""
+    """"16,14" or "15.5,14.5" (a half splits a layer after its attention block); LLM's config
+    turns whole numbers back into ints."""
     if not text:
         return None
     try:
-        values = [float(x) for x in text.split(",")]
-        return [int(v) if v.is_integer() else v for v in values]
+        return [float(x) for x in text.split(",")]
     except ValueError:
         raise ValueError(f"--partition must be comma-separated layer counts, got {text!r}") from None
 

@@ -50,8 +50,8 @@ def instrument(model: torch.nn.Module, timer: OpTimer) -> Iterator[None]:
     try:
         for layer in model.layers:
             for op, path in _LINEARS.items():
-                if (path.startswith("self_attn") and not layer.has_attn) or (path.startswith("mlp") and not layer.has_mlp):
-                    continue  # half of a layer cut by a stage boundary
+                if not hasattr(layer, path.split(".")[0]):
+                    continue  # the other half of a layer cut by a stage boundary
                 mod = layer.get_submodule(path)
                 handles.append(mod.register_forward_pre_hook(lambda m, a, op=op: timer.start(op)))
                 handles.append(mod.register_forward_hook(lambda m, a, o, op=op: timer.stop(op)))
