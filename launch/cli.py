@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from pp_runtime.config import DTYPES, GGUF_WEIGHTS, KV_DTYPES, SCHEDULER_POLICIES
+from pp_runtime.config import DTYPES, GGUF_WEIGHTS, KV_DTYPES, MATMUL_PRECISIONS, SCHEDULER_POLICIES
 
 
 class _Interrupts:
@@ -72,6 +72,10 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2 (argparse's default prints usage too)
         print(f"pp-runtime: error: {message}", file=sys.stderr)
         sys.exit(2)
+
+
+MATMUL_HELP = ("highest: fp32 products; medium: products of > 12 rows (prefill chunks) on bf16-rounded "
+               "inputs with fp32 sums, ~4x faster where the CPU has AVX512-BF16 (fp32 models on CPU)")
 
 
 def _positive_int(text: str) -> int:
@@ -139,6 +143,7 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
                    help="auto: the model's dtype; float16: half the KV bytes of an fp32 model on CPU "
                         "(twice the tokens per budget, faster long-context decode; values rounded once)")
+    p.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="highest", help=MATMUL_HELP)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default=None)
     p.add_argument("--quiet", action="store_true")
@@ -176,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--attention", choices=("torch", "xformers", "auto"), default="auto")
     pr.add_argument("--threads", type=_nonnegative_int, default=0)
     pr.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto")
+    pr.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="highest", help=MATMUL_HELP)
     pr.add_argument("--grid", default="default",
                     help="default, quick, or overrides such as 'decode=1,4,16;context=768;prefill=' "
                          "(stages/profile.py: parse_grid)")
@@ -214,7 +220,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 dtype=a.dtype, device=a.device, attention=a.attention, seed=a.seed, block_size=a.block_size,
                 memory_budget_gb=a.memory_budget_gb, max_model_len=a.max_model_len, partition=partition,
                 threads=a.threads, gguf_weights=a.gguf_weights, kv_cache_dtype=a.kv_cache_dtype,
-                verbose=not a.quiet)
+                matmul_precision=a.matmul_precision, verbose=not a.quiet)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -344,7 +350,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
     siblings = [_profile_sibling(a, k, barrier) for k in range(1, a.colocate)]
     try:
         run_profile(a.model, a.device, a.dtype, a.out, grid=a.grid, threads=a.threads, attention=a.attention,
-                    kv_dtype=a.kv_cache_dtype,
+                    kv_dtype=a.kv_cache_dtype, matmul_precision=a.matmul_precision,
                     progress=not a.quiet, ready=(lambda: _file_barrier(barrier[0], int(barrier[1])))
                     if barrier else None)
     finally:
@@ -363,7 +369,8 @@ def _profile_deployment(a: argparse.Namespace, grid: object) -> int:
     partition = parse_partition(a.partition)
     with LLM(a.model, pp=a.pp, tp=a.tp, launcher=a.launcher, dtype=a.dtype, device=a.device, attention=a.attention,
              block_size=grid.block_size, memory_budget_gb=a.memory_budget_gb, max_model_len=grid.max_len(),
-             partition=partition, threads=a.threads, kv_cache_dtype=a.kv_cache_dtype) as llm:
+             partition=partition, threads=a.threads, kv_cache_dtype=a.kv_cache_dtype,
+             matmul_precision=a.matmul_precision) as llm:
         profile_deployment(llm, a.grid, a.out, progress=not a.quiet)
     print(f"per-stage profiles in {a.out}/stage-K/profile.csv")
     return 0
@@ -375,7 +382,7 @@ def _profile_sibling(a: argparse.Namespace, k: int, barrier: tuple[str, str]) ->
     out.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, "-m", "launch.cli", "profile", "--device", a.device, "--dtype", a.dtype,
             "--attention", a.attention, "--threads", str(a.threads), "--grid", a.grid, "--out", str(out), "--quiet",
-            "--kv-cache-dtype", a.kv_cache_dtype,
+            "--kv-cache-dtype", a.kv_cache_dtype, "--matmul-precision", a.matmul_precision,
             "--barrier", *barrier]
     if a.model:
         args += ["--model", a.model]

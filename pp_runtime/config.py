@@ -206,6 +206,9 @@ class CacheConfig:
 
 
 GGUF_WEIGHTS = ("native", "dequantize")
+# torch.set_float32_matmul_precision's names: "highest" sums fp32 products of fp32 inputs;
+# "medium" lets them take bf16 inputs (fp32 sums), which the CPU GEMM does where AVX512-BF16 is
+MATMUL_PRECISIONS = ("highest", "medium")
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,9 @@ class DeviceConfig:
     # GGUF Q4_0/Q4_1/Q8_0 matrices: "native" keeps the stored blocks (fp32 on CPU: the GEMM
     # dequantizes them on the fly, bit-identical weights, ~1/5 of the bytes); "dequantize" loads floats
     gguf_weights: str = "native"
+    # "medium": fp32 products of more than 12 rows (prefill chunks) on bf16-rounded x and W with
+    # fp32 sums, ~4x the fp32 FMA rate on a core with AVX512-BF16; few-row products stay fp32
+    matmul_precision: str = "highest"
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -229,6 +235,12 @@ class DeviceConfig:
             raise ValueError(f"DeviceConfig.threads must be ≥ 0, got {self.threads}")
         if self.gguf_weights not in GGUF_WEIGHTS:
             raise ValueError(f"DeviceConfig.gguf_weights must be {' or '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"DeviceConfig.matmul_precision must be {' or '.join(MATMUL_PRECISIONS)}, "
+                             f"got {self.matmul_precision!r}")
+        if self.matmul_precision == "medium" and (self.device, self.dtype) != ("cpu", "float32"):
+            raise ValueError(f"DeviceConfig.matmul_precision medium is for float32 models on CPU (got device "
+                             f"{self.device}, dtype {self.dtype})")
 
 
 @dataclass(frozen=True)

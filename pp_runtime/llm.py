@@ -109,7 +109,8 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
                         block_size: int = 16, memory_budget_gb: float | None = None,
                         max_model_len: int | None = None, partition: Sequence[float] | None = None,
                         threads: int = 0, gguf_weights: str = "native",
-                        kv_cache_dtype: str = "auto") -> tuple[EngineConfig, object]:
+                        kv_cache_dtype: str = "auto", matmul_precision: str = "highest"
+                        ) -> tuple[EngineConfig, object]:
     """Resolve the model and validate every setting; raises ValueError naming the bad one.
     max_batch_size None is kept as 1 here and replaced once the memory plan gives B."""
     from stages.weights import resolve_model
@@ -130,7 +131,8 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
     cfg = EngineConfig(
         model_path=source.path, parallel=parallel,
         scheduler=SchedulerConfig(scheduler, chunk_size, max_batch_size or 1, tile_align, max_len),
-        cache=CacheConfig(block_size, budget, kv_cache_dtype), device=DeviceConfig(device, dtype, attention, threads, gguf_weights), seed=seed)
+        cache=CacheConfig(block_size, budget, kv_cache_dtype), device=DeviceConfig(device, dtype, attention, threads, gguf_weights, matmul_precision),
+        seed=seed)
     return cfg, source
 
 
@@ -154,10 +156,12 @@ class LLM:
                  attention: str = "auto", seed: int = 0, block_size: int = 16,
                  memory_budget_gb: float | None = None, max_model_len: int | None = None,
                  partition: Sequence[float] | None = None, threads: int = 0, verbose: bool = False,
-                 gguf_weights: str = "native", kv_cache_dtype: str = "auto") -> None:
+                 gguf_weights: str = "native", kv_cache_dtype: str = "auto",
+                 matmul_precision: str = "highest") -> None:
         self.config, self.source = build_engine_config(
             model, pp, tp, scheduler, chunk_size, max_batch_size, tile_align, dtype, device, attention, seed,
-            block_size, memory_budget_gb, max_model_len, partition, threads, gguf_weights, kv_cache_dtype)
+            block_size, memory_budget_gb, max_model_len, partition, threads, gguf_weights, kv_cache_dtype,
+            matmul_precision)
         parallel, max_len = self.config.parallel, self.config.scheduler.max_model_len
         self.launcher = launcher or ("local" if parallel.world_size == 1 else "ray")
         with _keep_sigterm_handler():

@@ -157,7 +157,8 @@ def profile_deployment(llm: object, grid: str | Grid, out_dir: str, progress: bo
         all_rows.append(rows)
     cfg = llm.config
     summary = {"pp": pp, "tp": cfg.parallel.tp, "launcher": llm.launcher, "threads": cfg.device.threads,
-               "device": cfg.device.device, "dtype": cfg.device.dtype, "kv_cache_dtype": cfg.cache.kv_dtype, "grid": grid if isinstance(grid, str) else
+               "device": cfg.device.device, "dtype": cfg.device.dtype, "kv_cache_dtype": cfg.cache.kv_dtype,
+               "matmul_precision": cfg.device.matmul_precision, "grid": grid if isinstance(grid, str) else
                "custom", "warmup": g.warmup, "reps": g.reps, "stat": g.stat, "stages": stages,
                "overheads_us": overheads_us(on_driver_clock, submitted, returned, keep),
                "jitter": stage_jitter(runs)}

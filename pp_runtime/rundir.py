@@ -15,7 +15,7 @@ from pp_runtime.request import RequestOutput
 from pp_runtime.timing import TimingRecord, build_records, chrome_trace, summarize
 
 WORKER_FIELDS = ("stage", "tp_rank", "pid", "node", "device", "hostname", "layers", "weight_bytes",
-                 "layer_weight_bytes", "attention", "kv_dtype")
+                 "layer_weight_bytes", "attention", "kv_dtype", "bf16_linears")
 
 
 def collect_records(llm: object) -> list[TimingRecord]:
@@ -34,6 +34,7 @@ def run_settings(llm: object) -> dict:
             "tile_align": c.scheduler.tile_align, "model": c.model_path, "dtype": c.device.dtype,
             "device": c.device.device, "launcher": llm.launcher, "paper_B": llm.memory.max_batch_b,
             "kv_blocks": llm.memory.num_blocks, "kv_cache_dtype": c.cache.kv_dtype,
+            "matmul_precision": c.device.matmul_precision,
             "partition": list(c.parallel.partition) if c.parallel.partition else None}
 
 

@@ -152,12 +152,23 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     return _load().pack_weight(w)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) (rows contiguous, any row stride) times the packed (N, K) weight's transpose: (M, N)."""
-    return _load().packed_linear(x, packed, bias)
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+                  bf16: bool = False) -> torch.Tensor:
+    """x (M, K) (rows contiguous, any row stride) times the packed (N, K) weight's transpose: (M, N).
+    bf16: where ``bf16_products()``, a product of more than 12 rows (K even) rounds x and W to
+    bf16 and sums in fp32 (matmul precision "medium"); fewer rows stay fp32."""
+    return _load().packed_linear(x, packed, bias, bf16)
 
 
-def quant_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None,
+                 bf16: bool = False) -> torch.Tensor:
     """x (M, K) times the transpose of the (N, K) weight held as block-quantized panels
-    (stages.quant.to_panels): (M, N), summed in the same order as packed_linear."""
-    return _load().quant_linear(x, panels, bias)
+    (stages.quant.to_panels): (M, N), summed in the same order as packed_linear; bf16 as there
+    (each dequantized weight rounded to bf16)."""
+    return _load().quant_linear(x, panels, bias, bf16)
+
+
+def bf16_products() -> bool:
+    """Whether the GEMM was built with AVX512-BF16 dot products (matmul precision "medium" uses
+    them; without, it computes as "highest")."""
+    return available() and _load().bf16_products()

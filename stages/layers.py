@@ -118,12 +118,13 @@ def skinny(rows: int) -> bool:
     return lo <= rows <= hi
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, bf16: bool = False) -> torch.Tensor:
     """F.linear(x, w, bias) for x (T, in), w (out, in), packed (see pack_linears) or block-quantized
-    panels (stages.quant) -> (T, out), contiguous."""
+    panels (stages.quant) -> (T, out), contiguous. bf16: the GEMM kernel may round x and w to bf16
+    (matmul precision "medium", see cpu_kernels.packed_linear)."""
     if w.dim() == 3:  # the GEMM kernel's layouts: rows of x must be contiguous
         product = cpu_kernels.quant_linear if quant.is_panels(w) else cpu_kernels.packed_linear
-        return product(x if x.stride(-1) == 1 else x.contiguous(), w, bias)
+        return product(x if x.stride(-1) == 1 else x.contiguous(), w, bias, bf16)
     if x.device.type == "cpu" and x.dim() == 2 and skinny(x.shape[0]):
         y = torch.mm(w, x.t())  # (out, T)
         y = cpu_kernels.transpose(y) if cpu_kernels.usable(y) else y.t().contiguous()  # (T, out)
@@ -145,11 +146,12 @@ class ColumnParallelLinear(nn.Module):
         for p in out_parts:
             shard_range(p, ctx)  # raises when tp does not divide a part
         out = sum(self.out_parts)
+        self.bf16 = False  # set_matmul_precision
         self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out/tp)
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.bf16)
 
 
 class RowParallelLinear(nn.Module):
@@ -164,11 +166,12 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         lo, hi = shard_range(in_features, ctx)
         self.ctx = ctx
+        self.bf16 = False  # set_matmul_precision
         self.weight = nn.Parameter(torch.empty(out_features, hi - lo, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in/tp) -> (T, out)
-        y = self.ctx.all_reduce(linear(x, self.weight))
+        y = self.ctx.all_reduce(linear(x, self.weight, bf16=self.bf16))
         return y if self.bias is None else y + self.bias
 
 
@@ -208,10 +211,11 @@ class ParallelLMHead(nn.Module):
         super().__init__()
         lo, hi = shard_range(vocab, ctx)
         self.ctx = ctx
+        self.bf16 = False  # set_matmul_precision
         self.weight = nn.Parameter(torch.empty(hi - lo, hidden, dtype=dtype), requires_grad=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # (S, H) -> (S, V)
-        return self.ctx.all_gather_last_dim(linear(h, self.weight))
+        return self.ctx.all_gather_last_dim(linear(h, self.weight, bf16=self.bf16))
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -233,3 +237,16 @@ def pack_linears(model: nn.Module) -> int:
         if isinstance(mod, (*linears, VocabParallelEmbedding)) and id(mod.weight) in packed:
             mod.weight = packed[id(mod.weight)]
     return len(packed)
+
+
+def set_matmul_precision(model: nn.Module, precision: str) -> int:
+    """"medium" lets every linear of ``model`` whose weight the GEMM kernel reads (packed or
+    block-quantized) take bf16 products for many rows; "highest" keeps fp32. Returns how many
+    linears now may (0 where the kernels lack AVX512-BF16: "medium" then computes as "highest")."""
+    on = precision == "medium" and cpu_kernels.bf16_products()
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            mod.bf16 = on and mod.weight.dim() == 3
+            n += mod.bf16
+    return n

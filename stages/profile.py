@@ -54,11 +54,11 @@ from stages.worker import StageWorker, WorkerSpec
 # ---- worker ---------------------------------------------------------------------------------
 def build_worker(model: str | None, device: str = "cpu", dtype: str = "float32", attention: str = "auto",
                  threads: int = 0, block_size: int = 16, gguf_weights: str = "native",
-                 kv_dtype: str = "auto") -> StageWorker:
+                 kv_dtype: str = "auto", matmul_precision: str = "highest") -> StageWorker:
     """A one-stage, one-rank worker of the whole model (no KV cache yet)."""
     check_kv_dtype(kv_dtype, device, dtype)
     spec = WorkerSpec(resolve_model(model), 0, 0, ParallelConfig(1, 1), CacheConfig(block_size, None, kv_dtype),
-                      DeviceConfig(device, dtype, attention, threads, gguf_weights))
+                      DeviceConfig(device, dtype, attention, threads, gguf_weights, matmul_precision))
     return StageWorker(spec, TPContext(), None)
 
 
@@ -139,7 +139,8 @@ def measure(worker: StageWorker, grid: Grid, progress: bool = False, seed: int =
 # ---- run and files --------------------------------------------------------------------------
 def run_profile(model: str | None, device: str, dtype: str, out_dir: str, grid: str | Grid = "default",
                 threads: int = 0, attention: str = "auto", progress: bool = True,
-                ready: Callable[[], None] | None = None, kv_dtype: str = "auto") -> dict:
+                ready: Callable[[], None] | None = None, kv_dtype: str = "auto",
+                matmul_precision: str = "highest") -> dict:
     """Profile ``model`` (None: the embedded default) on ``device``; write ``out_dir/profile.csv``
     and ``out_dir/table2.json``; print the per-op table and the Table-2 line to stdout.
 
@@ -155,7 +156,8 @@ def run_profile(model: str | None, device: str, dtype: str, out_dir: str, grid: 
     prev_threads = torch.get_num_threads()
     t_start = time.perf_counter()
     try:
-        worker = build_worker(model, device, dtype, attention, threads, g.block_size, kv_dtype=kv_dtype)
+        worker = build_worker(model, device, dtype, attention, threads, g.block_size, kv_dtype=kv_dtype,
+                              matmul_precision=matmul_precision)
         used_threads = torch.get_num_threads()
         rows = measure(worker, g, progress=progress, ready=ready)
         backend = worker.model.backend.name
@@ -166,7 +168,8 @@ def run_profile(model: str | None, device: str, dtype: str, out_dir: str, grid: 
     elapsed = time.perf_counter() - t_start
     t2 = table2(rows)
     t2.update({
-        "model": model or DEFAULT_MODEL, "device": device, "dtype": dtype, "kv_cache_dtype": kv_dtype, "torch_threads": used_threads,
+        "model": model or DEFAULT_MODEL, "device": device, "dtype": dtype, "kv_cache_dtype": kv_dtype,
+        "matmul_precision": matmul_precision, "torch_threads": used_threads,
         "attention": backend, "device_name": (torch.cuda.get_device_name() if device == "cuda"
                                               else _cpu_name()),
         "torch_version": torch.__version__, "lm_head_in": "others_ms",

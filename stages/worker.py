@@ -20,7 +20,7 @@ from pp_runtime.batch import MicroBatch
 from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
 from stages import cpu_kernels
 from stages.attention import build_metadata
-from stages.layers import TPContext, pack_linears
+from stages.layers import TPContext, pack_linears, set_matmul_precision
 from stages.model import StageModel
 from stages.op_timing import OpTimer, instrument
 from stages.sampler import sample
@@ -92,6 +92,7 @@ class StageWorker:
             and self.dtype == torch.float32 and cpu_kernels.available()
         self.weight_bytes = load_weights(self.model, spec.source, tp, native=native)
         pack_linears(self.model)  # CPU fp32: the GEMM kernel's layout, packed once here, not per call
+        self.bf16_linears = set_matmul_precision(self.model, spec.device.matmul_precision)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = spec.cache.block_size
         self.timings: list[tuple[int, float, float, float]] = []  # (mb, t_ready, t_start, t_end)
@@ -106,7 +107,8 @@ class StageWorker:
         return {"stage": self.spec.stage, "tp_rank": self.spec.tp_rank, "pid": os.getpid(),
                 "node": os.uname().nodename, "device": str(self.device), "layers": [u / 2 if u % 2 else u // 2 for u in self.units],
                 "weight_bytes": self.weight_bytes, "layer_weight_bytes": self._layer_bytes(),
-                "attention": self.model.backend.name, "kv_dtype": str(self.kv_dtype).removeprefix("torch.")}
+                "attention": self.model.backend.name, "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
+                "bf16_linears": self.bf16_linears}
 
     def _layer_bytes(self) -> int:
         """Resident bytes of the decoder layers alone (embedding and LM head excluded)."""

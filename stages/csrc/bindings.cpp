@@ -11,8 +11,9 @@ torch::Tensor silu_mul(torch::Tensor gu);
 void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor transpose(torch::Tensor x);
 torch::Tensor pack_weight(torch::Tensor w);  // gemm.cpp
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torch::Tensor> bias);
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias);
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torch::Tensor> bias, bool bf16);
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias, bool bf16);
+bool bf16_products();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (fp32 q, fp32 or fp16 K/V caches, CPU)");
@@ -22,9 +23,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (T, 2I) gate/up output (fp32, CPU)");
   m.def("rope_", &rope_, "rotate-half RoPE in place over (T, heads, D) rows (fp32, CPU)");
   m.def("pack_weight", &pack_weight, "(N, K) -> (N/16, K, 16) panels for packed_linear (fp32)");
-  m.def("packed_linear", &packed_linear, "x wᵀ (+ bias) over a packed weight (fp32, CPU)",
-        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none());
-  m.def("quant_linear", &quant_linear, "x wᵀ (+ bias) over block-quantized (GGUF Q4/Q8) panels (CPU)",
-        py::arg("x"), py::arg("q"), py::arg("bias") = py::none());
+  m.def("packed_linear", &packed_linear, "x wᵀ (+ bias) over a packed weight (fp32; bf16: bf16 products for > 12 rows, CPU)",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("bf16") = false);
+  m.def("quant_linear", &quant_linear, "x wᵀ (+ bias) over block-quantized (GGUF Q4/Q8) panels (bf16 as packed_linear, CPU)",
+        py::arg("x"), py::arg("q"), py::arg("bias") = py::none(), py::arg("bf16") = false);
+  m.def("bf16_products", &bf16_products, "whether packed_linear / quant_linear can take bf16 dot products (AVX512-BF16)");
   m.def("transpose", &transpose, "contiguous transpose of a contiguous (R, C) matrix (fp32, CPU)");
 }

@@ -254,6 +254,7 @@ def test_trace_path_relative_to_config(tmp_path: Path) -> None:
     ("schedulers: []\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}", "schedulers"),
     ("pp: 0\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}", "pp"),
     ("kv_cache_dtype: 16\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}", "kv_cache_dtype"),
+    ("matmul_precision: 1\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}", "matmul_precision"),
     ("partition: [2.25, 1.75]\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}",
      "multiples of 0.5"),
     ("tile_align: 1\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}", "tile_align"),

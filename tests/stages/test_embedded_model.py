@@ -16,6 +16,7 @@ import torch
 
 from launch.cli import main
 from pp_runtime import LLM, SamplingParams
+from stages import cpu_kernels
 from stages.weights import resolve_model
 
 MAX_NEW = 16
@@ -62,6 +63,19 @@ def test_greedy_matches_transformers(llm: LLM, prompts: list[list[int]], hf_mode
         assert o.token_ids == ref[0, len(p):].tolist()
         assert o.finish_reason == "length"
     assert "Paris" in llm.tokenizer.decode(outs[0].token_ids)
+
+
+@pytest.mark.skipif(not cpu_kernels.bf16_products(), reason="no AVX512-BF16 in this build")
+def test_bf16_products_keep_the_answer(prompts: list[list[int]], tmp_path: Path,
+                                       capsys: pytest.CaptureFixture) -> None:
+    """--matmul-precision medium on the embedded model: prompts of more than 12 tokens are
+    prefilled on bf16 products, and the chat answer is still Paris; the run directory says so."""
+    assert main(["generate", "--matmul-precision", "medium", "--chat", "--prompt", QUESTION,
+                 "--run-dir", str(tmp_path / "run")]) == 0
+    assert "Paris" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["matmul_precision"] == "medium"
+    workers = json.loads((tmp_path / "run" / "workers.json").read_text())
+    assert [w["bf16_linears"] for w in workers] == [4 * 30 + 1]
 
 
 def test_eos_stops_the_chat_answer(llm: LLM, prompts: list[list[int]]) -> None:

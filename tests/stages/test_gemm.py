@@ -33,6 +33,36 @@ def test_packed_linear_matches_f_linear(threads: int, m: int, n: int, k: int) ->
     torch.testing.assert_close(cpu_kernels.packed_linear(x, packed, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
 
+bf16_only = pytest.mark.skipif(not cpu_kernels.bf16_products(), reason="no AVX512-BF16 in this build")
+
+
+@bf16_only
+@pytest.mark.parametrize("m", [12, 13, 19, 73, 300])
+@pytest.mark.parametrize("n,k", [(16, 40), (96, 256), (48, 600), (4112, 24), (80, 34)])
+def test_bf16_products_are_fp32_sums_of_bf16_rounded_inputs(threads: int, m: int, n: int, k: int) -> None:
+    """Matmul precision "medium": past two row tiles (12 rows) x and W are rounded to bf16 (nearest
+    even, as torch's .bfloat16()) and their products summed in fp32; up to 12 rows the fp32 path
+    runs unchanged. K: under one 32-float conversion step, ragged tails of 2 and 24, three slabs."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    packed = cpu_kernels.pack_weight(w)
+    y = cpu_kernels.packed_linear(x, packed, b, bf16=True)
+    if m <= 12:
+        assert torch.equal(y, cpu_kernels.packed_linear(x, packed, b))
+        return
+    exact = x.bfloat16().double() @ w.bfloat16().double().T + b.double()  # bf16 products are exact in fp32
+    torch.testing.assert_close(y, exact.float(), rtol=1e-5, atol=1e-4)
+    # and it is not the fp32 product: the rounding of the inputs shows
+    assert (y - F.linear(x, w, b)).abs().max() > 1e-3
+
+
+@bf16_only
+def test_bf16_products_take_row_strided_x() -> None:
+    w, x = torch.randn(32, 24), torch.randn(40, 50)
+    packed = cpu_kernels.pack_weight(w)
+    assert torch.equal(linear(x[:, 3:27], packed, bf16=True), linear(x[:, 3:27].contiguous(), packed, bf16=True))
+
+
 def test_packed_linear_takes_row_strided_x_and_rejects_bad_shapes() -> None:
     w, x = torch.randn(32, 24), torch.randn(10, 50)
     packed = cpu_kernels.pack_weight(w)

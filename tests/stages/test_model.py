@@ -8,6 +8,7 @@ import torch
 
 from pp_runtime.batch import SeqChunk
 from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
+from stages import cpu_kernels
 from stages.attention import build_metadata
 from stages.layers import TPContext
 from stages.weights import resolve_model
@@ -17,9 +18,10 @@ from tests.conftest import ARCHS, mixed_prompts
 BLOCK = 4
 
 
-def make_worker(path: str, pp: int = 1, stage: int = 0, kv_dtype: str = "auto") -> StageWorker:
+def make_worker(path: str, pp: int = 1, stage: int = 0, kv_dtype: str = "auto",
+                matmul_precision: str = "highest") -> StageWorker:
     spec = WorkerSpec(resolve_model(path), stage, 0, ParallelConfig(pp), CacheConfig(BLOCK, 1 << 26, kv_dtype),
-                      DeviceConfig("cpu", "float32", "torch"))
+                      DeviceConfig("cpu", "float32", "torch", matmul_precision=matmul_precision))
     w = StageWorker(spec, TPContext(), None)
     w.allocate_cache(64)
     return w
@@ -133,3 +135,33 @@ def test_float16_kv_cache_halves_the_bytes_and_tracks_float32(hf_models: dict) -
         a, b = run_chunks(w32, prompt, 7, table), run_chunks(w16, prompt, 7, table)
     assert not torch.equal(a, b)  # the cache really rounds
     torch.testing.assert_close(b, a, rtol=0, atol=2e-3 * a.abs().max().item())
+
+
+@pytest.mark.skipif(not cpu_kernels.bf16_products(), reason="no AVX512-BF16 in this build")
+def test_matmul_precision_medium_rounds_only_many_row_products(hf_models: dict) -> None:
+    """--matmul-precision medium: every linear may take bf16 products; a chunk of more than 12
+    tokens does (logits move by bf16 rounding, not more), one of up to 12 stays bit-identical."""
+    path = str(hf_models["llama"])
+    prompt = mixed_prompts(lengths=(40,))[0]
+    fp32, mixed = make_worker(path), make_worker(path, matmul_precision="medium")
+    assert fp32.info()["bf16_linears"] == 0
+    layers = mixed.spec.source.config.num_layers
+    assert mixed.info()["bf16_linears"] == 4 * layers + 1  # (qkv, o, gate_up, down) per layer + LM head
+    table = tuple(range(16))
+    with torch.inference_mode():
+        a, b = run_chunks(fp32, prompt, 40, table), run_chunks(mixed, prompt, 40, table)
+        assert not torch.equal(a, b)
+        scale = a.abs().max().item()  # bf16 keeps ~3 digits: elementwise a few %, on average far less
+        torch.testing.assert_close(b, a, rtol=0, atol=0.05 * scale)
+        assert (b - a).abs().mean() < 0.005 * scale
+        assert (b.argmax(-1) == a.argmax(-1)).float().mean() > 0.9
+        assert torch.equal(run_chunks(fp32, prompt, 12, table), run_chunks(mixed, prompt, 12, table))
+
+
+def test_matmul_precision_is_checked_by_name() -> None:
+    with pytest.raises(ValueError, match="DeviceConfig.matmul_precision must be highest or medium, got 'low'"):
+        DeviceConfig(matmul_precision="low")
+    with pytest.raises(ValueError, match="matmul_precision medium is for float32 models on CPU"):
+        DeviceConfig("cpu", "bfloat16", matmul_precision="medium")
+    with pytest.raises(ValueError, match="matmul_precision medium is for float32 models on CPU"):
+        DeviceConfig("cuda", matmul_precision="medium")

@@ -67,6 +67,22 @@ def test_quant_linear_is_packed_linear_bit_for_bit(threads: int, qtype: int, m: 
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.skipif(not cpu_kernels.bf16_products(), reason="no AVX512-BF16 in this build")
+@pytest.mark.parametrize("qtype", [quant.Q4_1, quant.Q8_0], ids=["u4", "s8"])
+@pytest.mark.parametrize("m", [7, 13, 300])
+@pytest.mark.parametrize("n,k", [(48, 288), (4112, 64), (32, 608)])
+def test_bf16_quant_linear_is_bf16_packed_linear_bit_for_bit(threads: int, qtype: int, m: int, n: int,
+                                                              k: int) -> None:
+    """Matmul precision "medium" over stored blocks: each dequantized weight rounded to bf16 as the
+    fp32 panels' are, the same tiles and slabs: the same bits."""
+    raw, w = quantized(n, k, qtype, seed=m + n + k)
+    panels, packed = quant.to_panels(raw, qtype), cpu_kernels.pack_weight(w)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    y = cpu_kernels.quant_linear(x, panels, bf16=True)
+    assert torch.equal(y, cpu_kernels.packed_linear(x, packed, bf16=True))
+    assert torch.equal(y, cpu_kernels.quant_linear(x, panels)) == (m <= 12)
+
+
 def test_quant_linear_rejects_a_mismatched_x() -> None:
     raw, _ = quantized(16, 64, quant.Q4_1)
     with pytest.raises(RuntimeError, match="K = x.size"):
