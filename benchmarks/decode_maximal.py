@@ -33,16 +33,17 @@ from typing import Callable
 
 import torch
 
-from pp_runtime.config import MATMUL_PRECISIONS
+from pp_runtime.config import KV_DTYPES, MATMUL_PRECISIONS
 from pp_runtime.profile_grid import Grid, Layout, Point, plan_chunks
 from stages.attention import build_metadata
 from stages.profile import build_worker, fill_cache, forward_step
 
 
 def measure(model: str | None, chunk: int, decodes: list[int], context: int, threads: int, rounds: int,
-            gguf_weights: str = "native", matmul_precision: str = "highest") -> dict:
+            gguf_weights: str = "native", matmul_precision: str = "highest", kv_dtype: str = "auto") -> dict:
     torch.set_num_threads(threads)
-    w = build_worker(model, threads=threads, gguf_weights=gguf_weights, matmul_precision=matmul_precision)
+    w = build_worker(model, threads=threads, gguf_weights=gguf_weights, kv_dtype=kv_dtype,
+                     matmul_precision=matmul_precision)
     grid = Grid(prefill=(chunk,), prefill_with_context=(), decode=tuple(decodes), mixed_decode=tuple(decodes),
                 mixed_prefill=chunk, context=context)
     layout = Layout(grid)
@@ -72,7 +73,7 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
             times[k].append(run(chunks))
     slopes = _round_slopes(times, decodes)
     out: dict = {"chunk": chunk, "context": context, "threads": threads, "rounds": rounds, "gguf_weights": gguf_weights,
-                 "matmul_precision": matmul_precision,
+                 "matmul_precision": matmul_precision, "kv_cache_dtype": kv_dtype,
                  "chunk_ms": statistics.median(times["chunk"]) * 1e3, "by_batch": {},
                  "slope_ms_per_decode": statistics.median(slopes) * 1e3,
                  "slope_ms_90": [x * 1e3 for x in _bootstrap(lambda ix: statistics.median(slopes[i] for i in ix), rounds)]}
@@ -128,13 +129,14 @@ def main() -> None:
                     help="GGUF matrices as stored blocks (default) or as fp32")
     ap.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="highest",
                     help="medium: the chunk's products on bf16 inputs (AVX512-BF16), decodes alone stay fp32")
+    ap.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto")
     a = ap.parse_args()
     if a.smoke:
         a.chunk, a.decodes, a.context, a.rounds = 16, "2", 16, 2
     r = measure(a.model, a.chunk, [int(b) for b in a.decodes.split(",")], a.context, a.threads, a.rounds,
-                a.gguf_weights, a.matmul_precision)
+                a.gguf_weights, a.matmul_precision, a.kv_cache_dtype)
     print(f"chunk {r['chunk']} (fresh) ± decodes at context {r['context']}, {r['threads']} thread(s), "
-          f"{r['rounds']} rounds, matmul precision {a.matmul_precision}, GGUF weights {a.gguf_weights}; chunk alone {r['chunk_ms']:.1f} ms")
+          f"{r['rounds']} rounds, matmul precision {a.matmul_precision}, KV {a.kv_cache_dtype}, GGUF weights {a.gguf_weights}; chunk alone {r['chunk_ms']:.1f} ms")
     print("   B   piggybacked ms/decode   alone ms/decode   ratio    (from minima: piggybacked, alone, ratio)"
           "   target ratio <= 0.25 at B = 4")
     for b, row in r["by_batch"].items():

@@ -45,7 +45,7 @@ import time
 
 from pairing import alternating, ratios  # same directory: run as a script
 from pp_runtime import LLM, SamplingParams
-from pp_runtime.config import KV_DTYPES
+from pp_runtime.config import KV_DTYPES, MATMUL_PRECISIONS
 from pp_runtime.workload import WorkloadConfig, generate_workload
 
 
@@ -161,6 +161,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--pp2-chunk", type=int, default=None, help="pp=2's chunk (default: --chunk)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES)
+    ap.add_argument("--matmul-precision", default="highest", choices=MATMUL_PRECISIONS,
+                    help="medium: prefill chunks' products on bf16 inputs (AVX512-BF16)")
     ap.add_argument("--max-batch-size", type=int, default=24)
     ap.add_argument("--schedulers", default="sarathi,orca")
     ap.add_argument("--rounds", type=int, default=2, help="pp=1 / pp=2 pairs per scheduler")
@@ -171,12 +173,14 @@ def main() -> None:
     if a.smoke:
         a.num_requests, a.min_len, a.max_len, a.chunk, a.rounds = 6, 24, 64, 16, 1
     common = dict(model=model, chunk_size=a.chunk, max_batch_size=a.max_batch_size, memory_budget_gb=2.0,
-                  max_model_len=2048, threads=1, kv_cache_dtype=a.kv_cache_dtype)
+                  max_model_len=2048, threads=1, kv_cache_dtype=a.kv_cache_dtype,
+                  matmul_precision=a.matmul_precision)
     wl = WorkloadConfig(kind="zipf", num_requests=a.num_requests, min_len=a.min_len, max_len=a.max_len, theta=0.4,
                         pd_ratio=10, arrival="all", seed=0)
     policies = a.schedulers.split(",")
     r: dict = {"workload": {"num_requests": a.num_requests, "min_len": a.min_len, "max_len": a.max_len,
                             "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "kv_cache_dtype": a.kv_cache_dtype,
+            "matmul_precision": a.matmul_precision,
                     "pp2_chunk": a.pp2_chunk or a.chunk, "throughput_tok_s": {}, "efficiency": {}}
     with contextlib.ExitStack() as stack:
         llms = {pp: stack.enter_context(LLM(pp=pp, launcher="local" if pp == 1 else "ray", **common)) for pp in (1, 2)}
