@@ -128,7 +128,8 @@ def main() -> None:
     ap.add_argument("--gguf-weights", choices=("native", "dequantize"), default="native",
                     help="GGUF matrices as stored blocks (default) or as fp32")
     ap.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="highest",
-                    help="medium: the chunk's products on bf16 inputs (AVX512-BF16), decodes alone stay fp32")
+                    help="medium: products of > 12 rows on bf16 inputs (AVX512-BF16): the chunk's, and a "
+                         "decode-only batch's from B = 13; B <= 12 stays fp32")
     ap.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto")
     a = ap.parse_args()
     if a.smoke:

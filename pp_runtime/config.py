@@ -220,8 +220,9 @@ class DeviceConfig:
     # GGUF Q4_0/Q4_1/Q8_0 matrices: "native" keeps the stored blocks (fp32 on CPU: the GEMM
     # dequantizes them on the fly, bit-identical weights, ~1/5 of the bytes); "dequantize" loads floats
     gguf_weights: str = "native"
-    # "medium": fp32 products of more than 12 rows (prefill chunks) on bf16-rounded x and W with
-    # fp32 sums, ~4x the fp32 FMA rate on a core with AVX512-BF16; few-row products stay fp32
+    # "medium": fp32 products of more than 12 rows (prefill chunks, decode-only batches of 13+
+    # sequences) on bf16-rounded x and W with fp32 sums, by AVX512-BF16 dot products (~1.6x the
+    # fp32 GEMM at 256 rows here); products of up to 12 rows stay fp32
     matmul_precision: str = "highest"
 
     def __post_init__(self) -> None:

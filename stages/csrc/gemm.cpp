@@ -616,7 +616,8 @@ void quant_product(const RowTiles& rt, const uint8_t* q, int64_t NP, int64_t K, 
 // are packed, each vdpbf16ps adding two k terms to 16 fp32 sums. A Zen 5 core runs it at ~4x its
 // fp32 FMA rate (torch's bf16 matmul: 528 against 118 GFLOP/s, 256 x 576 x 1536, 1 thread), so a
 // prefill chunk's products shrink while a few-row product, bound by streaming and dequantizing W,
-// would not: products of <= 2 row tiles keep the fp32 path (packed_linear and quant_linear choose).
+// would not: products of <= 2 row tiles (<= 12 rows) keep the fp32 path; any larger one, a
+// decode-only batch of 13+ sequences too, takes this one (packed_linear and quant_linear choose).
 #if defined(PP_AVX512) && defined(__AVX512BF16__)
 #define PP_BF16 1
 // deepest K slab of the bf16 path: a pair of panels' 576-deep slab is 36 KB of bf16 pairs and
@@ -626,11 +627,9 @@ constexpr int64_t BF_KC = 576;
 // two rows of 16 weights (k, k + 1) -> 16 words, word j holding bf16 w[k][j] (low) and w[k + 1][j]:
 // the pair one vdpbf16ps lane multiplies with x's (k, k + 1)
 inline __m512i pair_rows(__m512 r0, __m512 r1) {
-  static const __m512i idx = [] {
-    alignas(64) uint16_t v[32];
-    for (int j = 0; j < 16; ++j) { v[2 * j] = j; v[2 * j + 1] = 16 + j; }
-    return _mm512_load_si512(v);
-  }();
+  // word 2j <- element j (r0's), 2j + 1 <- 16 + j (r1's); _mm512_set_epi16 lists word 31 first
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   return _mm512_permutexvar_epi16(idx, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(r1, r0)));
 }
 
@@ -761,10 +760,10 @@ void bf16_product(const RowTiles& rt, const uint32_t* ap, int64_t NP, int64_t K,
 #endif
 
 // Whether a product of M x K rows takes the bf16 path: asked for, built, more than the few-row
-// tiles, and K in whole pairs.
+// tiles (tile_rows cuts <= 12 rows into <= 2 tiles, 13 into 3), and K in whole pairs.
 bool use_bf16(bool bf16, int64_t M, int64_t K) {
 #ifdef PP_BF16
-  return bf16 && K % 2 == 0 && row_tiles(M).size() > WHOLE_K_TILES;
+  return bf16 && K % 2 == 0 && M > WHOLE_K_TILES * MR;
 #else
   return false;
 #endif

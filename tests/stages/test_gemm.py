@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
 from stages import cpu_kernels
-from stages.layers import TPContext, embedding_rows, linear, pack_linears
+from stages.layers import TPContext, embedding_rows, linear, pack_linears, set_matmul_precision
 from stages.model import StageModel
 from stages.weights import load_weights, resolve_model
 from stages.worker import StageWorker, WorkerSpec
@@ -38,22 +38,35 @@ bf16_only = pytest.mark.skipif(not cpu_kernels.bf16_products(), reason="no AVX51
 
 @bf16_only
 @pytest.mark.parametrize("m", [12, 13, 19, 73, 300])
-@pytest.mark.parametrize("n,k", [(16, 40), (96, 256), (48, 600), (4112, 24), (80, 34)])
+@pytest.mark.parametrize("n,k", [(16, 40), (96, 256), (48, 600), (4112, 24), (80, 34), (32, 1200), (48, 35)])
 def test_bf16_products_are_fp32_sums_of_bf16_rounded_inputs(threads: int, m: int, n: int, k: int) -> None:
     """Matmul precision "medium": past two row tiles (12 rows) x and W are rounded to bf16 (nearest
-    even, as torch's .bfloat16()) and their products summed in fp32; up to 12 rows the fp32 path
-    runs unchanged. K: under one 32-float conversion step, ragged tails of 2 and 24, three slabs."""
+    even, as torch's .bfloat16()) and their products summed in fp32; up to 12 rows, or an odd K
+    (no whole k-pairs), the fp32 path runs unchanged. K: under one 32-float conversion step, ragged
+    tails of 2 and 24, one, two and three slabs (576 deep at most: 256; 600 = 2 x 304; 1200 = 3 x 400)."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w, x, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
     packed = cpu_kernels.pack_weight(w)
     y = cpu_kernels.packed_linear(x, packed, b, bf16=True)
-    if m <= 12:
+    if m <= 12 or k % 2:
         assert torch.equal(y, cpu_kernels.packed_linear(x, packed, b))
         return
     exact = x.bfloat16().double() @ w.bfloat16().double().T + b.double()  # bf16 products are exact in fp32
     torch.testing.assert_close(y, exact.float(), rtol=1e-5, atol=1e-4)
     # and it is not the fp32 product: the rounding of the inputs shows
     assert (y - F.linear(x, w, b)).abs().max() > 1e-3
+
+
+def test_medium_computes_as_highest_without_avx512_bf16(monkeypatch: pytest.MonkeyPatch, hf_models: dict) -> None:
+    """Where the kernels lack AVX512-BF16, "medium" flags no linear and every product stays fp32."""
+    m = _model(str(hf_models["llama"]))
+    pack_linears(m)
+    if cpu_kernels.bf16_products():
+        assert set_matmul_precision(m, "medium") == 4 * m.cfg.num_layers + 1
+        assert set_matmul_precision(m, "highest") == 0
+    monkeypatch.setattr(cpu_kernels, "bf16_products", lambda: False)
+    assert set_matmul_precision(m, "medium") == 0
+    assert not any(getattr(mod, "bf16", False) for mod in m.modules())
 
 
 @bf16_only
