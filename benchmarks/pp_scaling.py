@@ -162,7 +162,8 @@ def main() -> None:
     ap.add_argument("--pp2-chunk", type=int, default=None, help="pp=2's chunk (default: --chunk)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES)
     ap.add_argument("--matmul-precision", default="highest", choices=MATMUL_PRECISIONS,
-                    help="medium: prefill chunks' products on bf16 inputs (AVX512-BF16)")
+                    help="medium: products of > 12 rows (prefill chunks, decode batches of 13+) on bf16 inputs "
+                         "(AVX512-BF16)")
     ap.add_argument("--max-batch-size", type=int, default=24)
     ap.add_argument("--schedulers", default="sarathi,orca")
     ap.add_argument("--rounds", type=int, default=2, help="pp=1 / pp=2 pairs per scheduler")
@@ -180,8 +181,8 @@ def main() -> None:
     policies = a.schedulers.split(",")
     r: dict = {"workload": {"num_requests": a.num_requests, "min_len": a.min_len, "max_len": a.max_len,
                             "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "kv_cache_dtype": a.kv_cache_dtype,
-            "matmul_precision": a.matmul_precision,
-                    "pp2_chunk": a.pp2_chunk or a.chunk, "throughput_tok_s": {}, "efficiency": {}}
+               "matmul_precision": a.matmul_precision, "pp2_chunk": a.pp2_chunk or a.chunk, "throughput_tok_s": {},
+               "efficiency": {}}
     with contextlib.ExitStack() as stack:
         llms = {pp: stack.enter_context(LLM(pp=pp, launcher="local" if pp == 1 else "ray", **common)) for pp in (1, 2)}
         items = generate_workload(wl, llms[1].source.config.vocab_size)

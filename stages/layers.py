@@ -218,6 +218,9 @@ class ParallelLMHead(nn.Module):
         return self.ctx.all_gather_last_dim(linear(h, self.weight, bf16=self.bf16))
 
 
+LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)  # the modules whose products go through linear()
+
+
 def pack_linears(model: nn.Module) -> int:
     """Repack every linear weight of ``model`` for cpu_kernels.packed_linear, in place of the
     plain one (same bytes: the kernel's layout, not a copy beside it); returns how many.
@@ -226,15 +229,14 @@ def pack_linears(model: nn.Module) -> int:
     the kernels are built; the rest keep F.linear. A tied embedding keeps sharing its LM head's
     (now packed) tensor and reads its rows from the panels.
     """
-    linears = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
     packed: dict[int, nn.Parameter] = {}  # id(plain parameter) -> its packed replacement
     for mod in model.modules():
         w = getattr(mod, "weight", None)
-        if isinstance(mod, linears) and w.dim() == 2 and cpu_kernels.usable(w) \
+        if isinstance(mod, LINEARS) and w.dim() == 2 and cpu_kernels.usable(w) \
                 and w.shape[0] % cpu_kernels.PANEL == 0 and id(w) not in packed:
             packed[id(w)] = nn.Parameter(cpu_kernels.pack_weight(w.detach()), requires_grad=False)
     for mod in model.modules():
-        if isinstance(mod, (*linears, VocabParallelEmbedding)) and id(mod.weight) in packed:
+        if isinstance(mod, (*LINEARS, VocabParallelEmbedding)) and id(mod.weight) in packed:
             mod.weight = packed[id(mod.weight)]
     return len(packed)
 
@@ -246,7 +248,7 @@ def set_matmul_precision(model: nn.Module, precision: str) -> int:
     on = precision == "medium" and cpu_kernels.bf16_products()
     n = 0
     for mod in model.modules():
-        if isinstance(mod, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+        if isinstance(mod, LINEARS):
             mod.bf16 = on and mod.weight.dim() == 3
             n += mod.bf16
     return n

@@ -664,7 +664,7 @@ RowTiles pack_rows_bf16(const torch::Tensor& x) {
         }
     }
   });
-  rt.ap = nullptr;
+  rt.ap = nullptr;  // the words are rt.buf's: bf16_product reads them
   return rt;
 }
 
@@ -708,9 +708,9 @@ constexpr BfFn kBf[2][MR + 1] = {
   {nullptr, tile_bf16<1, false>, tile_bf16<2, false>, tile_bf16<3, false>, tile_bf16<4, false>, tile_bf16<5, false>, tile_bf16<6, false>},
   {nullptr, tile_bf16<1, true>, tile_bf16<2, true>, tile_bf16<3, true>, tile_bf16<4, true>, tile_bf16<5, true>, tile_bf16<6, true>}};
 
-// rows [r0, r1) (even) of fp32 weight rows src (row stride NR) -> pairs at o (word r / 2 * NR)
-inline void pair_slab(const float* src, int64_t r0, int64_t r1, uint32_t* o) {
-  for (int64_t r = r0; r < r1; r += 2)
+// kc (even) fp32 weight rows from src (row stride NR) -> pairs at o (word r / 2 * NR)
+inline void pair_slab(const float* src, int64_t kc, uint32_t* o) {
+  for (int64_t r = 0; r < kc; r += 2)
     _mm512_storeu_si512(o + r / 2 * NR, pair_rows(_mm512_loadu_ps(src + r * NR), _mm512_loadu_ps(src + (r + 1) * NR)));
 }
 
@@ -727,15 +727,18 @@ void dequant_bf16(const uint8_t* panel, int64_t k0, int64_t kc, uint32_t* buf) {
   });
 }
 
-// The product as blocked_product runs it (panel chunks, blocks of MCQ rows, K slabs), each slab
-// of a panel pair converted to bf16 pairs once per row block: slab(j, pc, kc, words) fills
-// kc / 2 x 16 words of panel j's slab at pc.
+// c (M x N) = x (M x K) times the weight's transpose as blocked_product runs it (panel chunks,
+// blocks of MCQ rows, K slabs), x packed by pack_rows_bf16 and each slab of a panel pair
+// converted to bf16 pairs once per row block: slab(j, pc, kc, words) fills kc / 2 x 16 words of
+// panel j's slab at pc.
 template <typename SlabFn>
-void bf16_product(const RowTiles& rt, const uint32_t* ap, int64_t NP, int64_t K, float* c, const float* bias,
-                  const SlabFn& slab) {
-  const int64_t N = NP * NR, T = rt.size(), nslab = (K + BF_KC - 1) / BF_KC;
+void bf16_product(const torch::Tensor& x, int64_t NP, float* c, const float* bias, const SlabFn& slab) {
+  const RowTiles rt = pack_rows_bf16(x);
+  const uint32_t* ap = reinterpret_cast<const uint32_t*>(rt.buf.data_ptr<float>());
+  const int64_t K = x.size(1), N = NP * NR, T = rt.size(), nslab = (K + BF_KC - 1) / BF_KC;
   const int64_t kcb = ((K + nslab - 1) / nslab + 7) / 8 * 8, tpb = MCQ / MR;  // slabs of equal, even depth
-  for_panel_chunks(NP, 2 * kcb * NR / 2, [&](int64_t j0, int64_t j1, float* scratch) {
+  // scratch in floats: two panels' slabs of kcb / 2 x 16 four-byte words
+  for_panel_chunks(NP, kcb * NR, [&](int64_t j0, int64_t j1, float* scratch) {
     uint32_t* buf = reinterpret_cast<uint32_t*>(scratch);
     for (int64_t tb = 0; tb < T; tb += tpb) {
       const int64_t te = std::min(T, tb + tpb);
@@ -785,9 +788,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torc
   const float* bias = bias_of(bias_, N, keep);
 #ifdef PP_BF16
   if (use_bf16(bf16, M, K)) {
-    const RowTiles rt = pack_rows_bf16(x);
-    bf16_product(rt, reinterpret_cast<const uint32_t*>(rt.buf.data_ptr<float>()), NP, K, c, bias,
-                 [&](int64_t j, int64_t pc, int64_t kc, uint32_t* o) { pair_slab(b + j * K * NR + pc * NR, 0, kc, o); });
+    bf16_product(x, NP, c, bias,
+                 [&](int64_t j, int64_t pc, int64_t kc, uint32_t* o) { pair_slab(b + j * K * NR + pc * NR, kc, o); });
     return y;
   }
 #endif
@@ -814,11 +816,9 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch
   const float* bias = bias_of(bias_, N, keep);
 #ifdef PP_BF16
   if (use_bf16(bf16, M, K)) {
-    const RowTiles rt = pack_rows_bf16(x);
-    const uint32_t* ap = reinterpret_cast<const uint32_t*>(rt.buf.data_ptr<float>());
     const uint8_t* qp = q.data_ptr<uint8_t>();
     const int64_t qb = q.size(2), pbytes = K / QK * qb;
-    bf16_product(rt, ap, NP, K, y.data_ptr<float>(), bias, [&](int64_t j, int64_t pc, int64_t kc, uint32_t* o) {
+    bf16_product(x, NP, y.data_ptr<float>(), bias, [&](int64_t j, int64_t pc, int64_t kc, uint32_t* o) {
       if (qb == QB_U4) dequant_bf16<true>(qp + j * pbytes, pc, kc, o);
       else dequant_bf16<false>(qp + j * pbytes, pc, kc, o);
     });

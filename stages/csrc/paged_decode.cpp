@@ -271,14 +271,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t Hkv = k_cache.size(2);
   TORCH_CHECK(H % Hkv == 0 && k_cache.size(3) == D, "paged_decode: head shapes");
   auto out = torch::empty_like(q);
-  if (kv == torch::kFloat16) {
-    run_d(Args<c10::Half>{q.data_ptr<float>(), k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>(),
-                          tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), H, Hkv,
-                          H / Hkv, k_cache.size(1), tables.size(1), D, static_cast<float>(scale)}, B);
-  } else {
-    run_d(Args<float>{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), H, Hkv, H / Hkv,
-                      k_cache.size(1), tables.size(1), D, static_cast<float>(scale)}, B);
-  }
+  auto run_as = [&](auto element) {  // the caches' element type T, by the value's type
+    using T = decltype(element);
+    run_d(Args<T>{q.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables.data_ptr<int64_t>(),
+                  lens.data_ptr<int64_t>(), out.data_ptr<float>(), H, Hkv, H / Hkv, k_cache.size(1), tables.size(1), D,
+                  static_cast<float>(scale)}, B);
+  };
+  if (kv == torch::kFloat16) run_as(c10::Half{});
+  else run_as(0.f);
   return out;
 }
