@@ -79,6 +79,12 @@ class ModelConfig(HeadSizes):
         return self.num_layers * per_layer + (h * self.vocab_size if lm_head else 0)
 
 
+def is_layer_count(n: object) -> bool:
+    """A stage's share of the layers: a positive multiple of 0.5 (not a bool: ``true`` in YAML is a
+    mistake, not 1)."""
+    return isinstance(n, numbers.Real) and not isinstance(n, bool) and n > 0 and (2 * n) % 1 == 0
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """pp stages × tp ranks; ``partition`` optionally gives the layer count of each stage.
@@ -97,8 +103,7 @@ class ParallelConfig:
         if self.partition is not None:
             if len(self.partition) != self.pp:
                 raise ValueError(f"ParallelConfig.partition has {len(self.partition)} entries, pp={self.pp}")
-            if any(isinstance(n, bool) or not isinstance(n, numbers.Real) or n <= 0 or (2 * n) % 1
-                   for n in self.partition):
+            if not all(is_layer_count(n) for n in self.partition):
                 raise ValueError("ParallelConfig.partition entries must be positive multiples of 0.5 "
                                  f"(layer counts, halves split a layer after its attention), got {list(self.partition)}")
 

@@ -37,7 +37,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import yaml
 
-from pp_runtime.config import SCHEDULER_POLICIES
+from pp_runtime.config import SCHEDULER_POLICIES, is_layer_count
 
 WORKLOAD_KINDS = ("fixed", "uniform", "zipf", "trace")
 ARRIVALS = ("all", "poisson")
@@ -390,8 +390,7 @@ def _check_engine(engine: Mapping[str, Any]) -> None:
         elif key == "memory_budget_gb":
             _check_positive_number(key, value)
         elif key == "partition":
-            if not isinstance(value, (list, tuple)) or not value or not all(
-                    (_is_int(v) or (isinstance(v, float) and (2 * v).is_integer())) and v > 0 for v in value):
+            if not isinstance(value, (list, tuple)) or not value or not all(is_layer_count(v) for v in value):
                 raise ValueError(f"partition must be a list of positive layer counts (multiples of 0.5), got {value!r}")
 
 

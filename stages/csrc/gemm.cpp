@@ -740,6 +740,7 @@ void bf16_product(const torch::Tensor& x, int64_t NP, float* c, const float* bia
   // scratch in floats: two panels' slabs of kcb / 2 x 16 four-byte words
   for_panel_chunks(NP, kcb * NR, [&](int64_t j0, int64_t j1, float* scratch) {
     uint32_t* buf = reinterpret_cast<uint32_t*>(scratch);
+    uint32_t* b1 = buf + kcb / 2 * NR;  // the second panel's slab
     for (int64_t tb = 0; tb < T; tb += tpb) {
       const int64_t te = std::min(T, tb + tpb);
       for (int64_t pc = 0; pc < K; pc += kcb) {
@@ -747,7 +748,6 @@ void bf16_product(const torch::Tensor& x, int64_t NP, float* c, const float* bia
         const bool last = pc + kc == K;
         for (int64_t j = j0; j < j1; j += 2) {
           const bool two = j + 1 < j1;
-          uint32_t* b1 = buf + kcb / 2 * NR;
           slab(j, pc, kc, buf);
           if (two) slab(j + 1, pc, kc, b1);
           for (int64_t t = tb; t < te; ++t) {

@@ -236,11 +236,9 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
          out.data_ptr<float>(), q.stride(0), out.stride(0), n, ctx, H, Hkv, H / Hkv, D, BS,
          static_cast<float>(scale), kt.get(), vp.get(), Lp};
   const int64_t blocks = (ctx + BS - 1) / BS;
+  const auto pack = kv == torch::kFloat16 ? pack_block<c10::Half> : pack_block<float>;  // the cache's element
   at::parallel_for(0, Hkv * blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (kv == torch::kFloat16) pack_block<c10::Half>(a, i / blocks, i % blocks, kt.get(), vp.get());
-      else pack_block<float>(a, i / blocks, i % blocks, kt.get(), vp.get());
-    }
+    for (int64_t i = begin; i < end; ++i) pack(a, i / blocks, i % blocks, kt.get(), vp.get());
   });
   if (D == 64) {
     run<64>(a);
