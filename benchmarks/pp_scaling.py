@@ -26,6 +26,8 @@ By phase (first scheduler, round 0): the prefill phase — until the last micro-
 chunk leaves the last stage — and the drain after it, when only decodes are left; each against
 pp=1's summed step times of the same kinds, with how many decodes rode on chunks. The drain is
 where pp=2 loses: each request advances one token per pass through the pipeline whatever pp is.
+Per stage of each deployment, the step times by micro-batch kind (carrying a chunk; decode-only
+by rows) and the stage's idle time show which stage bounds the run and what its excess is.
 
 At pp=2 (sarathi run), per micro-batch and as a fraction of the mean stage step:
   * driver work: scheduling + plan packing + sending it to stage 0 + postprocess (Engine.stats);
@@ -117,13 +119,34 @@ def phase_split(llm: LLM, timings: list[list]) -> dict:
     start = min(w[0][1] for w in timings if w)  # the first plan in hand
     prefill_end = max((e for mb, _, _, e in last if kinds[mb]), default=start)
     out = {"piggybacked_decodes": decodes[True], "decode_only_decodes": decodes[False],
-           "decode_only_microbatches": sum(1 for k in kinds.values() if not k)}
+           "decode_only_microbatches": sum(1 for k in kinds.values() if not k), "microbatches": len(kinds)}
     if len(timings) == 1:
         out["prefill_s"] = sum(e - s for mb, _, s, e in last if kinds[mb])
         out["drain_s"] = sum(e - s for mb, _, s, e in last if not kinds[mb])
     else:
         out["prefill_s"], out["drain_s"] = prefill_end - start, last[-1][3] - prefill_end
+    rows = {mb.mb_id: mb.decode_tokens for mb in llm.engine.history}
+    out["stages"] = [stage_steps(w, kinds, rows) for w in timings]
     return out
+
+
+def _step_kind(prefill: bool, rows: int) -> str:
+    if prefill:
+        return "chunk"
+    return "decode 1" if rows <= 1 else "decode 2-3" if rows <= 3 else "decode 4-7" if rows <= 7 else "decode 8+"
+
+
+def stage_steps(worker: list, kinds: dict[int, bool], rows: dict[int, int]) -> dict:
+    """One stage's step times by micro-batch kind (carrying a chunk, or decode-only by rows):
+    count, median and total seconds, and the stage's idle seconds between steps."""
+    by: dict[str, list[float]] = {}
+    idle, prev_end = 0.0, None
+    for mb, _, t_start, t_end in worker:
+        by.setdefault(_step_kind(kinds[mb], rows[mb]), []).append(t_end - t_start)
+        idle += 0.0 if prev_end is None else max(0.0, t_start - prev_end)
+        prev_end = t_end
+    return {"idle_s": idle, "kinds": {k: {"n": len(v), "median_ms": statistics.median(v) * 1e3, "sum_s": sum(v)}
+                                      for k, v in sorted(by.items())}}
 
 
 def paired_runs(llms: dict[int, LLM], items: list, tokens: int, policies: list[str], rounds: int,
@@ -203,6 +226,11 @@ def main() -> None:
           f"{ph['pp1']['piggybacked_decodes']} vs {ph['pp2']['piggybacked_decodes']}, in decode-only micro-batches "
           f"{ph['pp1']['decode_only_decodes']} ({ph['pp1']['decode_only_microbatches']}) vs "
           f"{ph['pp2']['decode_only_decodes']} ({ph['pp2']['decode_only_microbatches']})")
+    for pp in ("pp1", "pp2"):
+        for i, st in enumerate(ph[pp]["stages"]):
+            print(f"  {pp} stage {i} steps (n, median ms, total s): " + "; ".join(
+                f"{k} {v['n']}, {v['median_ms']:.1f}, {v['sum_s']:.2f}" for k, v in st["kinds"].items())
+                + f"; idle {st['idle_s']:.2f} s")
     c = r["control_plane_pp2"]
     print(f"control plane at pp=2 ({c['microbatches']} micro-batches, mean stage step {c['mean_step_ms']:.1f} ms): "
           f"driver {c['driver_ms_per_mb']:.2f} + delivery {c['delivery_ms_per_mb']:.2f} + token return "

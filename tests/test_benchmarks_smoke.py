@@ -56,6 +56,10 @@ def test_pp_scaling_smoke(tmp_path: Path) -> None:
     for pp in ("pp1", "pp2"):  # the phases add up to the work done
         ph = r["phases"][pp]
         assert ph["prefill_s"] > 0 and ph["drain_s"] >= 0 and ph["piggybacked_decodes"] + ph["decode_only_decodes"] > 0
+        assert len(ph["stages"]) == int(pp[-1])  # one step-time summary per stage
+        for st in ph["stages"]:  # every micro-batch ran on every stage, and each is counted once
+            assert sum(k["n"] for k in st["kinds"].values()) == ph["microbatches"]
+            assert st["idle_s"] >= 0 and all(k["median_ms"] > 0 for k in st["kinds"].values())
     c = r["control_plane_pp2"]
     assert c["microbatches"] > 0 and c["mean_step_ms"] > 0 and c["return_ms_per_mb"] >= 0
     m = r["memory_pp2"]
