@@ -28,6 +28,7 @@ import signal
 import socket
 import threading
 import time
+import weakref
 from typing import Iterator
 
 import ray
@@ -168,6 +169,17 @@ class StageActor:
             dist.destroy_process_group()
 
 
+def _release(actors: list, pg: object) -> None:
+    """What a RayExecutor holds in the cluster, freed when it is garbage-collected unshut."""
+    if not ray.is_initialized():
+        return
+    for a in actors:
+        with contextlib.suppress(Exception):
+            ray.kill(a)
+    with contextlib.suppress(Exception):
+        remove_placement_group(pg)
+
+
 class RayExecutor:
     def __init__(self, cfg: EngineConfig, source: object, timeout_s: float = 60.0) -> None:
         from stages.worker import WorkerSpec
@@ -182,6 +194,9 @@ class RayExecutor:
         self._serving: list = []  # each worker's serve() call
         try:
             self.pg = self._place()
+            # Dropped without shutdown() (an LLM deleted or never closed): free the placement and
+            # the actors anyway, else the next executor waits for resources that stay in use.
+            self._finalizer = weakref.finalize(self, _release, self.actors, self.pg)
             threads = cfg.device.threads or 1
             gpu = 1 if cfg.device.device == "cuda" else 0
             for rank in range(self.topo.world_size):
@@ -345,6 +360,7 @@ class RayExecutor:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+            self._finalizer.detach()
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
             self._owns_ray = False

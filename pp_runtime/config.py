@@ -259,3 +259,8 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        # every unseeded request's sampler is seeded from this (torch.Generator.manual_seed: an int)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"EngineConfig.seed must be an integer, got {self.seed!r}")

@@ -60,8 +60,16 @@ class LocalExecutor:
     def collect(self) -> list[int]:
         wire = self._queue.popleft()
         tokens = None
-        for w in self.workers:  # stages in order: each one's output is the next one's input
-            tokens = w.execute(wire)
+        for s, w in enumerate(self.workers):  # stages in order: each one's output is the next one's input
+            try:
+                tokens = w.execute(wire)
+            except Exception as e:
+                # As a Ray worker's failure would: the run ends with this error and the LLM is marked
+                # broken. Plans still queued and activations handed halfway would otherwise pair up
+                # with the next run's micro-batches and give wrong tokens without an error.
+                self._queue.clear()
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise WorkerError(f"worker stage {s} tp_rank 0 (in this process) failed: {first}") from e
         return tokens
 
     def drain_timings(self) -> list[list]:

@@ -32,6 +32,8 @@ from pp_runtime.request import Request, RequestOutput, SamplingParams
 from pp_runtime.scheduler import Scheduler
 
 DEFAULT_MAX_BATCH = 64
+RECONFIGURABLE = ("policy", "chunk_size", "max_batch_size", "tile_align")
+SHUT_DOWN = "shut down"
 INTERRUPTED = "interrupted (Ctrl-C or SIGTERM) before this request finished"
 STREAM_CLOSED = "the stream was closed before this request finished"
 
@@ -127,7 +129,13 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
         raise ValueError(f"memory_budget_gb must be > 0, got {memory_budget_gb}")
     budget = None if memory_budget_gb is None and device == "cuda" else \
         int((4.0 if memory_budget_gb is None else memory_budget_gb) * (1 << 30))
-    max_len = min(max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+    for name, value in (("max_model_len", max_model_len), ("max_batch_size", max_batch_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{name} must be a positive integer (or None for the default), got {value!r}")
+    if max_model_len is not None and max_model_len > mcfg.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's {mcfg.max_position_embeddings} "
+                         "positions (max_position_embeddings)")
+    max_len = max_model_len or mcfg.max_position_embeddings
     cfg = EngineConfig(
         model_path=source.path, parallel=parallel,
         scheduler=SchedulerConfig(scheduler, chunk_size, max_batch_size or 1, tile_align, max_len),
@@ -202,7 +210,14 @@ class LLM:
 
     def reconfigure(self, **changes: object) -> None:
         """Change the driver-side scheduling (policy, chunk_size, max_batch_size, tile_align)
-        between runs, keeping the workers and their weights: ``bench`` compares schedulers this way."""
+        between runs, keeping the workers and their weights: ``bench`` compares schedulers this way.
+        Anything else is fixed by the workers (max_model_len: their positions and KV pool)."""
+        bad = sorted(set(changes) - set(RECONFIGURABLE))
+        if bad:
+            raise ValueError(f"reconfigure: {', '.join(bad)} cannot change after start; "
+                             f"only {', '.join(RECONFIGURABLE)} can (create a new LLM for the rest)")
+        if "max_batch_size" in changes:  # the running cap follows, as in __init__
+            changes["max_running"] = changes["max_batch_size"] * self.config.parallel.pp
         self.sched_config = replace(self.sched_config, **changes)
         self.config = replace(self.config, scheduler=self.sched_config)
 
@@ -213,7 +228,7 @@ class LLM:
                      params: SamplingParams | None, error: str | None = None) -> Request:
         """A Request, or one already finished with an error naming what is wrong with it."""
         seq_id, self._next_seq = self._next_seq, self._next_seq + 1
-        ids = prompt
+        ids = _as_token_list(prompt)
         if error is None and isinstance(prompt, str):
             try:
                 ids = self.tokenizer.encode(prompt)
@@ -229,8 +244,15 @@ class LLM:
     def generate(self, prompts: Sequence[list[int] | str],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = False, ids: Sequence[str] | None = None) -> list[RequestOutput]:
-        """Outputs in the order of ``prompts``; bad prompts come back with finish_reason 'error'."""
-        return self.run(self._requests(prompts, params, ids), progress)
+        """Outputs in the order of ``prompts``; bad prompts come back with finish_reason 'error'.
+        A text prompt's output carries the generated text too."""
+        reqs = self._requests(prompts, params, ids)
+        return [self._with_text(o, p) for o, p in zip(self.run(reqs, progress), prompts)]
+
+    def _with_text(self, out: RequestOutput, prompt: object) -> RequestOutput:
+        if isinstance(prompt, str) and out.finish_reason != "error":
+            out.text = self.tokenizer.decode(out.token_ids)
+        return out
 
     def generate_stream(self, prompts: Sequence[list[int] | str],
                         params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -242,8 +264,10 @@ class LLM:
         request; leaving the loop early cancels the rest once the stream is closed or the next run
         starts."""
         reqs = self._requests(prompts, params, ids)
+        prompt_of = {r.seq_id: p for r, p in zip(reqs, prompts)}
         steps = self._start(reqs)
         sent: dict[int, int] = {}  # seq id -> tokens already streamed
+        done: set[int] = set()  # seq ids whose final output went out
         try:
             for finished in steps:
                 # Tokens arrive only in a running request's postprocess, so after each step the
@@ -253,7 +277,13 @@ class LLM:
                         sent[req.seq_id] = len(req.output_token_ids)
                         yield StreamOutput.partial(req)
                 for req in finished:
-                    yield StreamOutput.final(req)
+                    done.add(req.seq_id)
+                    yield self._with_text(StreamOutput.final(req), prompt_of[req.seq_id])
+            # A run started meanwhile (generate inside this loop) closes this one: its requests
+            # were cancelled there, and each still ends with its one final output here.
+            for req in reqs:
+                if req.seq_id not in done and req.finished:
+                    yield self._with_text(StreamOutput.final(req), prompt_of[req.seq_id])
         finally:
             steps.close()
 
@@ -302,7 +332,15 @@ class LLM:
                   ids: Sequence[str] | None) -> list[Request]:
         params = params or SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        return [self.make_request(ids[i] if ids else str(i), p, plist[i]) for i, p in enumerate(prompts)]
+        for name, given in (("params", plist), ("ids", ids)):
+            if given is not None and len(given) != len(prompts):
+                raise ValueError(f"{name} has {len(given)} entries for {len(prompts)} prompts (one each)")
+        reqs = []
+        for i, p in enumerate(prompts):
+            bad = None if isinstance(plist[i], SamplingParams) else \
+                f"params[{i}] is a {type(plist[i]).__name__}, not SamplingParams"
+            reqs.append(self.make_request(ids[i] if ids else str(i), p, None if bad else plist[i], bad))
+        return reqs
 
     def _start(self, reqs: list[Request], arrivals: Sequence[float] | None = None) -> Iterator[list[Request]]:
         """A new run, as a generator of engine steps. A run left half-read (an abandoned stream)
@@ -375,6 +413,7 @@ class LLM:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.broken = self.broken or SHUT_DOWN  # a later run says so, instead of failing on a gone worker
 
     def __enter__(self) -> "LLM":
         return self
@@ -382,6 +421,7 @@ class LLM:
     def __exit__(self, exc_type: type | None, *exc: object) -> None:
         if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
             _kill_workers(self.executor)  # no goodbye: a half-delivered plan could hold it up
+            self.broken = self.broken or SHUT_DOWN
         else:
             self.shutdown()
 
@@ -414,6 +454,16 @@ def _keep_sigterm_handler() -> Iterator[None]:
     finally:
         if callable(before) and signal.getsignal(signal.SIGTERM) is not before:
             signal.signal(signal.SIGTERM, before)
+
+
+def _as_token_list(prompt: object) -> object:
+    """A numpy array (or anything with ``tolist``) as a plain list, numpy integers as ints; the
+    rest as given, for validate_prompt to judge."""
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list, tuple)):
+        prompt = prompt.tolist()
+    if isinstance(prompt, (list, tuple)):
+        return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt]
+    return prompt
 
 
 def validate_prompt(ids: object, vocab_size: int) -> str | None:

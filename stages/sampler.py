@@ -25,7 +25,9 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
 def _sample_row(logits: torch.Tensor, s: SampleSpec) -> int:  # logits (V,)
     # Shift the maximum to 0 before dividing: a tiny temperature then sends the others to
     # -inf instead of overflowing everything to inf (whose softmax is NaN and crashes multinomial).
-    x = (logits - logits.max()) / s.temperature
+    # In float64: a temperature below float32's smallest subnormal (~1.4e-45) would round to 0
+    # there and make the maximum 0 / 0 = NaN; float64 holds any positive Python float.
+    x = (logits - logits.max()).double() / s.temperature
     if 0 < s.top_k < x.numel():
         kth = torch.topk(x, s.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -103,8 +103,10 @@ def _hf_config(folder: Path, c: dict) -> ModelConfig:
     if arch not in HF_ARCHS:
         raise ModelError(f"model_type {arch!r} in {folder}/config.json is not supported ({', '.join(HF_ARCHS)})")
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise ModelError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
+    for r in (c.get("rope_parameters") or {}, c.get("rope_scaling") or {}):  # either may carry the scaling
+        if r.get("rope_type", r.get("type", "default")) not in ("default", None):
+            raise ModelError(f"rope scaling {r.get('rope_type', r.get('type'))!r} is not supported")
+    _check_supported(folder, c, arch)
     eos = c.get("eos_token_id")
     max_len = c.get("max_position_embeddings", 2048)
     if c.get("sliding_window"):  # exact only inside one window: cap the length there
@@ -116,9 +118,22 @@ def _hf_config(folder: Path, c: dict) -> ModelConfig:
         rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
         rms_norm_eps=c.get("rms_norm_eps", 1e-6), max_position_embeddings=max_len,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
+        qkv_bias=arch == "qwen2",
         bos_token_id=c.get("bos_token_id"),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]), architecture=arch)
+
+
+def _check_supported(folder: Path, c: dict, arch: str) -> None:
+    """Options the model code does not implement: loading would drop their weights or use the
+    wrong math and give wrong tokens without an error, so refuse them by name."""
+    act = c.get("hidden_act", c.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ModelError(f"hidden_act {act!r} in {folder}/config.json is not supported (silu only)")
+    if c.get("mlp_bias"):
+        raise ModelError(f"mlp_bias in {folder}/config.json is not supported (MLP projections without bias only)")
+    if arch != "qwen2" and c.get("attention_bias"):  # llama's also puts one on o_proj, which has none here
+        raise ModelError(f"attention_bias in {folder}/config.json is not supported for {arch} "
+                         "(q/k/v biases as in qwen2 only)")
 
 
 @functools.lru_cache(maxsize=4)

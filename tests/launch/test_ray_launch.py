@@ -141,3 +141,16 @@ def test_profile_in_a_ray_deployment(cluster: object, tmp_path: object) -> None:
     check_stage_csvs(tmp_path, 2, GRID)
     summary = json.loads((tmp_path / "profile.json").read_text())
     assert summary["launcher"] == "ray" and summary["tp"] == 2 and len(summary["overheads_us"]["prep"]) == 2
+
+
+def test_llm_dropped_without_shutdown_frees_its_placement(cluster: object) -> None:
+    """An LLM garbage-collected unshut (no ``with``, no shutdown) frees its placement group and
+    kills its actors, so a later LLM is not left waiting for resources that stay in use."""
+    import gc
+    llm = LLM(model="llama-tiny", pp=2, launcher="ray", memory_budget_gb=0.05)
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].finish_reason in ("length", "stop")
+    pg_id = llm.executor.pg.id.hex()
+    assert ray.util.placement_group_table()[pg_id]["state"] == "CREATED"
+    del llm
+    gc.collect()
+    assert ray.util.placement_group_table()[pg_id]["state"] == "REMOVED"

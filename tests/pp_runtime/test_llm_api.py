@@ -139,6 +139,97 @@ def test_stream_left_early_cancels_the_rest_and_the_llm_stays_usable(llm: LLM) -
     assert [fields(o) for o in llm.generate(ps, GREEDY)] == expected
 
 
+def test_stream_cut_short_by_a_new_run_still_ends_every_request(llm: LLM) -> None:
+    """generate() inside a stream's loop closes the stream's run; the stream still gives every
+    request its one final output (cancelled), and the inner run's results are right."""
+    ps = prompts()
+    expected = [fields(o) for o in llm.generate(ps, GREEDY)]
+    items, inner = [], None
+    for it in llm.generate_stream(ps, SamplingParams(max_tokens=50, ignore_eos=True)):
+        items.append(it)
+        if inner is None:
+            inner = [fields(o) for o in llm.generate(ps, GREEDY)]
+    finals = check_stream(items, [str(i) for i in range(len(ps))])
+    assert {o.finish_reason for o in finals.values()} == {"cancelled"}
+    assert inner == expected
+
+
+def test_inputs_as_numpy_and_mismatched_lists(llm: LLM) -> None:
+    ps = prompts()[:3]
+    expected = [fields(o) for o in llm.generate(ps, GREEDY)]
+    as_numpy = [np.array(p, dtype=np.int64) for p in ps]  # numpy arrays of numpy integers
+    assert [fields(o) for o in llm.generate(as_numpy, GREEDY)] == expected
+    with pytest.raises(ValueError, match="params has 2 entries for 3 prompts"):
+        llm.generate(ps, [GREEDY, GREEDY])
+    with pytest.raises(ValueError, match="ids has 4 entries for 3 prompts"):
+        llm.generate(ps, GREEDY, ids=["a", "b", "c", "d"])
+    # a params entry that is not SamplingParams fails its own request only
+    outs = llm.generate(ps, [GREEDY, {"max_tokens": 12}, GREEDY])
+    assert outs[1].finish_reason == "error" and outs[1].error == "params[1] is a dict, not SamplingParams"
+    assert [fields(outs[i]) for i in (0, 2)] == [expected[0], expected[2]]
+
+
+def test_reconfigure_changes_scheduling_only_and_resizes_the_running_set(llm: LLM) -> None:
+    ps = prompts()
+    expected = [fields(o) for o in llm.generate(ps, GREEDY)]
+    with pytest.raises(ValueError, match="reconfigure: max_model_len cannot change after start"):
+        llm.reconfigure(max_model_len=4096)
+    with pytest.raises(ValueError, match="max_batch_size must be a positive integer"):
+        llm.reconfigure(max_batch_size=0)
+    try:
+        llm.reconfigure(max_batch_size=6)
+        assert llm.sched_config.max_running == 12  # pp × max_batch_size, as a new LLM would have
+        assert [fields(o) for o in llm.generate(ps, GREEDY)] == expected
+        assert max(mb.decode_tokens + (mb.prefill_tokens > 0) for mb in llm.engine.history) > 3
+    finally:
+        llm.reconfigure(max_batch_size=3)
+    assert llm.sched_config.max_running == 6
+
+
+def test_stage_failure_ends_the_run_with_its_error_and_marks_the_llm_broken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception inside a local stage (a bug, an op that fails) is a dead worker: the run's
+    unfinished requests get its error naming the stage, finished ones keep their tokens, and the
+    LLM refuses further runs instead of pairing leftover plans with new micro-batches."""
+    from pp_runtime.executor import WorkerError
+    with LLM(model="llama-tiny", pp=2, launcher="local", chunk_size=8, max_batch_size=3,
+             memory_budget_gb=0.05) as m:
+        worker = m.executor.workers[1]
+        real, calls = worker.execute, []
+
+        def flaky(wire: tuple) -> list[int] | None:
+            calls.append(1)
+            if len(calls) == 12:
+                raise RuntimeError("boom\nsecond line")
+            return real(wire)
+
+        monkeypatch.setattr(worker, "execute", flaky)
+        outs = m.generate([[5, 6, 7], list(range(3, 60))], [SamplingParams(max_tokens=1), GREEDY])
+        assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 1  # finished before
+        assert outs[1].finish_reason == "error"
+        assert outs[1].error == "worker stage 1 tp_rank 0 (in this process) failed: boom"
+        with pytest.raises(WorkerError, match="workers are gone"):
+            m.generate([[5, 6, 7]], GREEDY)
+
+
+def test_llm_after_shutdown_says_so() -> None:
+    from pp_runtime.executor import WorkerError
+    with LLM(model="llama-tiny", launcher="local", memory_budget_gb=0.05) as m:
+        pass
+    with pytest.raises(WorkerError, match=r"workers are gone \(shut down\)"):
+        m.generate([[5, 6, 7]], GREEDY)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(max_model_len=0), "max_model_len must be a positive integer"),
+    (dict(max_batch_size=0), "max_batch_size must be a positive integer"),
+    (dict(max_model_len=5000), "max_model_len=5000 exceeds the model's 1024 positions"),
+    (dict(seed=1.5), "EngineConfig.seed must be an integer, got 1.5"),
+])
+def test_constructor_values_are_checked_not_replaced(kw: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(model="llama-tiny", launcher="local", memory_budget_gb=0.05, **kw)
+
+
 # ---- memory pressure ----------------------------------------------------------------------------
 @pytest.mark.parametrize("scheduler", ["sarathi", "orca"])
 def test_kv_cache_far_below_demand_preempts_without_changing_outputs(scheduler: str, tmp_path: Path) -> None:

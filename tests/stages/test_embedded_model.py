@@ -83,6 +83,17 @@ def test_eos_stops_the_chat_answer(llm: LLM, prompts: list[list[int]]) -> None:
     assert out.finish_reason == "stop" and out.token_ids[-1] in llm.source.config.eos_token_ids
 
 
+def test_text_prompts_come_back_with_text(llm: LLM, prompts: list[list[int]]) -> None:
+    """A text prompt is tokenized on the way in and its output decoded on the way out (as vLLM's
+    ``outputs[0].text``); token-id prompts get no text, bad requests none either."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    text, ids, bad = llm.generate([TEXTS[0], prompts[1], ""], params)
+    assert text.token_ids == ids.token_ids and text.text == llm.tokenizer.decode(text.token_ids) and text.text
+    assert ids.text is None and bad.finish_reason == "error" and bad.text is None
+    finals = [o for o in llm.generate_stream([TEXTS[0]], params) if o.finished]
+    assert [o.text for o in finals] == [text.text]
+
+
 def test_tokenizer_matches_transformers(llm: LLM) -> None:
     """Same ids as transformers' tokenizer on the same files: plain text and the chat template."""
     import transformers

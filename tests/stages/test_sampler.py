@@ -37,7 +37,8 @@ def test_greedy_is_argmax(logits: torch.Tensor) -> None:
 
 def test_tiny_temperature_tends_to_greedy(logits: torch.Tensor) -> None:
     # Also exercises the overflow guard: logits / 1e-30 would be ±inf without the shift to 0.
-    for t in (1e-3, 1e-30):
+    # 1e-300 rounds to 0 in float32 (a NaN at the maximum: 0 / 0) but not in float64.
+    for t in (1e-3, 1e-30, 1e-300, 5e-324):
         assert set(draws(logits, temperature=t)) == {int(logits.argmax())}
 
 
