@@ -115,8 +115,10 @@ def add_engine_args(p: argparse.ArgumentParser, overrides: bool = False) -> None
     add_engine_args_to(p)
     if overrides:
         for action in p._actions:
-            if action.dest not in ("help", "run_dir", "quiet"):
+            if action.dest not in ("help", "quiet"):
                 action.default = None
+    else:  # bench writes one run directory per scheduler under its --out
+        p.add_argument("--run-dir", default=None, help="write the run directory (timings, summary) here")
 
 
 def add_engine_args_to(p: argparse.ArgumentParser) -> None:
@@ -146,7 +148,6 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
                         "(twice the tokens per budget, faster long-context decode; values rounded once)")
     p.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="highest", help=MATMUL_HELP)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--run-dir", default=None)
     p.add_argument("--quiet", action="store_true")
 
 
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate for JSONL requests or --prompt texts")
     add_engine_args(g)
-    g.add_argument("--input", help="JSONL requests (DESIGN.md §3.3)")
+    g.add_argument("--input", help="JSONL requests (DESIGN.md §3.3); - reads standard input")
     g.add_argument("--output", help="JSONL results (default: stdout; with --prompt, text on stdout)")
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to --prompt")
@@ -230,7 +231,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     # Every check that needs no model runs before the model loads (seconds for real weights).
     if bool(a.input) == bool(a.prompt):
         raise ValueError("give either --input FILE or --prompt TEXT")
-    if a.input and not Path(a.input).is_file():
+    if a.input and a.input != "-" and not Path(a.input).is_file():
         raise ValueError(f"--input {a.input}: no such file" if not Path(a.input).exists()
                          else f"--input {a.input}: not a file")
     if a.chat and not a.prompt:
@@ -268,7 +269,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 Path(a.run_dir).mkdir(parents=True, exist_ok=True)
                 write_results(str(Path(a.run_dir) / "results.jsonl"), rows)
         if a.output:
-            write_results(a.output, rows)
+            try:
+                write_results(a.output, rows)
+            except OSError as e:  # checked at start, but the disk may fill or the path go away
+                for r in rows:  # the run's results, on stdout rather than lost
+                    print(json.dumps(r))
+                raise ValueError(f"--output {a.output}: could not write ({e.strerror or e}); "
+                                 "the results went to stdout") from None
         elif lines is None:
             for o in outs:
                 print(o.text if o.error is None else f"{o.finish_reason}: {o.error}")
@@ -321,6 +328,7 @@ def cmd_report(a: argparse.Namespace) -> int:
     for d in a.dirs:
         if not Path(d).is_dir():
             raise ValueError(f"{d}: not a directory")
+    _check_writable("--out", a.out, is_dir=True)
     for path in make_report(a.dirs, a.out):
         print(path)
     return 0
@@ -423,6 +431,11 @@ def _check_writable(flag: str, path: str | None, is_dir: bool) -> None:
         raise ValueError(f"{flag} {path}: is {'not ' if is_dir else ''}a directory")
     if not is_dir and not p.parent.is_dir():
         raise ValueError(f"{flag} {path}: directory {p.parent} does not exist")
+    # what will be written into: the file or directory itself if it exists, else the nearest
+    # existing ancestor (a run directory is created with its parents)
+    target = p if p.exists() else next(q for q in p.absolute().parents if q.exists())
+    if not os.access(target, os.W_OK) or (target.is_dir() and not os.access(target, os.X_OK)):
+        raise ValueError(f"{flag} {path}: {target} is not writable")
 
 
 def _write_workers(run_dir: Path, infos: list[dict]) -> None:

@@ -383,6 +383,16 @@ class RayExecutor:
                     self._check_alive(what, timeout)
                 except ray.exceptions.RayActorError as e:
                     raise self._died(self._name(rank), what, timeout, e) from None
+                except ray.exceptions.RayTaskError as e:
+                    # The worker raised: a user's error (a bad checkpoint, a bad setting) comes out
+                    # as the worker's own exception, as it would at pp = 1, not as Ray's remote
+                    # traceback flattened into one line; anything else names the worker.
+                    cause = e.cause if isinstance(e.cause, BaseException) else None
+                    if isinstance(cause, ValueError):
+                        raise cause from None
+                    self.failed = True
+                    raise WorkerError(f"{self._name(rank)} failed during {what}: "
+                                      f"{_first_line(cause or e)}") from None
         return out
 
     def _died(self, who: str, what: str, timeout: float, e: Exception) -> WorkerError:
@@ -427,6 +437,7 @@ def _ensure_ray(world_size: int) -> bool:
         return False
     address = os.environ.get("RAY_ADDRESS")
     if address:
+        _check_reachable(address)
         ray.init(address=address, log_to_driver=False)
         return True
     # address="local": always a fresh embedded instance, never an unrelated cluster that happens
@@ -440,6 +451,18 @@ def _ensure_ray(world_size: int) -> bool:
         ray.shutdown()
         raise KeyboardInterrupt
     return True
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A host:port RAY_ADDRESS must accept a connection: ray.init retries an unreachable GCS
+    forever. Other forms ("auto", ray://, http://) fail on their own."""
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"RAY_ADDRESS={address}: no Ray cluster answers there ({e.strerror or e})") from None
 
 
 @contextlib.contextmanager

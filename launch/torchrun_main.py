@@ -169,10 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         kwargs.pop(driver_only)
     try:
         cfg, source = build_engine_config(**kwargs)
-    except ValueError as e:  # rank 0 reports the same problem; one line here too
+        worker_loop(cfg, source)
+    except ValueError as e:  # a usage error (rank 0 reports the same); one line here too
         print(f"pp-runtime[rank {os.environ['RANK']}]: error: {e}", file=sys.stderr)
         return 2
-    worker_loop(cfg, source)
+    except (RuntimeError, OSError) as e:  # e.g. rank 0 gone: its store or socket closed under us
+        text = str(e).strip()
+        print(f"pp-runtime[rank {os.environ['RANK']}]: error: {type(e).__name__}: "
+              f"{text.splitlines()[0] if text else ''}", file=sys.stderr)
+        return 1
     return 0
 
 

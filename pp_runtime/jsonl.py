@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections import Counter
 from dataclasses import dataclass
 
 from pp_runtime.request import SamplingParams
@@ -51,7 +52,8 @@ def _parse_line(line: str | bytes, lineno: int, defaults: SamplingParams | None)
         return ParsedLine(rid, None, None, f"line {lineno}: malformed JSON ({e})")
     if not isinstance(obj, dict):
         return ParsedLine(rid, None, None, f"line {lineno}: expected a JSON object, got {type(obj).__name__}")
-    rid = str(obj.get("id", rid))
+    if obj.get("id") is not None:  # echoed as a string; null or absent: the line's own name
+        rid = str(obj["id"])
     unknown = sorted(set(obj) - KNOWN_FIELDS)
     if unknown:
         print(f"warning: line {lineno} ({rid}): ignoring unknown fields {', '.join(unknown)}", file=sys.stderr)
@@ -59,7 +61,7 @@ def _parse_line(line: str | bytes, lineno: int, defaults: SamplingParams | None)
         prompt = obj["prompt_token_ids"]  # its items are checked against the vocabulary by LLM.make_request
         if not isinstance(prompt, list):  # a string here must not be taken for prompt text
             return ParsedLine(rid, None, None,
-                              f"prompt_token_ids must be a list of integers, got {type(prompt).__name__}")
+                              f"line {lineno}: prompt_token_ids must be a list of integers, got {type(prompt).__name__}")
     elif isinstance(obj.get("prompt"), str):
         prompt = obj["prompt"]
     elif "prompt" in obj:
@@ -71,12 +73,12 @@ def _parse_line(line: str | bytes, lineno: int, defaults: SamplingParams | None)
     kwargs.update({f: obj[f] for f in SAMPLING_FIELDS if f in obj})
     error = _field_error(kwargs)
     if error:
-        return ParsedLine(rid, prompt, None, error)
+        return ParsedLine(rid, prompt, None, f"line {lineno}: {error}")
     kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
     try:
         params = SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
-        return ParsedLine(rid, prompt, None, str(e))
+        return ParsedLine(rid, prompt, None, f"line {lineno}: {e}")
     return ParsedLine(rid, prompt, params)
 
 
@@ -94,9 +96,20 @@ def _field_error(kwargs: dict) -> str | None:
 
 
 def read_requests(path: str, defaults: SamplingParams | None = None) -> list[ParsedLine]:
+    """The requests of a JSONL file ("-": standard input), one ParsedLine per non-blank line."""
     # Bytes, not text: one line that is not UTF-8 becomes an error line instead of stopping the run.
-    with open(path, "rb") as f:
-        return [parse_line(line, i, defaults) for i, line in enumerate(f, 1) if line.strip()]
+    if path == "-":
+        lines = [parse_line(line, i, defaults) for i, line in enumerate(sys.stdin.buffer, 1) if line.strip()]
+    else:
+        with open(path, "rb") as f:
+            lines = [parse_line(line, i, defaults) for i, line in enumerate(f, 1) if line.strip()]
+    # results keep input order, so duplicates lose nothing, but matching by id would be ambiguous
+    counts = Counter(x.request_id for x in lines)
+    dups = [rid for rid, n in counts.items() if n > 1]
+    if dups:
+        print(f"warning: {len(dups)} request ids appear more than once (first: {dups[0]!r}); "
+              "results stay in input order", file=sys.stderr)
+    return lines
 
 
 def write_results(path: str, rows: list[dict]) -> None:

@@ -81,8 +81,8 @@ class MemoryPlan:
 
     def describe(self) -> str:
         gib = 1 << 30
-        return (f"B = ⌊(M_G − M_S)/(L·m_kv)⌋ = ⌊({self.budget_bytes / gib:.2f} GiB − "
-                f"{self.weight_bytes / gib:.3f} GiB) / ({self.max_model_len} × {self.kv_bytes_per_token} B)⌋ "
+        return (f"B = ⌊(M_G − M_S)/(L·m_kv)⌋ = ⌊({self.budget_bytes / gib:.4g} GiB − "
+                f"{self.weight_bytes / gib:.3g} GiB) / ({self.max_model_len} × {self.kv_bytes_per_token} B)⌋ "
                 f"= {self.max_batch_b}; KV cache: {self.num_blocks} blocks")
 
 

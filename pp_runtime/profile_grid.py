@@ -331,6 +331,9 @@ def format_summary(t2: dict) -> str:
     def f(v: float | None) -> str:
         return "n/a" if v is None else f"{v:.3f}"
     ratio = "n/a" if t2.get("ratio") is None else f"{t2['ratio']:.2f}x"
+    piggy = t2["decode_piggybacked_ms_per_token"]
+    if piggy is not None and piggy <= 0:  # the mixed batch ran faster than its chunk alone: noise won
+        ratio = "n/a (piggybacked cost ≤ 0: the mixed and prefill-only timings are noise-dominated; rerun with more reps)"
     return (f"Table 2 ({t2.get('model')}, {t2.get('device')}, {t2.get('dtype')}, {t2.get('torch_threads')} threads): "
             f"decode alone {f(t2['decode_alone_ms_per_token'])} ms/token (B={t2['decodes']}, "
             f"ctx={t2['decode_context_len']}), piggybacked {f(t2['decode_piggybacked_ms_per_token'])} ms/token "

@@ -11,8 +11,9 @@ Usage::
     python -m pp_runtime.report DIR [DIR ...] [--out OUT] [--window-mbs N | --window-s S]
 
 Each argument is a run directory (stage_timings.jsonl and/or summary.json), a bench directory
-(comparison.json and/or one run directory per scheduler; it stands for its run directories) or
-a directory with a profile.csv. Written PNGs:
+(comparison.json and/or one run directory per scheduler; it stands for its run directories), a
+directory with a profile.csv, or a deployment's profile (``profile --pp N``: one stage-K/ with a
+profile.csv per stage). Written PNGs:
 
 per run directory
   gantt.png            pipeline Gantt chart (Figures 1/5): one row per stage, one bar per
@@ -111,6 +112,10 @@ def resolve_dirs(dirs: Iterable[str | Path]) -> tuple[list[Path], list[Path]]:
         if (d / PROFILE).is_file():
             profiles.append(d)
             found = True
+        else:  # a deployment's profile (profile --pp N): one stage-K/ per stage
+            stages = sorted(c for c in d.iterdir() if c.is_dir() and (c / PROFILE).is_file())
+            profiles.extend(stages)
+            found = bool(stages)
         if _is_run_dir(d):
             runs.append(d)
             found = True
@@ -119,7 +124,8 @@ def resolve_dirs(dirs: Iterable[str | Path]) -> tuple[list[Path], list[Path]]:
             runs.extend(subs)
             found = found or bool(subs)
         if not found:
-            raise ValueError(f"{d}: no {TIMINGS}, {SUMMARY}, {PROFILE} or bench run directories in it")
+            raise ValueError(f"{d}: no {TIMINGS}, {SUMMARY}, {PROFILE}, bench run directories or "
+                             f"per-stage profile directories in it")
     return runs, profiles
 
 

@@ -185,7 +185,10 @@ class SafetensorsSource:
         self._files: dict[str, object] = {}
         self._where: dict[str, str] = {}
         for f in sorted(Path(folder).glob("*.safetensors")):
-            handle = safe_open(str(f), framework="pt")
+            try:
+                handle = safe_open(str(f), framework="pt")
+            except Exception as e:  # SafetensorError, OSError: a truncated or foreign file
+                raise ModelError(f"{f} is not a readable safetensors file ({str(e).splitlines()[0]})") from None
             self._files[str(f)] = handle
             for key in handle.keys():
                 self._where[key] = str(f)

@@ -192,6 +192,9 @@ BAD_CONFIGS = {  # name: (extra arguments, message); {llama} {gguf} {dir} {missi
     "max_tokens": (["--model", "{llama}", "--max-tokens", "0"], "argument --max-tokens: must be > 0"),
     "output_dir_missing": (["--model", "{llama}", "--output", "{missing}/out.jsonl"], "does not exist"),
     "output_is_dir": (["--model", "{llama}", "--output", "{dir}"], "is a directory"),
+    "max_model_len_over": (["--model", "{llama}", "--max-model-len", "5000"],
+                           "max_model_len=5000 exceeds the model's 512 positions"),
+    "corrupt_safetensors": (["--model", "{junk}"], "model.safetensors is not a readable safetensors file"),
 }
 
 
@@ -206,8 +209,12 @@ def test_bad_configuration(name: str, hf_models: dict, gpt2_gguf: Path, jsonl: P
         pytest.skip("a CUDA GPU is present")
     args, message = BAD_CONFIGS[name]
     (tmp_path / "not_a_model").mkdir()
+    junk = tmp_path / "junk"  # a real config.json beside a safetensors file that is not one
+    junk.mkdir()
+    (junk / "config.json").write_bytes((hf_models["llama"] / "config.json").read_bytes())
+    (junk / "model.safetensors").write_bytes(b"\xff" * 1024)
     paths = {"llama": str(hf_models["llama"]), "gguf": str(gpt2_gguf), "dir": str(tmp_path / "not_a_model"),
-             "missing": str(tmp_path / "missing")}
+             "missing": str(tmp_path / "missing"), "junk": str(junk)}
     rc, out, err = run_main(["generate", "--input", str(jsonl), *fill(args, paths)], capsys)
     assert_usage_error(rc, err, message)
     assert out == ""
@@ -226,6 +233,36 @@ def test_bad_inputs(args: list[str], message: str, hf_models: dict, jsonl: Path,
     paths = {"missing": str(tmp_path / "missing.jsonl"), "dir": str(tmp_path), "jsonl": str(jsonl)}
     rc, out, err = run_main(["generate", "--model", str(hf_models["llama"]), *FAST, *fill(args, paths)], capsys)
     assert_usage_error(rc, err, message)
+
+
+def test_input_from_stdin_and_unwritable_output(hf_models: dict, jsonl: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """--input - reads standard input; an --output that fails at the end (full disk, path gone)
+    still gives the run's results, on stdout, and one line naming the flag."""
+    import io
+
+    import pp_runtime.jsonl
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(jsonl.read_bytes())))
+    rc, out, err = run_main(["generate", "--model", str(hf_models["llama"]), *FAST, "--input", "-"], capsys)
+    assert rc == 0 and json.loads(out)["finish_reason"] == "length"
+
+    def full_disk(path: str, rows: list[dict]) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pp_runtime.jsonl, "write_results", full_disk)
+    rc, out, err = run_main(["generate", "--model", str(hf_models["llama"]), *FAST, "--quiet", "--input", str(jsonl),
+                             "--output", str(tmp_path / "out.jsonl")], capsys)
+    assert_usage_error(rc, err, "--output")
+    assert "No space left on device" in err and json.loads(out)["finish_reason"] == "length"
+
+
+def test_unreachable_ray_address_fails_fast() -> None:
+    """ray.init retries an unreachable GCS forever: a host:port that refuses is one clear error."""
+    from launch.ray_launch import _check_reachable
+    with pytest.raises(ValueError, match="RAY_ADDRESS=127.0.0.1:1: no Ray cluster answers there"):
+        _check_reachable("127.0.0.1:1")
+    for other in ("auto", "ray://127.0.0.1:1", "http://127.0.0.1:1"):  # forms ray.init fails on itself
+        _check_reachable(other)
 
 
 def test_no_command(capsys: pytest.CaptureFixture) -> None:

@@ -49,3 +49,10 @@ def test_profile_bad_grid_one_line(capsys: pytest.CaptureFixture) -> None:
 def test_simulate_missing_config_exits_2(tmp_path: Path, capsys: object) -> None:
     assert main(["simulate", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
+
+
+def test_bench_has_no_run_dir_flag(capsys: pytest.CaptureFixture) -> None:
+    """bench writes a run directory per scheduler under --out; a --run-dir would be ignored."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--config", str(REPO / "configs/runs/smoke.yaml"), "--out", "/tmp/never", "--run-dir", "x"])
+    assert e.value.code == 2 and "unrecognized arguments: --run-dir" in capsys.readouterr().err

@@ -154,3 +154,23 @@ def test_llm_dropped_without_shutdown_frees_its_placement(cluster: object) -> No
     del llm
     gc.collect()
     assert ray.util.placement_group_table()[pg_id]["state"] == "REMOVED"
+
+
+def test_a_bad_checkpoint_fails_setup_with_the_workers_own_error(cluster: object, hf_models: dict,
+                                                                  tmp_path: object) -> None:
+    """A worker's ModelError (here: a tensor missing from the checkpoint) comes out as that error,
+    as at pp = 1, not as Ray's remote traceback flattened into one line."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from stages.weights import ModelError
+    bad = tmp_path / "trunc"
+    shutil.copytree(hf_models["llama"], bad)
+    (st,) = bad.glob("*.safetensors")
+    tensors = load_file(str(st))
+    del tensors["model.layers.0.input_layernorm.weight"]
+    save_file(tensors, str(st))
+    with pytest.raises(ModelError) as e:
+        LLM(model=str(bad), pp=2, launcher="ray", memory_budget_gb=0.05)
+    assert str(e.value) == "checkpoint has no tensor model.layers.0.input_layernorm.weight"

@@ -59,7 +59,7 @@ def test_text_prompt() -> None:
 def test_bad_sampling_values(fields: dict, message: str) -> None:
     p = parse_line(line(id="bad", prompt_token_ids=[1], **fields), 4)
     assert p.request_id == "bad" and p.params is None
-    assert p.error == message
+    assert p.error == f"line 4: {message}"
 
 
 @pytest.mark.parametrize("text, message", [
@@ -82,13 +82,13 @@ def test_malformed_lines_name_the_line(text: str | bytes, message: str) -> None:
 def test_prompt_token_ids_must_be_a_list(value: object, kind: str) -> None:
     # in particular a string is not taken for prompt text
     p = parse_line(line(id="p", prompt_token_ids=value), 1)
-    assert p.prompt is None and p.error == f"prompt_token_ids must be a list of integers, got {kind}"
+    assert p.prompt is None and p.error == f"line 1: prompt_token_ids must be a list of integers, got {kind}"
 
 
 def test_infinite_temperature() -> None:
     # 1e999 is valid JSON and parses as inf: sampling at infinite temperature would be uniform
     p = parse_line('{"id": "hot", "prompt_token_ids": [1], "temperature": 1e999}', 2)
-    assert p.params is None and p.error == "temperature must be a finite number ≥ 0, got inf"
+    assert p.params is None and p.error == "line 2: temperature must be a finite number ≥ 0, got inf"
 
 
 def test_unknown_fields_only_warn(capsys: pytest.CaptureFixture) -> None:

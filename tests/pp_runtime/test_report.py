@@ -194,6 +194,13 @@ def test_profile_only_dir(tmp_path: Path) -> None:
     assert_png(paths[0])
 
 
+def test_deployment_profile_dir_plots_each_stage(tmp_path: Path) -> None:
+    """profile --pp 2 writes OUT/stage-0/, OUT/stage-1/: OUT itself is a valid report input."""
+    out = tmp_path / "deploy"
+    stages = [write_profile(out / f"stage-{s}") for s in range(2)]
+    assert make_report([str(out)]) == [str(d / "per_token_cost.png") for d in stages]
+
+
 def test_missing_inputs_skip_their_plots(tmp_path: Path) -> None:
     # summary only: no Gantt, no CDF, but the summary's bubble causes still plot
     only_summary = write_run(tmp_path / "s", summary("sarathi", 10, 100.0))

@@ -163,3 +163,13 @@ def test_grid_parsing() -> None:
 def test_grid_longer_than_model_rejected(tmp_path) -> None:
     with pytest.raises(ValueError, match="max_position_embeddings"):
         run_profile("llama-tiny", "cpu", "float32", str(tmp_path), grid="quick;context=4096", progress=False)
+
+
+def test_summary_flags_a_negative_piggybacked_cost() -> None:
+    """Under outside load a mixed batch can time below its chunk alone: no ratio is printed from it."""
+    from pp_runtime.profile_grid import format_summary
+    t2 = {"decode_alone_ms_per_token": 30.0, "decode_piggybacked_ms_per_token": -39.7, "ratio": None, "decodes": 4,
+          "decode_context_len": 256, "mixed_prefill_tokens": 256, "prefill_ms_per_token_at_256": 3.6,
+          "prefill_tokens_for_per_token": 256}
+    assert "noise-dominated" in format_summary(t2)
+    assert "noise" not in format_summary({**t2, "decode_piggybacked_ms_per_token": 7.5, "ratio": 4.0})

@@ -37,3 +37,12 @@ def test_supported_options_load(hf_models: dict, tmp_path: Path) -> None:
                            attention_bias=False))
     assert not cfg.qkv_bias
     assert hf_config(hf_models["qwen2"]).qkv_bias
+
+
+def test_a_corrupt_safetensors_file_is_named(hf_models: dict, tmp_path: Path) -> None:
+    from stages.weights import SafetensorsSource
+    bad = edited(hf_models["llama"], tmp_path / "m")
+    (st,) = bad.glob("*.safetensors")
+    st.write_bytes(b"\xff" * 1024)
+    with pytest.raises(ModelError, match=f"{st} is not a readable safetensors file"):
+        SafetensorsSource(str(bad))
