@@ -197,7 +197,7 @@ def main() -> None:
     if a.smoke:
         a.num_requests, a.min_len, a.max_len, a.chunk, a.rounds = 6, 24, 64, 16, 1
     common = dict(model=model, chunk_size=a.chunk, max_batch_size=a.max_batch_size, memory_budget_gb=2.0,
-                  max_model_len=2048, threads=1, kv_cache_dtype=a.kv_cache_dtype,
+                  max_model_len=2048 if model is None else None, threads=1, kv_cache_dtype=a.kv_cache_dtype,
                   matmul_precision=a.matmul_precision)
     wl = WorkloadConfig(kind="zipf", num_requests=a.num_requests, min_len=a.min_len, max_len=a.max_len, theta=0.4,
                         pd_ratio=10, arrival="all", seed=0)
