@@ -117,8 +117,9 @@ def add_engine_args(p: argparse.ArgumentParser, overrides: bool = False) -> None
         for action in p._actions:
             if action.dest not in ("help", "quiet"):
                 action.default = None
-    else:  # bench writes one run directory per scheduler under its --out
-        p.add_argument("--run-dir", default=None, help="write the run directory (timings, summary) here")
+    p.add_argument("--run-dir", default=None,
+                   help="bench: the same as --out (one run directory per scheduler under it)" if overrides else
+                   "write the run directory (timings, summary, trace, results) here")
 
 
 def add_engine_args_to(p: argparse.ArgumentParser) -> None:
@@ -307,7 +308,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if bad:
             raise ValueError(f"--schedulers: unknown {', '.join(bad)} (choose from {', '.join(SCHEDULER_POLICIES)})")
         cfg = replace(cfg, schedulers=names)
-    out = a.out or str(Path("runs") / Path(a.config).stem)
+    if a.out and a.run_dir and Path(a.out) != Path(a.run_dir):
+        raise ValueError(f"--out {a.out} and --run-dir {a.run_dir}: bench takes one output directory")
+    out = a.out or a.run_dir or str(Path("runs") / Path(a.config).stem)
     _check_writable("--out", out, is_dir=True)
     from pp_runtime.llm import RunInterrupted
     try:
