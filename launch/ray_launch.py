@@ -387,12 +387,10 @@ class RayExecutor:
                     # The worker raised: a user's error (a bad checkpoint, a bad setting) comes out
                     # as the worker's own exception, as it would at pp = 1, not as Ray's remote
                     # traceback flattened into one line; anything else names the worker.
-                    cause = e.cause if isinstance(e.cause, BaseException) else None
-                    if isinstance(cause, ValueError):
-                        raise cause from None
+                    if isinstance(e.cause, ValueError):
+                        raise e.cause from None
                     self.failed = True
-                    raise WorkerError(f"{self._name(rank)} failed during {what}: "
-                                      f"{_first_line(cause or e)}") from None
+                    raise WorkerError(f"{self._name(rank)} failed during {what}: {_first_line(e)}") from None
         return out
 
     def _died(self, who: str, what: str, timeout: float, e: Exception) -> WorkerError:

@@ -5,6 +5,7 @@ finished with ``finish_reason: "error"`` and a message naming the problem (and t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -98,11 +99,8 @@ def _field_error(kwargs: dict) -> str | None:
 def read_requests(path: str, defaults: SamplingParams | None = None) -> list[ParsedLine]:
     """The requests of a JSONL file ("-": standard input), one ParsedLine per non-blank line."""
     # Bytes, not text: one line that is not UTF-8 becomes an error line instead of stopping the run.
-    if path == "-":
-        lines = [parse_line(line, i, defaults) for i, line in enumerate(sys.stdin.buffer, 1) if line.strip()]
-    else:
-        with open(path, "rb") as f:
-            lines = [parse_line(line, i, defaults) for i, line in enumerate(f, 1) if line.strip()]
+    with contextlib.nullcontext(sys.stdin.buffer) if path == "-" else open(path, "rb") as f:
+        lines = [parse_line(line, i, defaults) for i, line in enumerate(f, 1) if line.strip()]
     # results keep input order, so duplicates lose nothing, but matching by id would be ambiguous
     counts = Counter(x.request_id for x in lines)
     dups = [rid for rid, n in counts.items() if n > 1]

@@ -129,18 +129,17 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
         raise ValueError(f"memory_budget_gb must be > 0, got {memory_budget_gb}")
     budget = None if memory_budget_gb is None and device == "cuda" else \
         int((4.0 if memory_budget_gb is None else memory_budget_gb) * (1 << 30))
-    for name, value in (("max_model_len", max_model_len), ("max_batch_size", max_batch_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ValueError(f"{name} must be a positive integer (or None for the default), got {value!r}")
-    if max_model_len is not None and max_model_len > mcfg.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's {mcfg.max_position_embeddings} "
-                         "positions (max_position_embeddings)")
-    max_len = max_model_len or mcfg.max_position_embeddings
+    # None means the default; anything else (0 included) is SchedulerConfig's to check by name
+    max_len = mcfg.max_position_embeddings if max_model_len is None else max_model_len
     cfg = EngineConfig(
         model_path=source.path, parallel=parallel,
-        scheduler=SchedulerConfig(scheduler, chunk_size, max_batch_size or 1, tile_align, max_len),
+        scheduler=SchedulerConfig(scheduler, chunk_size, 1 if max_batch_size is None else max_batch_size, tile_align,
+                                  max_len),
         cache=CacheConfig(block_size, budget, kv_cache_dtype), device=DeviceConfig(device, dtype, attention, threads, gguf_weights, matmul_precision),
         seed=seed)
+    if max_len > mcfg.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_len} exceeds the model's {mcfg.max_position_embeddings} "
+                         "positions (max_position_embeddings)")
     return cfg, source
 
 

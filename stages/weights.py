@@ -102,11 +102,8 @@ def _hf_config(folder: Path, c: dict) -> ModelConfig:
     arch = c.get("model_type")
     if arch not in HF_ARCHS:
         raise ModelError(f"model_type {arch!r} in {folder}/config.json is not supported ({', '.join(HF_ARCHS)})")
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    for r in (c.get("rope_parameters") or {}, c.get("rope_scaling") or {}):  # either may carry the scaling
-        if r.get("rope_type", r.get("type", "default")) not in ("default", None):
-            raise ModelError(f"rope scaling {r.get('rope_type', r.get('type'))!r} is not supported")
     _check_supported(folder, c, arch)
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
     eos = c.get("eos_token_id")
     max_len = c.get("max_position_embeddings", 2048)
     if c.get("sliding_window"):  # exact only inside one window: cap the length there
@@ -126,6 +123,9 @@ def _hf_config(folder: Path, c: dict) -> ModelConfig:
 def _check_supported(folder: Path, c: dict, arch: str) -> None:
     """Options the model code does not implement: loading would drop their weights or use the
     wrong math and give wrong tokens without an error, so refuse them by name."""
+    for r in (c.get("rope_parameters") or {}, c.get("rope_scaling") or {}):  # either may carry the scaling
+        if r.get("rope_type", r.get("type", "default")) not in ("default", None):
+            raise ModelError(f"rope scaling {r.get('rope_type', r.get('type'))!r} is not supported")
     act = c.get("hidden_act", c.get("hidden_activation", "silu"))
     if act != "silu":
         raise ModelError(f"hidden_act {act!r} in {folder}/config.json is not supported (silu only)")
