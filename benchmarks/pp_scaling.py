@@ -8,7 +8,10 @@
 For sarathi and orca: the same requests (total lengths Zipf θ = 0.4 in --min-len..--max-len,
 P:D = 10, all at t = 0) at pp=1 (in process, one thread) and pp=2 (two Ray workers, one
 thread each); throughput = (prompt + generated tokens) / wall seconds, and the pipeline
-efficiency tput(pp=2) / (2 × tput(pp=1)) (target ≥ 0.9 for sarathi). Same batch size and KV
+efficiency tput(pp=2) / (2 × tput(pp=1)) (target ≥ 0.9 for sarathi). sarathi's chunk budget is
+"flops" (the default: a chunk deep into its prompt takes fewer tokens, so micro-batches take
+equally long and stages do not wait on each other); --chunk-budgets flops,tokens also runs
+SARATHI's plain token budget, paired the same way, labelled sarathi[tokens]. Same batch size and KV
 budget everywhere, and the same chunk unless --pp2-chunk gives pp=2 its own: at pp=2 each
 request decodes once per two micro-batches, so a chunk half as long keeps a round trip's mix of
 prompt and decode tokens what it is at pp=1 (SARATHI sizes the chunk from the P:D ratio and the
@@ -47,12 +50,12 @@ import time
 
 from pairing import alternating, ratios  # same directory: run as a script
 from pp_runtime import LLM, SamplingParams
-from pp_runtime.config import KV_DTYPES, MATMUL_PRECISIONS
+from pp_runtime.config import CHUNK_BUDGETS, KV_DTYPES, MATMUL_PRECISIONS
 from pp_runtime.workload import WorkloadConfig, generate_workload
 
 
-def run_once(llm: LLM, items: list, policy: str, chunk: int) -> float:
-    llm.reconfigure(policy=policy, chunk_size=chunk)
+def run_once(llm: LLM, items: list, policy: str, chunk: int, budget: str = "flops") -> float:
+    llm.reconfigure(policy=policy, chunk_size=chunk, chunk_budget=budget)
     reqs = [llm.make_request(it.request_id, it.prompt_token_ids,
                              SamplingParams(max_tokens=it.max_tokens, ignore_eos=True)) for it in items]
     t = time.perf_counter()
@@ -149,30 +152,40 @@ def stage_steps(worker: list, kinds: dict[int, bool], rows: dict[int, int]) -> d
                                       for k, v in sorted(by.items())}}
 
 
-def paired_runs(llms: dict[int, LLM], items: list, tokens: int, policies: list[str], rounds: int,
-                chunks: dict[int, int], r: dict) -> None:
-    """Every policy's runs at pp=1 and pp=2 (chunk per pp), alternating within each round; per-round
-    figures in r."""
-    r["rounds"] = {}
+def variants(policies: list[str], budgets: list[str]) -> list[tuple[str, str, str]]:
+    """(label, policy, chunk budget) to run: sarathi once per budget (the first unlabelled), the
+    other policies once (they do not chunk)."""
+    out = []
     for policy in policies:
+        for i, budget in enumerate(budgets if policy == "sarathi" else budgets[:1]):
+            out.append((policy if i == 0 else f"{policy}[{budget}]", policy, budget))
+    return out
+
+
+def paired_runs(llms: dict[int, LLM], items: list, tokens: int, runs: list[tuple[str, str, str]], rounds: int,
+                chunks: dict[int, int], r: dict) -> None:
+    """Every variant's runs at pp=1 and pp=2 (chunk per pp), alternating within each round; per-round
+    figures in r, by label. Per-phase and control-plane figures come from the first variant."""
+    r["rounds"] = {}
+    for label, policy, budget in runs:
         per = {1: [], 2: []}
         for k, pp in alternating(rounds, (1, 2)):
             llm = llms[pp]
             llm.executor.drain_timings()
-            wall = run_once(llm, items, policy, chunks[pp])
+            wall = run_once(llm, items, policy, chunks[pp], budget)
             per[pp].append(tokens / wall)
-            print(f"{policy:8s} pp={pp} round {k}: {tokens} tokens in {wall:7.1f} s = {tokens / wall:6.1f} tok/s",
+            print(f"{label:15s} pp={pp} round {k}: {tokens} tokens in {wall:7.1f} s = {tokens / wall:6.1f} tok/s",
                   flush=True)
-            if policy == policies[0] and k == 0:
+            if label == runs[0][0] and k == 0:
                 timings = llm.executor.drain_timings()
                 r.setdefault("phases", {})[f"pp{pp}"] = phase_split(llm, timings)
                 if pp == 2:
                     r["control_plane_pp2"] = control_plane(llm, timings)
         eff = ratios(per[2], [2 * t for t in per[1]])  # tput2 / (2 tput1) per round
-        r["rounds"][policy] = {"pp1_tok_s": per[1], "pp2_tok_s": per[2], "efficiency": eff}
+        r["rounds"][label] = {"pp1_tok_s": per[1], "pp2_tok_s": per[2], "efficiency": eff}
         for pp in (1, 2):
-            r["throughput_tok_s"][f"{policy}_pp{pp}"] = statistics.median(per[pp])
-        r["efficiency"][policy] = statistics.median(eff)
+            r["throughput_tok_s"][f"{label}_pp{pp}"] = statistics.median(per[pp])
+        r["efficiency"][label] = statistics.median(eff)
 
 
 def main() -> None:
@@ -189,6 +202,9 @@ def main() -> None:
                          "(AVX512-BF16)")
     ap.add_argument("--max-batch-size", type=int, default=24)
     ap.add_argument("--schedulers", default="sarathi,orca")
+    ap.add_argument("--chunk-budgets", default="flops",
+                    help="sarathi's chunk budgets to run, comma separated (flops,tokens: both, paired; the "
+                         "first is the one reported as sarathi)")
     ap.add_argument("--rounds", type=int, default=2, help="pp=1 / pp=2 pairs per scheduler")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", default=None)
@@ -202,9 +218,15 @@ def main() -> None:
     wl = WorkloadConfig(kind="zipf", num_requests=a.num_requests, min_len=a.min_len, max_len=a.max_len, theta=0.4,
                         pd_ratio=10, arrival="all", seed=0)
     policies = a.schedulers.split(",")
+    budgets = a.chunk_budgets.split(",")
+    bad = [b for b in budgets if b not in CHUNK_BUDGETS]
+    if bad:
+        ap.error(f"--chunk-budgets: {', '.join(bad)} not among {', '.join(CHUNK_BUDGETS)}")
+    runs = variants(policies, budgets)
     r: dict = {"workload": {"num_requests": a.num_requests, "min_len": a.min_len, "max_len": a.max_len,
                             "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "kv_cache_dtype": a.kv_cache_dtype,
-               "matmul_precision": a.matmul_precision, "pp2_chunk": a.pp2_chunk or a.chunk, "throughput_tok_s": {},
+               "matmul_precision": a.matmul_precision, "pp2_chunk": a.pp2_chunk or a.chunk,
+               "chunk_budgets": budgets, "throughput_tok_s": {},
                "efficiency": {}}
     with contextlib.ExitStack() as stack:
         llms = {pp: stack.enter_context(LLM(pp=pp, launcher="local" if pp == 1 else "ray", **common)) for pp in (1, 2)}
@@ -212,13 +234,13 @@ def main() -> None:
         tokens = sum(len(it.prompt_token_ids) + it.max_tokens for it in items)
         for llm in llms.values():
             llm.generate([items[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2))  # warm-up
-        paired_runs(llms, items, tokens, policies, a.rounds, {1: a.chunk, 2: a.pp2_chunk or a.chunk}, r)
+        paired_runs(llms, items, tokens, runs, a.rounds, {1: a.chunk, 2: a.pp2_chunk or a.chunk}, r)
         r["memory_pp2"] = memory(llms[2])
     print("pipeline efficiency tput(pp=2) / (2 × tput(pp=1)), median of paired rounds, target >= 0.9 for sarathi: "
           + ", ".join(f"{p} {e:.3f} (rounds: {', '.join(f'{x:.3f}' for x in r['rounds'][p]['efficiency'])})"
                       for p, e in r["efficiency"].items()))
     ph = r["phases"]
-    print(f"{policies[0]} by phase, round 0 (pp=1: summed step times; pp=2: wall): prefill phase "
+    print(f"{runs[0][0]} by phase, round 0 (pp=1: summed step times; pp=2: wall): prefill phase "
           f"{ph['pp1']['prefill_s']:.2f} s at pp=1, {ph['pp2']['prefill_s']:.2f} s at pp=2 = "
           f"{ph['pp1']['prefill_s'] / (2 * ph['pp2']['prefill_s']):.3f} of ideal; drain (decode-only) "
           f"{ph['pp1']['drain_s']:.2f} s vs {ph['pp2']['drain_s']:.2f} s = "

@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from pp_runtime.config import DTYPES, GGUF_WEIGHTS, KV_DTYPES, MATMUL_PRECISIONS, SCHEDULER_POLICIES
+from pp_runtime.config import CHUNK_BUDGETS, DTYPES, GGUF_WEIGHTS, KV_DTYPES, MATMUL_PRECISIONS, SCHEDULER_POLICIES
 
 
 class _Interrupts:
@@ -133,6 +133,10 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=_positive_int, default=None,
                    help="sequences per micro-batch (default: the paper's B / pp, capped at 64); pp× as many may run at once")
     p.add_argument("--tile-align", action="store_true", help="chunk = C − decodes: every batch is C tokens")
+    p.add_argument("--chunk-budget", choices=CHUNK_BUDGETS, default="flops",
+                   help="what sarathi's --chunk-size counts: flops (default: attention included, so a chunk deep "
+                        "into a long prompt takes fewer tokens and every micro-batch takes about as long) or "
+                        "tokens (SARATHI's plain token budget)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--attention", choices=("torch", "xformers", "auto"), default="auto")
@@ -220,6 +224,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     partition = parse_partition(a.partition)
     return dict(model=a.model, pp=a.pp, tp=a.tp, launcher=a.launcher, scheduler=a.scheduler,
                 chunk_size=a.chunk_size, max_batch_size=a.max_batch_size, tile_align=a.tile_align,
+                chunk_budget=a.chunk_budget,
                 dtype=a.dtype, device=a.device, attention=a.attention, seed=a.seed, block_size=a.block_size,
                 memory_budget_gb=a.memory_budget_gb, max_model_len=a.max_model_len, partition=partition,
                 threads=a.threads, gguf_weights=a.gguf_weights, kv_cache_dtype=a.kv_cache_dtype,

@@ -11,6 +11,7 @@ import numbers
 from dataclasses import dataclass, field
 
 SCHEDULER_POLICIES = ("sarathi", "orca", "prefill_first", "request_level")
+CHUNK_BUDGETS = ("flops", "tokens")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -37,6 +38,17 @@ class HeadSizes:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_size
+
+    @property
+    def key_cost(self) -> float:
+        """A token's attention FLOPs per key it attends to (QKᵀ and PV: 4 × q_size), in units of
+        its linear-layer FLOPs (2 × a layer's weights): what each cached token of context adds to
+        the cost of a prompt token. SmolLM2-135M: 2 · 576 / 3,538,944 = 3.26e-4, so a chunk
+        token at position 512 costs 1.17 tokens; LLaMA-7B: 4.1e-5."""
+        h = self.hidden_size
+        mlp = 3 if getattr(self, "gated_mlp", True) else 2  # ModelConfig: always gated (LLaMA)
+        layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + mlp * h * self.intermediate_size
+        return 2 * self.q_size / layer
 
 
 @dataclass(frozen=True)
@@ -149,6 +161,14 @@ class SchedulerConfig:
       paper's TP-PP setup (27 per micro-batch, 8 in flight); capping the running set at one
       micro-batch's worth starves a pipeline of decodes.
     tile_align: sarathi chunk = C − num_decodes, so each batch holds exactly C tokens.
+    chunk_budget: what sarathi's budget C counts. "tokens": prompt tokens, as SARATHI does.
+      "flops" (default): their FLOPs, attention included — a chunk costs at most what a fresh
+      chunk of C tokens costs, so a chunk deeper into its prompt, whose tokens each attend to
+      more keys, takes fewer of them (SmolLM2: 221 at position 512). Every micro-batch then
+      takes about as long, and a pipeline stage does not wait for its neighbour's longer one:
+      at pp = 2 on the P:D = 10 Zipf workload the stages' idle time fell by ~40%
+      (docs/BENCHMARKS.md). Needs the model's ``key_cost`` (the Scheduler's); without it the two
+      are the same.
     """
 
     policy: str = "sarathi"
@@ -157,11 +177,15 @@ class SchedulerConfig:
     tile_align: bool = False
     max_model_len: int = 2048
     max_running: int = 0
+    chunk_budget: str = "flops"
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULER_POLICIES:
             raise ValueError(f"SchedulerConfig.policy must be one of {', '.join(SCHEDULER_POLICIES)}, "
                              f"got {self.policy!r}")
+        if self.chunk_budget not in CHUNK_BUDGETS:
+            raise ValueError(f"SchedulerConfig.chunk_budget must be one of {', '.join(CHUNK_BUDGETS)}, "
+                             f"got {self.chunk_budget!r}")
         _positive(self, "chunk_size", "max_batch_size", "max_model_len")
         if self.max_running < 0:
             raise ValueError(f"SchedulerConfig.max_running must be ≥ 0 (0: max_batch_size), got {self.max_running}")

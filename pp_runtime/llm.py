@@ -32,7 +32,7 @@ from pp_runtime.request import Request, RequestOutput, SamplingParams
 from pp_runtime.scheduler import Scheduler
 
 DEFAULT_MAX_BATCH = 64
-RECONFIGURABLE = ("policy", "chunk_size", "max_batch_size", "tile_align")
+RECONFIGURABLE = ("policy", "chunk_size", "max_batch_size", "tile_align", "chunk_budget")
 SHUT_DOWN = "shut down"
 INTERRUPTED = "interrupted (Ctrl-C or SIGTERM) before this request finished"
 STREAM_CLOSED = "the stream was closed before this request finished"
@@ -111,8 +111,8 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
                         block_size: int = 16, memory_budget_gb: float | None = None,
                         max_model_len: int | None = None, partition: Sequence[float] | None = None,
                         threads: int = 0, gguf_weights: str = "native",
-                        kv_cache_dtype: str = "auto", matmul_precision: str = "highest"
-                        ) -> tuple[EngineConfig, object]:
+                        kv_cache_dtype: str = "auto", matmul_precision: str = "highest",
+                        chunk_budget: str = "flops") -> tuple[EngineConfig, object]:
     """Resolve the model and validate every setting; raises ValueError naming the bad one.
     max_batch_size None is kept as 1 here and replaced once the memory plan gives B."""
     from stages.weights import resolve_model
@@ -134,7 +134,7 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
     cfg = EngineConfig(
         model_path=source.path, parallel=parallel,
         scheduler=SchedulerConfig(scheduler, chunk_size, 1 if max_batch_size is None else max_batch_size, tile_align,
-                                  max_len),
+                                  max_len, chunk_budget=chunk_budget),
         cache=CacheConfig(block_size, budget, kv_cache_dtype), device=DeviceConfig(device, dtype, attention, threads, gguf_weights, matmul_precision),
         seed=seed)
     if max_len > mcfg.max_position_embeddings:
@@ -164,11 +164,11 @@ class LLM:
                  memory_budget_gb: float | None = None, max_model_len: int | None = None,
                  partition: Sequence[float] | None = None, threads: int = 0, verbose: bool = False,
                  gguf_weights: str = "native", kv_cache_dtype: str = "auto",
-                 matmul_precision: str = "highest") -> None:
+                 matmul_precision: str = "highest", chunk_budget: str = "flops") -> None:
         self.config, self.source = build_engine_config(
             model, pp, tp, scheduler, chunk_size, max_batch_size, tile_align, dtype, device, attention, seed,
             block_size, memory_budget_gb, max_model_len, partition, threads, gguf_weights, kv_cache_dtype,
-            matmul_precision)
+            matmul_precision, chunk_budget)
         parallel, max_len = self.config.parallel, self.config.scheduler.max_model_len
         self.launcher = launcher or ("local" if parallel.world_size == 1 else "ray")
         with _keep_sigterm_handler():
@@ -183,7 +183,7 @@ class LLM:
             # carries B/pp of them (the paper's TP-PP: 219 running, 27 per micro-batch).
             pp = self.config.parallel.pp
             mbs = max_batch_size or max(1, min(self.memory.max_batch_b // pp, DEFAULT_MAX_BATCH))
-            self.sched_config = SchedulerConfig(scheduler, chunk_size, mbs, tile_align, max_len, max_running=mbs * pp)
+            self.sched_config = replace(self.config.scheduler, max_batch_size=mbs, max_running=mbs * pp)
             self.config = replace(self.config, scheduler=self.sched_config)
             self.executor.allocate_cache(self.memory.num_blocks)
         except BaseException:
@@ -208,7 +208,7 @@ class LLM:
         return self._tokenizer
 
     def reconfigure(self, **changes: object) -> None:
-        """Change the driver-side scheduling (policy, chunk_size, max_batch_size, tile_align)
+        """Change the driver-side scheduling (policy, chunk_size, max_batch_size, tile_align, chunk_budget)
         between runs, keeping the workers and their weights: ``bench`` compares schedulers this way.
         Anything else is fixed by the workers (max_model_len: their positions and KV pool)."""
         bad = sorted(set(changes) - set(RECONFIGURABLE))
@@ -357,7 +357,8 @@ class LLM:
         if self.broken:
             raise WorkerError(f"this LLM's workers are gone ({self.broken}); create a new LLM")
         scheduler = Scheduler(self.sched_config, BlockManager(self.memory.num_blocks, self.config.cache.block_size),
-                              self.source.config.eos_token_ids, self.config.seed, depth=self.config.parallel.pp)
+                              self.source.config.eos_token_ids, self.config.seed, depth=self.config.parallel.pp,
+                              key_cost=self.source.config.key_cost)
         self.engine = Engine(scheduler, self.executor, self.config.parallel.pp)
         offsets = [0.0] * len(reqs) if arrivals is None else list(arrivals)
         self._active = {}

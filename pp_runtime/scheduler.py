@@ -3,7 +3,9 @@
 Policies (SchedulerConfig.policy):
   sarathi        decode-maximal: ready decodes (≤ max_batch_size − 1, and an even share of the
                  decoding requests over the micro-batches in flight), then prefill chunks
-                 filling the chunk budget C (C − decodes with tile_align: batches of exactly C).
+                 filling the chunk budget C (C − decodes with tile_align: batches of exactly C);
+                 with chunk_budget "flops" C counts FLOPs: a chunk costs at most what a fresh
+                 C-token chunk does, so one deeper into its prompt takes fewer tokens.
   orca           iteration-level: ready decodes plus whole prompts, no chunking.
   prefill_first  vLLM classic: a prefill-only batch when a prompt can start, else decode-only; whole
                  prompts up to C tokens per batch (a lone longer prompt runs by itself).
@@ -17,6 +19,7 @@ later recomputed from its tokens.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import Callable
@@ -35,14 +38,41 @@ def sample_seed(base: int, position: int) -> int:
     return (base * _SEED_MIX + position * 0x2545F4914F6CDD1D) % (1 << 62)
 
 
+def chunk_cost(start: int, n: int, key_cost: float) -> float:
+    """Cost of prompt tokens start .. start + n − 1 in tokens: each costs 1 for its linear layers
+    plus key_cost per key it attends to (position p attends to p + 1 keys, itself included)."""
+    return n + key_cost * (n * start + n * (n + 1) / 2)
+
+
+def fit_chunk(start: int, remaining: int, budget: float, key_cost: float) -> int:
+    """The most tokens (≤ remaining) from position ``start`` whose chunk_cost fits in budget."""
+    if key_cost <= 0:
+        return max(0, min(remaining, int(budget)))
+    # chunk_cost(n) = budget is (k/2)·n² + (1 + k(start + ½))·n − budget = 0: its positive root,
+    # then a step either way for float rounding
+    b = 1 + key_cost * (start + 0.5)
+    n = max(0, min(remaining, int((math.sqrt(b * b + 2 * key_cost * budget) - b) / key_cost)))
+    while n > 0 and chunk_cost(start, n, key_cost) > budget:
+        n -= 1
+    while n < remaining and chunk_cost(start, n + 1, key_cost) <= budget:
+        n += 1
+    return n
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, blocks: BlockManager,
-                 eos_token_ids: tuple[int, ...] = (), seed: int = 0, depth: int = 1) -> None:
-        """depth: micro-batches the engine keeps in flight (the pipeline's stages)."""
+                 eos_token_ids: tuple[int, ...] = (), seed: int = 0, depth: int = 1,
+                 key_cost: float = 0.0) -> None:
+        """depth: micro-batches the engine keeps in flight (the pipeline's stages). key_cost: the
+        model's (``HeadSizes.key_cost``), which sarathi's "flops" chunk budget charges per key a
+        prompt token attends to; 0 (no model known): the budget counts tokens either way."""
         if depth < 1:
             raise ValueError(f"Scheduler depth must be ≥ 1, got {depth}")
+        if not key_cost >= 0:
+            raise ValueError(f"Scheduler key_cost must be ≥ 0, got {key_cost}")
         self.cfg = cfg
         self.depth = depth
+        self.key_cost = key_cost
         self.blocks = blocks
         self.eos_token_ids = frozenset(eos_token_ids)
         self.seed = seed
@@ -129,17 +159,26 @@ class Scheduler:
                 plan.append((req, 1))
 
     def _take_prefills(self, plan: list[tuple[Request, int]], budget: int | None, chunked: bool,
-                       admit: Callable[[Request], bool] = lambda req: True) -> None:
-        """Add prefill work in FCFS order. budget None: no token cap (whole prompts).
-        ``admit`` says which waiting requests may start now."""
+                       admit: Callable[[Request], bool] = lambda req: True, key_cost: float = 0.0) -> None:
+        """Add prefill work in FCFS order. budget: most prompt tokens (None: no cap, whole prompts);
+        with key_cost > 0 (chunked) the chunks' chunk_cost is also capped, at a fresh chunk of
+        budget tokens'. ``admit`` says which waiting requests may start now."""
         slots = self.cfg.max_batch_size - len(plan)
+        cost = None if budget is None else chunk_cost(0, budget, key_cost)
+        taken = False
         for req, was_running in self._prefill_candidates(admit):
-            if slots <= 0 or (budget is not None and budget <= 0):
+            if slots <= 0 or (budget is not None and (budget <= 0 or cost <= 0)):
                 return
             if was_running and req.phase is not Phase.RUNNING:
                 continue  # preempted while this batch was being built
-            remaining = req.prefill_len - req.num_scheduled if req.phase is Phase.RUNNING else req.num_tokens
-            n = remaining if not chunked or budget is None else min(remaining, budget)
+            running = req.phase is Phase.RUNNING
+            start = req.num_scheduled if running else 0  # a preempted prompt is recomputed from 0
+            remaining = req.prefill_len - start if running else req.num_tokens
+            n = remaining if not chunked or budget is None else fit_chunk(start, min(remaining, budget), cost, key_cost)
+            if n == 0:
+                if taken:
+                    return  # what is left of the cost budget buys no token of this prompt
+                n = 1  # a chunk takes at least one token: a prompt deep past the budget still moves
             if not chunked and budget is not None and n > budget and any(r.is_prefilling for r, _ in plan):
                 return  # whole prompts only: the next one does not fit this batch
             if req.phase is Phase.WAITING:
@@ -155,8 +194,10 @@ class Scheduler:
                 return
             plan.append((req, n))
             slots -= 1
+            taken = True
             if budget is not None:
                 budget -= n
+                cost -= chunk_cost(start, n, key_cost)
 
     def _prefill_candidates(self, admit: Callable[[Request], bool]) -> list[tuple[Request, bool]]:
         """Running prompts first (FCFS), then waiting ones; a snapshot, with where each came from."""
@@ -192,7 +233,8 @@ class Scheduler:
         limit = self.cfg.max_batch_size - 1 if prefill_possible else self.cfg.max_batch_size
         self._take_decodes(plan, min(max(1, limit), self._decode_share()))
         budget = self.cfg.chunk_size - (len(plan) if self.cfg.tile_align else 0)
-        self._take_prefills(plan, budget, chunked=True)
+        key_cost = self.key_cost if self.cfg.chunk_budget == "flops" else 0.0
+        self._take_prefills(plan, budget, chunked=True, key_cost=key_cost)
         return plan
 
     def _decode_share(self) -> int:

@@ -51,8 +51,10 @@ def test_decode_maximal_smoke(hf_models: dict, tmp_path: Path) -> None:
 
 
 def test_pp_scaling_smoke(tmp_path: Path) -> None:
-    r = run(["benchmarks/pp_scaling.py", "--smoke"], tmp_path)
-    assert set(r["throughput_tok_s"]) == {"sarathi_pp1", "sarathi_pp2", "orca_pp1", "orca_pp2"}
+    r = run(["benchmarks/pp_scaling.py", "--smoke", "--chunk-budgets", "flops,tokens"], tmp_path)
+    assert set(r["throughput_tok_s"]) == {"sarathi_pp1", "sarathi_pp2", "sarathi[tokens]_pp1", "sarathi[tokens]_pp2",
+                                          "orca_pp1", "orca_pp2"}
+    assert set(r["efficiency"]) == {"sarathi", "sarathi[tokens]", "orca"}
     for pp in ("pp1", "pp2"):  # the phases add up to the work done
         ph = r["phases"][pp]
         assert ph["prefill_s"] > 0 and ph["drain_s"] >= 0 and ph["piggybacked_decodes"] + ph["decode_only_decodes"] > 0
@@ -114,7 +116,8 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     walls = {1: [10.0, 12.0, 8.0], 2: [6.0, 4.0, 5.0]}  # seconds per round
     calls = []
 
-    def run_once(llm: Fake, items: list, policy: str, chunk: int) -> float:
+    def run_once(llm: Fake, items: list, policy: str, chunk: int, budget: str) -> float:
+        assert budget == "flops"
         calls.append((policy, llm.pp))
         assert chunk == {1: 256, 2: 128}[llm.pp]  # each pp runs at its own chunk
         return walls[llm.pp][sum(1 for p, pp in calls if p == policy and pp == llm.pp) - 1]
@@ -123,7 +126,7 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ps, "control_plane", lambda llm, t: {"pp": llm.pp})
     monkeypatch.setattr(ps, "phase_split", lambda llm, t: {})
     r = {"throughput_tok_s": {}, "efficiency": {}}
-    ps.paired_runs({1: Fake(1), 2: Fake(2)}, [], 120, ["sarathi"], 3, {1: 256, 2: 128}, r)
+    ps.paired_runs({1: Fake(1), 2: Fake(2)}, [], 120, ps.variants(["sarathi"], ["flops"]), 3, {1: 256, 2: 128}, r)
     assert [pp for _, pp in calls] == [1, 2, 2, 1, 1, 2]
     # per round tput2 / (2 tput1) = wall1 / (2 wall2): 10/12, 12/8, 8/10; the ratio of the median
     # throughputs would be 1.0 instead
@@ -131,6 +134,9 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     assert r["efficiency"]["sarathi"] == pytest.approx(10 / 12)
     assert r["throughput_tok_s"]["sarathi_pp1"] == pytest.approx(120 / 10)
     assert r["control_plane_pp2"] == {"pp": 2}
+    # sarathi runs once per chunk budget, the others (which do not chunk) once
+    assert ps.variants(["sarathi", "orca"], ["flops", "tokens"]) == [
+        ("sarathi", "sarathi", "flops"), ("sarathi[tokens]", "sarathi", "tokens"), ("orca", "orca", "flops")]
 
 
 def test_pairing_alternates_and_takes_the_median_of_ratios() -> None:

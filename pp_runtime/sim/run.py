@@ -169,7 +169,7 @@ def run_scenario(cfg: SimConfig, sc: Scenario, out_dir: str | Path, progress: bo
                    replicas=sc.replicas, router=sc.router, seed=cfg.seed, progress=progress, desc=sc.name,
                    workers=lambda r: dep.workers[r], dispatch_s=sc.dispatch_us * 1e-6, return_s=sc.return_us * 1e-6,
                    prep_s=[us * 1e-6 for us in sc.prep_us] if isinstance(sc.prep_us, tuple) else sc.prep_us * 1e-6,
-                   jitter=dep.jitter, token_id=DUMMY_TOKEN)
+                   jitter=dep.jitter, token_id=DUMMY_TOKEN, key_cost=cfg.model.key_cost)
     sim_s = time.perf_counter() - t0
     settings = {"scheduler": sc.scheduler, "pp": sc.pp, "tp": sc.tp, "chunk_size": sc.chunk_size,
                 "max_batch_size": dep.sched_cfg.max_batch_size, "tile_align": sc.tile_align, "model": cfg.model.name,

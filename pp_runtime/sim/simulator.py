@@ -78,10 +78,11 @@ class SimReplica:
                  pp: int, tp: int = 1, *, eos_token_ids: tuple[int, ...] = (), seed: int = 0,
                  window: int | None = None, keep_history: bool = False, workers: list[dict] | None = None,
                  dispatch_s: float = 0.0, return_s: float = 0.0, prep_s: float | Sequence[float] = 0.0,
-                 jitter: float | Sequence[float] = 0.0, token_id: int = 3) -> None:
+                 jitter: float | Sequence[float] = 0.0, token_id: int = 3, key_cost: float = 0.0) -> None:
         self.index, self.pp, self.tp = index, pp, tp
         self.clock = VirtualClock()
-        self.scheduler = Scheduler(sched_cfg, BlockManager(num_blocks, block_size), eos_token_ids, seed, depth=pp)
+        self.scheduler = Scheduler(sched_cfg, BlockManager(num_blocks, block_size), eos_token_ids, seed, depth=pp,
+                                   key_cost=key_cost)
         self.executor = SimExecutor(cost, pp, tp, self.clock, dispatch_s=dispatch_s, return_s=return_s,
                                     prep_s=prep_s, jitter=jitter, seed=f"{seed}/{index}", token_id=token_id,
                                     workers=workers)
@@ -187,11 +188,12 @@ def simulate(requests: list[Request], arrivals: Sequence[float] | None, sched_cf
              workers: Callable[[int], list[dict]] | None = None, dispatch_s: float = 0.0, return_s: float = 0.0,
              prep_s: float | Sequence[float] = 0.0, jitter: float | Sequence[float] = 0.0,
              window: int | None = None, token_id: int = 3,
-             on_finish: Callable[[Request], None] | None = None) -> SimResult:
+             on_finish: Callable[[Request], None] | None = None, key_cost: float = 0.0) -> SimResult:
     """Run ``requests`` (arriving at ``arrivals``, seconds; None: all at 0) on ``replicas`` simulated
     pipelines of ``pp`` stages × ``tp`` ranks, each with its own Scheduler(sched_cfg) over
     ``num_blocks`` KV blocks; ``cost``: one StageCost for all replicas or one per replica.
-    Requests already finished (errors) are passed through untouched."""
+    Requests already finished (errors) are passed through untouched. key_cost: the model's
+    (``HeadSizes.key_cost``), for sarathi's "flops" chunk budget (0: it counts tokens)."""
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
     if replicas < 1:
@@ -204,7 +206,8 @@ def simulate(requests: list[Request], arrivals: Sequence[float] | None, sched_cf
         raise ValueError(f"{len(costs)} cost models for {replicas} replicas")
     reps = [SimReplica(i, sched_cfg, num_blocks, block_size, costs[i], pp, tp, eos_token_ids=eos_token_ids, seed=seed,
                        window=window, keep_history=keep_history, workers=workers(i) if workers else None,
-                       dispatch_s=dispatch_s, return_s=return_s, prep_s=prep_s, jitter=jitter, token_id=token_id)
+                       dispatch_s=dispatch_s, return_s=return_s, prep_s=prep_s, jitter=jitter, token_id=token_id,
+                       key_cost=key_cost)
                for i in range(replicas)]
     pending = sorted(((offsets[i], i, r) for i, r in enumerate(requests) if not r.finished), key=lambda x: x[:2])
     from tqdm import tqdm

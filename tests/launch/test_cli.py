@@ -109,13 +109,14 @@ def test_generate_stdout_and_run_dir(hf_models: dict, tmp_path: Path, capsys: py
     inp.write_text('{"id": "a", "prompt_token_ids": [1, 2], "max_tokens": 3}\n{"id": "b", "prompt_token_ids": []}\n')
     run_dir = tmp_path / "run"
     rc, out, err = run_main(["generate", "--model", str(hf_models["qwen2"]), "--input", str(inp), "--run-dir",
-                             str(run_dir), "--quiet", *FAST], capsys)
+                             str(run_dir), "--quiet", "--chunk-budget", "tokens", *FAST], capsys)
     assert rc == 0, err
     rows = [json.loads(x) for x in out.splitlines()]
     assert [(r["id"], r["finish_reason"], len(r["token_ids"])) for r in rows] == [("a", "length", 3), ("b", "error", 0)]
     assert [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()] == rows
     workers = json.loads((run_dir / "workers.json").read_text())
     assert [(w["stage"], w["tp_rank"], w["device"]) for w in workers] == [(0, 0, "cpu")]
+    assert json.loads((run_dir / "summary.json").read_text())["chunk_budget"] == "tokens"
 
 
 def test_verbose_run_prints_memory_plan(hf_models: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -175,6 +176,7 @@ BAD_CONFIGS = {  # name: (extra arguments, message); {llama} {gguf} {dir} {missi
     "kv_dtype": (["--model", "{llama}", "--kv-cache-dtype", "int8"], "argument --kv-cache-dtype: invalid choice"),
     "kv_fp16_on_bf16": (["--model", "{llama}", "--dtype", "bfloat16", "--kv-cache-dtype", "float16"],
                         "kv_cache_dtype float16 is for float32 models on CPU"),
+    "chunk_budget": (["--model", "{llama}", "--chunk-budget", "bytes"], "argument --chunk-budget: invalid choice"),
     "matmul_precision": (["--model", "{llama}", "--matmul-precision", "low"],
                          "argument --matmul-precision: invalid choice"),
     "matmul_medium_on_bf16": (["--model", "{llama}", "--dtype", "bfloat16", "--matmul-precision", "medium"],

@@ -24,7 +24,7 @@ from pp_runtime.batch import MicroBatch, SeqChunk
 from pp_runtime.config import SchedulerConfig
 from pp_runtime.kv_cache import BlockManager, blocks_for
 from pp_runtime.request import Request, SamplingParams
-from pp_runtime.scheduler import Scheduler
+from pp_runtime.scheduler import Scheduler, chunk_cost, fit_chunk
 
 VOCAB = 61
 EOS = 0
@@ -130,8 +130,9 @@ class FakePipeline:
         s = self.sched
         ready = [r for r in s.running if r.is_decoding and r.in_flight == 0]
         # Prefill work on offer, FCFS: running prompts' remainders, then admissible newcomers.
-        offered = [r.prefill_len - r.num_scheduled for r in s.running if r.is_prefilling]
-        offered += [r.num_tokens for r in list(s.waiting)[:max(0, self.cfg.max_batch_size - len(s.running))]]
+        # as (start position, tokens left)
+        offered = [(r.num_scheduled, r.prefill_len - r.num_scheduled) for r in s.running if r.is_prefilling]
+        offered += [(0, r.num_tokens) for r in list(s.waiting)[:max(0, self.cfg.max_batch_size - len(s.running))]]
         decoding = sum(1 for r in s.running if r.is_decoding)  # ready or in flight
         return {"ready": ready, "offered": offered, "share": -(-decoding // s.depth),
                 "unfinished_seen": {q for q in self.seen if not self.reqs[q].finished}}
@@ -181,7 +182,8 @@ class FakePipeline:
         if self.ample_kv:
             assert n_dec == min(len(pre["ready"]), decode_cap), "decode-maximal: every ready decode up to the share rides along"
             budget = cfg.chunk_size - (n_dec if cfg.tile_align else 0)
-            expected = greedy_fill(pre["offered"], budget, cfg.max_batch_size - n_dec)
+            key_cost = self.sched.key_cost if cfg.chunk_budget == "flops" else 0.0
+            expected = greedy_fill(pre["offered"], budget, cfg.max_batch_size - n_dec, key_cost)
             assert mb.prefill_tokens == expected, "decode-maximal: prefill chunks fill the rest of the budget"
             if pre["offered"] and cfg.max_batch_size > 1:
                 assert mb.prefill_tokens > 0
@@ -242,13 +244,24 @@ class FakePipeline:
             [r for r in self.sched.waiting if not r.num_preemptions], "a preempted request queued behind a newcomer"
 
 
-def greedy_fill(offered: list[int], budget: int, slots: int) -> int:
-    """Prefill tokens sarathi should take: FCFS, each candidate up to the budget left."""
+def greedy_fill(offered: list[tuple[int, int]], budget: int, slots: int, key_cost: float = 0.0) -> int:
+    """Prefill tokens sarathi should take: FCFS, each candidate (start, tokens left) up to the
+    token budget left and, with key_cost, the cost left: a token at position p costs 1 + key_cost
+    · (p + 1), and the cost budget is a fresh chunk's, positions 0 .. budget − 1. Token by token,
+    independently of the scheduler's closed form; the first chunk takes at least one token."""
+    cost = sum(1 + key_cost * (p + 1) for p in range(budget))
     taken = 0
-    for n in offered[:max(0, slots)]:
-        if budget <= 0:
+    for start, n in offered[:max(0, slots)]:
+        if budget <= 0 or cost <= 0:
             break
-        take = min(n, budget)
+        take = 0
+        while take < min(n, budget) and 1 + key_cost * (start + take + 1) <= cost + 1e-9:
+            cost -= 1 + key_cost * (start + take + 1)
+            take += 1
+        if take == 0 and taken:
+            break
+        if take == 0:  # a chunk takes at least one token
+            take, cost = 1, cost - (1 + key_cost * (start + 1))
         taken, budget = taken + take, budget - take
     return taken
 
@@ -266,9 +279,10 @@ def make_requests(lengths: list[int], max_tokens: int | list[int], seed: int = 0
 
 
 def make_scheduler(policy: str, chunk: int, mbs: int, num_blocks: int = HUGE_KV, block_size: int = 4,
-                   tile_align: bool = False, max_model_len: int = 4096, depth: int = 1) -> Scheduler:
+                   tile_align: bool = False, max_model_len: int = 4096, depth: int = 1,
+                   key_cost: float = 0.0) -> Scheduler:
     cfg = SchedulerConfig(policy, chunk, mbs, tile_align, max_model_len)
-    return Scheduler(cfg, BlockManager(num_blocks, block_size), eos_token_ids=(EOS,), depth=depth)
+    return Scheduler(cfg, BlockManager(num_blocks, block_size), eos_token_ids=(EOS,), depth=depth, key_cost=key_cost)
 
 
 def run_workload(policy: str, pp: int, chunk: int, reqs: list[Request], mbs: int = 4, **kw: object) -> FakePipeline:
@@ -291,9 +305,13 @@ def assert_matches_oracle(pipe: FakePipeline) -> None:
 
 
 LENGTHS = [5, 23, 1, 70, 12, 41, 3, 9]
-CASES = [(policy, pp, chunk, tile)
+# KEY_COST: sarathi's "flops" budget with a key weight large enough to bite at these lengths (a
+# token at position 64 costs 2.3), and its cost floor (C = 1: no token fits, one is taken anyway)
+KEY_COST = 0.02
+CASES = [(policy, pp, chunk, tile, kc)
          for policy in POLICIES for pp in (1, 2, 3) for chunk in (1, 7, 64)
-         for tile in ((False, True) if policy == "sarathi" else (False,))]
+         for tile in ((False, True) if policy == "sarathi" else (False,))
+         for kc in ((0.0, KEY_COST) if policy == "sarathi" else (0.0,))]
 
 
 def case_mbs(chunk: int, tile: bool) -> int:
@@ -301,10 +319,12 @@ def case_mbs(chunk: int, tile: bool) -> int:
 
 
 # ---- every policy: budgets, in-flight rules, completion, outputs -----------------------------
-@pytest.mark.parametrize("policy, pp, chunk, tile", CASES)
-def test_all_finish_with_oracle_outputs_and_invariants(policy: str, pp: int, chunk: int, tile: bool) -> None:
+@pytest.mark.parametrize("policy, pp, chunk, tile, kc", CASES)
+def test_all_finish_with_oracle_outputs_and_invariants(policy: str, pp: int, chunk: int, tile: bool,
+                                                        kc: float) -> None:
     reqs = make_requests(LENGTHS, [1, 6, 12, 4, 9, 2, 7, 5])
-    pipe = FakePipeline(make_scheduler(policy, chunk, case_mbs(chunk, tile), tile_align=tile), pp, ample_kv=True)
+    pipe = FakePipeline(make_scheduler(policy, chunk, case_mbs(chunk, tile), tile_align=tile, key_cost=kc), pp,
+                        ample_kv=True)
     pipe.add(reqs)
     pipe.run()
     assert_matches_oracle(pipe)
@@ -313,12 +333,12 @@ def test_all_finish_with_oracle_outputs_and_invariants(policy: str, pp: int, chu
     assert not pipe.sched.running and not pipe.sched.waiting
 
 
-@pytest.mark.parametrize("policy, pp, chunk, tile", CASES)
-def test_stops_at_eos_and_stop_ids(policy: str, pp: int, chunk: int, tile: bool) -> None:
+@pytest.mark.parametrize("policy, pp, chunk, tile, kc", CASES)
+def test_stops_at_eos_and_stop_ids(policy: str, pp: int, chunk: int, tile: bool, kc: float) -> None:
     # 16 prompts, 40 tokens each at most: some hit EOS or a stop id first, others run to the length
     # limit (asserted below), so both paths run.
     reqs = make_requests(LENGTHS * 2, 40, seed=3, ignore_eos=False, stop=(5, 11))
-    pipe = FakePipeline(make_scheduler(policy, chunk, case_mbs(chunk, tile), tile_align=tile), pp)
+    pipe = FakePipeline(make_scheduler(policy, chunk, case_mbs(chunk, tile), tile_align=tile, key_cost=kc), pp)
     pipe.add(reqs)
     pipe.run()
     assert_matches_oracle(pipe)
@@ -331,14 +351,14 @@ def test_stops_at_eos_and_stop_ids(policy: str, pp: int, chunk: int, tile: bool)
     assert {r.finish_reason for r in reqs} == {"stop", "length"}
 
 
-@pytest.mark.parametrize("policy, pp, chunk, tile", CASES)
-def test_preemption_under_tiny_kv_changes_no_output(policy: str, pp: int, chunk: int, tile: bool) -> None:
+@pytest.mark.parametrize("policy, pp, chunk, tile, kc", CASES)
+def test_preemption_under_tiny_kv_changes_no_output(policy: str, pp: int, chunk: int, tile: bool, kc: float) -> None:
     lengths, max_tokens = [9, 14, 3, 20, 6, 11], [12, 8, 16, 5, 10, 9]
     big = run_workload(policy, pp, chunk, make_requests(lengths, max_tokens), mbs=case_mbs(chunk, tile),
-                       tile_align=tile)
+                       tile_align=tile, key_cost=kc)
     # 7 blocks of 4 tokens: the largest request (20 + 5 tokens) just fits alone, a few together do not.
     small = run_workload(policy, pp, chunk, make_requests(lengths, max_tokens), mbs=case_mbs(chunk, tile),
-                         tile_align=tile, num_blocks=7)
+                         tile_align=tile, num_blocks=7, key_cost=kc)
     assert_matches_oracle(small)
     assert [r.output_token_ids for r in small.reqs.values()] == [r.output_token_ids for r in big.reqs.values()]
     if case_mbs(chunk, tile) > 1:
@@ -600,3 +620,71 @@ def test_sarathi_splits_decodes_evenly_over_the_micro_batches_in_flight(pp: int,
 def test_scheduler_depth_must_be_positive() -> None:
     with pytest.raises(ValueError, match="depth"):
         make_scheduler("sarathi", 8, 4, depth=0)
+
+
+# ---- sarathi's "flops" chunk budget ------------------------------------------------------------
+@given(start=st.integers(0, 5000), remaining=st.integers(1, 600), budget=st.floats(0.0, 2000.0),
+       key_cost=st.sampled_from([0.0, 4e-5, 3.26e-4, 0.02, 1.0]))
+@settings(max_examples=300, deadline=None)
+def test_fit_chunk_is_the_largest_chunk_within_the_budget(start: int, remaining: int, budget: float,
+                                                         key_cost: float) -> None:
+    n = fit_chunk(start, remaining, budget, key_cost)
+    assert 0 <= n <= remaining
+    assert n == 0 or chunk_cost(start, n, key_cost) <= budget
+    assert n == remaining or chunk_cost(start, n + 1, key_cost) > budget
+
+
+def test_chunk_cost_counts_each_tokens_keys() -> None:
+    # positions 3, 4, 5 attend to 4, 5, 6 keys
+    assert chunk_cost(3, 3, 0.5) == pytest.approx(3 + 0.5 * (4 + 5 + 6))
+    assert chunk_cost(100, 7, 0.0) == 7
+
+
+def test_flops_budget_gives_deeper_chunks_fewer_tokens_of_equal_cost() -> None:
+    pipe = run_workload("sarathi", 1, 64, make_requests([400], 2), key_cost=KEY_COST)
+    chunks = [c for m in pipe.history for c in m.chunks if c.is_prefill]
+    sizes = [c.num_tokens for c in chunks]
+    assert sizes[0] == 64 and sizes[1] < 64 and all(a >= b for a, b in zip(sizes, sizes[1:-1])), sizes
+    fresh = chunk_cost(0, 64, KEY_COST)
+    for c in chunks[:-1]:  # each cut chunk spends the budget: one more token would not fit
+        assert chunk_cost(c.start, c.num_tokens, KEY_COST) <= fresh < chunk_cost(c.start, c.num_tokens + 1, KEY_COST)
+    assert_matches_oracle(pipe)
+
+
+def test_tokens_budget_ignores_the_key_cost() -> None:
+    cfg = SchedulerConfig("sarathi", 64, 4, chunk_budget="tokens")
+    pipe = FakePipeline(Scheduler(cfg, BlockManager(HUGE_KV, 4), eos_token_ids=(EOS,), key_cost=KEY_COST), 1,
+                        ample_kv=True)
+    pipe.add(make_requests([400], 2))
+    pipe.run()
+    assert [c.num_tokens for m in pipe.history for c in m.chunks if c.is_prefill] == [64] * 6 + [16]
+    assert_matches_oracle(pipe)
+
+
+def test_flops_budget_still_caps_tokens_at_c() -> None:
+    # short fresh prompts cost less per token than a fresh C-token chunk (5 × 3 tokens + 1 of the
+    # sixth: 16.6 against 18.7), but C still caps the tokens
+    pipe = run_workload("sarathi", 1, 16, make_requests([3] * 12, 1), mbs=12, key_cost=KEY_COST)
+    first = pipe.history[0]
+    assert first.prefill_tokens == 16 and chunk_cost(0, 3, KEY_COST) * 5 + chunk_cost(0, 1, KEY_COST) \
+        < chunk_cost(0, 16, KEY_COST)
+    assert max(m.prefill_tokens for m in pipe.history) == 16
+    assert_matches_oracle(pipe)
+
+
+def test_bad_chunk_budget_and_key_cost_are_named() -> None:
+    with pytest.raises(ValueError, match="SchedulerConfig.chunk_budget must be one of flops, tokens"):
+        SchedulerConfig("sarathi", 64, 4, chunk_budget="bytes")
+    with pytest.raises(ValueError, match="key_cost must be ≥ 0"):
+        Scheduler(SchedulerConfig(), BlockManager(8, 4), key_cost=-1.0)
+
+
+def test_key_cost_from_model_shapes() -> None:
+    from pp_runtime.config import ModelConfig
+    from pp_runtime.sim.presets import SimModel
+    smol = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                       num_kv_heads=3)
+    # per layer: q, o 576²; k, v 576 × 192; gate, up, down 576 × 1536; 4 × 576 FLOPs per key
+    assert smol.key_cost == pytest.approx(2 * 576 / (2 * 576**2 + 2 * 576 * 192 + 3 * 576 * 1536))
+    plain = SimModel("gpt-like", 12, 768, 12, 12, 3072, 50257, gated_mlp=False)
+    assert plain.key_cost == pytest.approx(2 * 768 / (4 * 768**2 + 2 * 768 * 3072))

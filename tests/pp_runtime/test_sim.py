@@ -190,7 +190,8 @@ def test_same_microbatches_as_real_engine(policy: str) -> None:
         sreqs = [Request(str(i), i, list(p), SamplingParams(max_tokens=m, ignore_eos=True))
                  for i, (p, m) in enumerate(zip(prompts, max_tokens))]
         res = simulate(sreqs, None, llm.sched_config, llm.memory.num_blocks, 16, ConstantCost(1.0, pp=2), pp=2,
-                       keep_history=True, window=1)
+                       keep_history=True, window=1, key_cost=llm.source.config.key_cost)
+    assert llm.sched_config.chunk_budget == "flops"  # the sim's scheduler cuts chunks by FLOPs as well
     assert preempted > 0 and sum(r.num_preemptions for r in sreqs) == preempted
     assert [_plan_key(mb) for mb in res.history] == real
     assert [len(r.output_token_ids) for r in sreqs] == max_tokens
