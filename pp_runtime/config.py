@@ -166,8 +166,8 @@ class SchedulerConfig:
       chunk of C tokens costs, so a chunk deeper into its prompt, whose tokens each attend to
       more keys, takes fewer of them (SmolLM2: 221 at position 512). Every micro-batch then
       takes about as long, and a pipeline stage does not wait for its neighbour's longer one:
-      at pp = 2 on the P:D = 10 Zipf workload the stages' idle time fell by ~40%
-      (docs/BENCHMARKS.md). Needs the model's ``key_cost`` (the Scheduler's); without it the two
+      at pp = 2 on 96 P:D = 10 Zipf requests the stages' idle time fell by ~35% in a paired
+      run (docs/BENCHMARKS.md). Needs the model's ``key_cost`` (the Scheduler's); without it the two
       are the same.
     """
 
