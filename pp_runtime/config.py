@@ -25,7 +25,10 @@ def _positive(obj: object, *names: str) -> None:
 
 class HeadSizes:
     """Attention widths derived from hidden_size, num_heads, num_kv_heads and head_dim (0:
-    hidden_size // num_heads); one definition for ModelConfig and the simulator's SimModel."""
+    hidden_size // num_heads), and a layer's linear weights; one definition for ModelConfig and
+    the simulator's SimModel."""
+
+    gated_mlp = True  # LLaMA family (ModelConfig); SimModel's field can say otherwise
 
     @property
     def head_size(self) -> int:
@@ -40,15 +43,19 @@ class HeadSizes:
         return self.num_kv_heads * self.head_size
 
     @property
+    def linear_params(self) -> int:
+        """Weights of one layer's linear ops: QKV, O, the MLP's gate (if gated), up and down."""
+        h = self.hidden_size
+        mlp = 3 if self.gated_mlp else 2
+        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + mlp * h * self.intermediate_size
+
+    @property
     def key_cost(self) -> float:
         """A token's attention FLOPs per key it attends to (QKᵀ and PV: 4 × q_size), in units of
         its linear-layer FLOPs (2 × a layer's weights): what each cached token of context adds to
         the cost of a prompt token. SmolLM2-135M: 2 · 576 / 3,538,944 = 3.26e-4, so a chunk
         token at position 512 costs 1.17 tokens; LLaMA-7B: 4.1e-5."""
-        h = self.hidden_size
-        mlp = 3 if getattr(self, "gated_mlp", True) else 2  # ModelConfig: always gated (LLaMA)
-        layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + mlp * h * self.intermediate_size
-        return 2 * self.q_size / layer
+        return 2 * self.q_size / self.linear_params
 
 
 @dataclass(frozen=True)
@@ -86,9 +93,7 @@ class ModelConfig(HeadSizes):
     def params_per_token_flops(self, lm_head: bool = True) -> int:
         """Parameters touched per token by the linear layers (FLOPs/token = 2 × this); without
         the LM head for tokens that are not sampled (non-final prefill positions)."""
-        h, i = self.hidden_size, self.intermediate_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
-        return self.num_layers * per_layer + (h * self.vocab_size if lm_head else 0)
+        return self.num_layers * self.linear_params + (self.hidden_size * self.vocab_size if lm_head else 0)
 
 
 def is_layer_count(n: object) -> bool:
