@@ -1,6 +1,7 @@
-"""The report (pp_runtime/report.py): every plot is written from hand-made run, bench and profile
-directories, the bubble CDF carries the numbers of the design's bubble definition, missing
-inputs skip their plot, and a directory with no inputs is an error naming it."""
+"""The report (pp_runtime/report.py, with run_plots.py, profile_plots.py and figures.py): every
+plot is written from hand-made run, bench and profile directories, the bubble CDF carries the
+numbers of the design's bubble definition, missing inputs skip their plot, and a directory with
+no inputs is an error naming it."""
 from __future__ import annotations
 
 import csv
@@ -10,8 +11,9 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from pp_runtime.report import (cdf_points, gantt_window, load_records, load_run, make_report, main,
-                               request_bubble_times, throughput_series, wants_log)
+from pp_runtime.figures import wants_log
+from pp_runtime.report import load_records, load_run, make_report, main
+from pp_runtime.run_plots import cdf_points, gantt_window, request_bubble_times, throughput_series
 from pp_runtime.timing import TimingRecord
 
 T0 = 1000.0  # absolute wall-clock zero of the run: the report must subtract it
