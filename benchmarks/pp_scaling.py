@@ -51,7 +51,8 @@ import time
 from pairing import alternating, ratios  # same directory: run as a script
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.config import CHUNK_BUDGETS, KV_DTYPES, MATMUL_PRECISIONS
-from pp_runtime.workload import WorkloadConfig, generate_workload
+from pp_runtime.workload import generate_workload
+from pp_runtime.workload_config import WorkloadConfig
 
 
 def run_once(llm: LLM, items: list, policy: str, chunk: int, budget: str = "flops") -> float:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import yaml
 
-from pp_runtime.workload import load_run_config
+from pp_runtime.run_config import load_run_config
 
 METRICS = ("throughput_tok_s", "bubble_s_per_request_p50")
 CONTEXT2_GRID = "prefill=;prefill_with_context=256;decode=1,4,8,16,24;mixed_decode=4,16;context={ctx}"

@@ -298,7 +298,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     from pp_runtime.bench import format_table, run_bench
-    from pp_runtime.workload import load_run_config
+    from pp_runtime.run_config import load_run_config
     if not Path(a.config).is_file():
         raise ValueError(f"--config {a.config}: no such file")
     cfg = load_run_config(a.config)

@@ -15,8 +15,10 @@ from pathlib import Path
 
 from pp_runtime.llm import LLM
 from pp_runtime.request import SamplingParams
+from pp_runtime.run_config import RunConfig
 from pp_runtime.rundir import write_run_dir
-from pp_runtime.workload import RunConfig, generate_workload, workload_summary
+from pp_runtime.workload import generate_workload
+from pp_runtime.workload_config import workload_summary
 
 # (summary key, label, True when higher is better)
 METRICS = (("throughput_tok_s", "throughput tok/s", True), ("decode_tok_s", "decode tok/s", True),

@@ -18,7 +18,7 @@
                                    # round-to-round sd: it includes the box's slow drift, so it is an
                                    # upper bound that overstates bubbles; validate_sim takes the former)
     seed: 0
-    workload: {kind: zipf, num_requests: 10000, ...}      # pp_runtime.workload.WorkloadConfig
+    workload: {kind: zipf, num_requests: 10000, ...}      # pp_runtime.workload_config.WorkloadConfig
     scenarios:
       - {name: orca_pp8, scheduler: orca, tp: 8, pp: 8}
       - {name: sarathi_pp8, scheduler: sarathi, tp: 8, pp: 8, chunk_size: 256}
@@ -46,9 +46,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pp_runtime.config import DTYPE_BYTES, SCHEDULER_POLICIES
+from pp_runtime.run_config import read_yaml_mapping
 from pp_runtime.sim.presets import Hardware, SimModel, resolve_hardware, resolve_model
 from pp_runtime.sim.simulator import ROUTERS
-from pp_runtime.workload import WorkloadConfig, read_yaml_mapping
+from pp_runtime.workload_config import WorkloadConfig
 
 TOP_KEYS = ("name", "description", "model", "hardware", "dtype", "cluster", "memory", "max_model_len",
             "cost_model", "seed", "workload", "scenarios", "base", "claims", "output", "notes")

@@ -28,8 +28,8 @@ from pp_runtime.sim.cost import BatchShape, PipelineCost, ProfileCostModel, Roof
 from pp_runtime.sim.memory import SimMemoryPlan, plan_memory, stage_layers, weight_bytes_per_gpu
 from pp_runtime.sim.rundir import write_sim_run_dir
 from pp_runtime.sim.simulator import DummyTokens, simulate
-from pp_runtime.workload import (MIN_TOKEN_ID, WorkloadConfig, _arrivals, _rngs, _sample_totals, generate_workload,
-                                 split_pd, workload_summary)
+from pp_runtime.workload import MIN_TOKEN_ID, _arrivals, _rngs, _sample_totals, generate_workload, split_pd
+from pp_runtime.workload_config import WorkloadConfig, workload_summary
 
 DUMMY_TOKEN = MIN_TOKEN_ID
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pp_runtime.bench import compare, format_table, run_bench
-from pp_runtime.workload import load_run_config
+from pp_runtime.run_config import load_run_config
 
 REPO = Path(__file__).resolve().parents[2]
 FILES = ("stage_timings.jsonl", "summary.json", "trace.json", "results.jsonl", "workers.json")

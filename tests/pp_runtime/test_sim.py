@@ -23,7 +23,8 @@ from pp_runtime.sim import (BatchShape, ConstantCost, DummyTokens, PipelineCost,
                             write_sim_run_dir)
 from pp_runtime.sim.cost import OPS
 from pp_runtime.timing import TimingRecord
-from pp_runtime.workload import WorkloadConfig, generate_workload
+from pp_runtime.workload import generate_workload
+from pp_runtime.workload_config import WorkloadConfig
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_FILES = ("stage_timings.jsonl", "summary.json", "trace.json", "results.jsonl", "workers.json")

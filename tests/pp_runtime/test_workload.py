@@ -1,6 +1,6 @@
-"""Workloads (pp_runtime.workload): length distributions, P:D split, arrivals and determinism
-checked statistically against their definitions; trace replay; run-config YAML loading and its
-errors. Pure numpy, a few seconds."""
+"""Workloads (pp_runtime.workload, pp_runtime.workload_config, pp_runtime.run_config): length
+distributions, P:D split, arrivals and determinism checked statistically against their
+definitions; trace replay; run-config YAML loading and its errors. Pure numpy, a few seconds."""
 from __future__ import annotations
 
 import json
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from pp_runtime.config import SCHEDULER_POLICIES
-from pp_runtime.workload import (RunConfig, WorkItem, WorkloadConfig, generate_workload, load_run_config,
-                                 save_trace, split_pd, workload_summary, zipf_pmf)
+from pp_runtime.run_config import RunConfig, load_run_config
+from pp_runtime.workload import WorkItem, generate_workload, save_trace, split_pd, zipf_pmf
+from pp_runtime.workload_config import WorkloadConfig, workload_summary
 
 RUNS = Path(__file__).resolve().parents[2] / "configs" / "runs"
 VOCAB = 512

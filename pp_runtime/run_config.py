@@ -1,0 +1,134 @@
+"""The bench run config (configs/runs/*.yaml): engine settings, the schedulers to compare, the workload.
+
+    from pp_runtime.run_config import load_run_config
+
+    run = load_run_config("configs/runs/pp2_zipf.yaml").with_overrides(pp=3, chunk_size=None)
+    run.engine        # {"model": "smollm2-135m", "pp": 3, ...}: keyword arguments for pp_runtime.LLM
+    run.schedulers    # ("sarathi", "orca", "prefill_first", "request_level")
+    run.workload      # pp_runtime.workload_config.WorkloadConfig
+
+``read_yaml_mapping`` reads the top-level mapping of a YAML file (simulation configs use it too).
+Plain Python + PyYAML: no torch, no Ray.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from pp_runtime.config import SCHEDULER_POLICIES, is_layer_count
+from pp_runtime.field_checks import _check_int, _check_positive_number
+from pp_runtime.workload_config import WorkloadConfig
+
+# Keys of the run YAML that become pp_runtime.LLM keyword arguments. The first ten are the
+# documented schema; the rest are further LLM settings accepted so a config can pin them.
+ENGINE_KEYS = ("model", "pp", "tp", "chunk_size", "max_batch_size", "tile_align", "memory_budget_gb",
+               "max_model_len", "threads", "seed", "launcher", "dtype", "device", "attention",
+               "block_size", "partition", "gguf_weights", "kv_cache_dtype", "matmul_precision", "chunk_budget")
+RUN_KEYS = ENGINE_KEYS + ("schedulers", "workload")
+
+
+def _check_engine(engine: Mapping[str, Any]) -> None:
+    """Type/range checks of the engine keys, naming the key; deeper checks (model exists, pp fits
+    the layers, memory budget) happen when pp_runtime.LLM is built."""
+    for key, value in engine.items():
+        if key not in ENGINE_KEYS:
+            raise ValueError(f"unknown engine key {key!r} (known: {', '.join(ENGINE_KEYS)})")
+        if key in ("model", "launcher", "dtype", "device", "attention", "gguf_weights", "kv_cache_dtype",
+                   "matmul_precision", "chunk_budget"):
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{key} must be a string, got {value!r}")
+        elif key in ("pp", "tp", "chunk_size", "max_batch_size", "max_model_len", "block_size"):
+            _check_int(key, value, 1)
+        elif key in ("threads", "seed"):
+            _check_int(key, value, 0)
+        elif key == "tile_align":
+            if not isinstance(value, bool):
+                raise ValueError(f"tile_align must be true or false, got {value!r}")
+        elif key == "memory_budget_gb":
+            _check_positive_number(key, value)
+        elif key == "partition":
+            if not isinstance(value, (list, tuple)) or not value or not all(is_layer_count(v) for v in value):
+                raise ValueError(f"partition must be a list of positive layer counts (multiples of 0.5), got {value!r}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A bench setup: engine = keyword arguments of pp_runtime.LLM (only those the YAML set; the
+    scheduler policy is not among them, it comes from ``schedulers``), the policies to compare
+    and the workload."""
+
+    engine: dict[str, Any]
+    workload: WorkloadConfig
+    schedulers: tuple[str, ...] = SCHEDULER_POLICIES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine, dict):
+            raise ValueError(f"RunConfig.engine must be a dict, got {type(self.engine).__name__}")
+        _check_engine(self.engine)
+        if not isinstance(self.workload, WorkloadConfig):
+            raise ValueError("RunConfig.workload must be a WorkloadConfig")
+        if isinstance(self.schedulers, str) or not isinstance(self.schedulers, (list, tuple)) \
+                or not self.schedulers:
+            raise ValueError(f"schedulers must be a non-empty list, got {self.schedulers!r}")
+        for name in self.schedulers:
+            if name not in SCHEDULER_POLICIES:
+                raise ValueError(f"schedulers: unknown scheduler {name!r} (known: {', '.join(SCHEDULER_POLICIES)})")
+        if len(set(self.schedulers)) != len(self.schedulers):
+            raise ValueError(f"schedulers lists a scheduler twice: {list(self.schedulers)}")
+        # Every request longer than the model length would come back as an error, not a result.
+        longest, max_len = self.workload.max_total_len, self.engine.get("max_model_len")
+        if longest is not None and max_len is not None and longest > max_len:
+            raise ValueError(f"workload: requests up to {longest} tokens exceed max_model_len={max_len}")
+        object.__setattr__(self, "schedulers", tuple(self.schedulers))  # a YAML list → the tuple form
+
+    def with_overrides(self, **engine_kwargs: Any) -> RunConfig:
+        """A copy with these engine values replaced (command-line overrides); None means "not
+        given" and keeps the config's value. Unknown keys raise ValueError."""
+        given = {k: v for k, v in engine_kwargs.items() if v is not None}
+        if "partition" in given:
+            given["partition"] = list(given["partition"])
+        return replace(self, engine={**self.engine, **given})
+
+
+def read_yaml_mapping(path: Path, what: str) -> dict:
+    """A YAML file whose top level is a mapping; ValueError names ``what`` and the path when it
+    cannot be read, is not YAML or is not a mapping (run and simulation configs alike)."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {str(path)!r}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{what} {path}: invalid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {path}: expected a mapping at the top level")
+    return data
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """Read a run YAML (configs/runs/*.yaml). Every key is optional except ``workload``; an
+    unknown key raises ValueError naming it. A relative workload.trace_path is taken relative to
+    the YAML's folder when the file is there, else as given (relative to the working directory).
+    A workload without its own seed uses the run's seed."""
+    path = Path(path)
+    data = read_yaml_mapping(path, "run config")
+    for key in data:
+        if key not in RUN_KEYS:
+            raise ValueError(f"run config {path}: unknown key {key!r} (known: {', '.join(RUN_KEYS)})")
+    if "workload" not in data:
+        raise ValueError(f"run config {path}: workload is required")
+    wl = data["workload"]
+    if isinstance(wl, dict):
+        wl = dict(wl)
+        wl.setdefault("seed", data.get("seed", 0))
+        trace = wl.get("trace_path")
+        if isinstance(trace, str) and not Path(trace).is_absolute() and (path.parent / trace).is_file():
+            wl["trace_path"] = str(path.parent / trace)
+    try:
+        engine = {k: data[k] for k in ENGINE_KEYS if k in data}
+        return RunConfig(engine=engine, workload=WorkloadConfig.from_dict(wl),
+                         schedulers=data.get("schedulers", SCHEDULER_POLICIES))
+    except ValueError as exc:
+        raise ValueError(f"run config {path}: {exc}") from None
