@@ -2,8 +2,8 @@
 
 Shared by the workload config, trace replay and the run config:
 
-    from pp_runtime.field_checks import _check_int
-    _check_int("WorkloadConfig.seed", seed, 0)   # ValueError naming the field when it is not an int ≥ 0
+    from pp_runtime.field_checks import check_int
+    check_int("WorkloadConfig.seed", seed, 0)   # ValueError naming the field when it is not an int ≥ 0
 """
 from __future__ import annotations
 
@@ -12,20 +12,20 @@ import math
 import numpy as np
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     # bool is an int subclass; `pp: true` in YAML is a mistake, not 1
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
-    return (_is_int(value) or isinstance(value, (float, np.floating))) and math.isfinite(float(value))
+def is_number(value: object) -> bool:
+    return (is_int(value) or isinstance(value, (float, np.floating))) and math.isfinite(float(value))
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not _is_int(value) or value < minimum:
+def check_int(name: str, value: object, minimum: int) -> None:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an integer ≥ {minimum}, got {value!r}")
 
 
-def _check_positive_number(name: str, value: object) -> None:
-    if not _is_number(value) or float(value) <= 0:
+def check_positive_number(name: str, value: object) -> None:
+    if not is_number(value) or float(value) <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import yaml
 
 from pp_runtime.config import SCHEDULER_POLICIES, is_layer_count
-from pp_runtime.field_checks import _check_int, _check_positive_number
+from pp_runtime.field_checks import check_int, check_positive_number
 from pp_runtime.workload_config import WorkloadConfig
 
 # Keys of the run YAML that become pp_runtime.LLM keyword arguments. The first ten are the
@@ -41,14 +41,14 @@ def _check_engine(engine: Mapping[str, Any]) -> None:
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{key} must be a string, got {value!r}")
         elif key in ("pp", "tp", "chunk_size", "max_batch_size", "max_model_len", "block_size"):
-            _check_int(key, value, 1)
+            check_int(key, value, 1)
         elif key in ("threads", "seed"):
-            _check_int(key, value, 0)
+            check_int(key, value, 0)
         elif key == "tile_align":
             if not isinstance(value, bool):
                 raise ValueError(f"tile_align must be true or false, got {value!r}")
         elif key == "memory_budget_gb":
-            _check_positive_number(key, value)
+            check_positive_number(key, value)
         elif key == "partition":
             if not isinstance(value, (list, tuple)) or not value or not all(is_layer_count(v) for v in value):
                 raise ValueError(f"partition must be a list of positive layer counts (multiples of 0.5), got {value!r}")

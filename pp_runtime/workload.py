@@ -28,7 +28,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from pp_runtime.field_checks import _check_int, _is_int, _is_number
+from pp_runtime.field_checks import check_int, is_int, is_number
 from pp_runtime.workload_config import WorkloadConfig
 
 # Ids 0..2 are the usual special tokens (unk/bos/eos or pad) of LLaMA-family vocabularies:
@@ -114,7 +114,7 @@ def _token_ids(rng: np.random.Generator, lengths: Iterable[int], vocab_size: int
 def generate_workload(cfg: WorkloadConfig, vocab_size: int) -> list[WorkItem]:
     """The requests of ``cfg``, identical for identical (cfg, vocab_size). Synthetic token ids are
     uniform on [3, vocab_size). Raises ValueError for a bad vocab_size or trace file."""
-    if not _is_int(vocab_size) or vocab_size <= MIN_TOKEN_ID:
+    if not is_int(vocab_size) or vocab_size <= MIN_TOKEN_ID:
         raise ValueError(f"vocab_size must be an integer > {MIN_TOKEN_ID}, got {vocab_size!r}")
     len_rng, tok_rng, arr_rng = _rngs(cfg.seed)
     if cfg.kind == "trace":
@@ -170,22 +170,22 @@ def _parse_trace_line(text: str, lineno: int, path: Path, vocab_size: int,
         raise ValueError(f"{where}: expected a JSON object")
     if "prompt_token_ids" in obj:
         prompt = obj["prompt_token_ids"]
-        if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
+        if not isinstance(prompt, list) or not prompt or not all(is_int(t) for t in prompt):
             raise ValueError(f"{where}: prompt_token_ids must be a non-empty list of integers")
         # Fail the whole benchmark early rather than have requests silently finish with errors.
         if min(prompt) < 0 or max(prompt) >= vocab_size:
             raise ValueError(f"{where}: prompt_token_ids outside the vocabulary [0, {vocab_size})")
     elif "prompt_len" in obj:
         prompt = obj["prompt_len"]
-        _check_int(f"{where}: prompt_len", prompt, 1)
+        check_int(f"{where}: prompt_len", prompt, 1)
     else:
         raise ValueError(f"{where}: needs prompt_token_ids or prompt_len")
     decode = obj.get("max_tokens", obj.get("decode_len"))
     if decode is None:
         raise ValueError(f"{where}: needs max_tokens or decode_len")
-    _check_int(f"{where}: max_tokens", decode, 1)
+    check_int(f"{where}: max_tokens", decode, 1)
     arrival = obj.get("arrival_s")
-    if arrival is not None and (not _is_number(arrival) or arrival < 0):
+    if arrival is not None and (not is_number(arrival) or arrival < 0):
         raise ValueError(f"{where}: arrival_s must be a finite number ≥ 0, got {arrival!r}")
     rid = obj.get("id", f"trace-{index}")
     return str(rid), prompt, int(decode), None if arrival is None else float(arrival)

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from pp_runtime.field_checks import _check_int, _check_positive_number, _is_number
+from pp_runtime.field_checks import check_int, check_positive_number, is_number
 
 WORKLOAD_KINDS = ("fixed", "uniform", "zipf", "trace")
 ARRIVALS = ("all", "poisson")
@@ -62,16 +62,16 @@ class WorkloadConfig:
         if self.arrival not in ARRIVALS:
             raise ValueError(f"WorkloadConfig.arrival must be one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
         if self.num_requests is not None:
-            _check_int("WorkloadConfig.num_requests", self.num_requests, 1)
+            check_int("WorkloadConfig.num_requests", self.num_requests, 1)
         elif self.kind != "trace":
             raise ValueError(f"WorkloadConfig.num_requests is required for kind {self.kind!r}")
-        _check_int("WorkloadConfig.seed", self.seed, 0)
+        check_int("WorkloadConfig.seed", self.seed, 0)
         if self.pd_ratio is not None:
-            _check_positive_number("WorkloadConfig.pd_ratio", self.pd_ratio)
+            check_positive_number("WorkloadConfig.pd_ratio", self.pd_ratio)
         if self.arrival == "poisson":
             if self.rate is None:
                 raise ValueError("WorkloadConfig.rate (requests/s) is required for arrival 'poisson'")
-            _check_positive_number("WorkloadConfig.rate", self.rate)
+            check_positive_number("WorkloadConfig.rate", self.rate)
         elif self.rate is not None:
             raise ValueError("WorkloadConfig.rate applies only to arrival 'poisson'")
         allowed = {"fixed": {"prompt_len", "decode_len", "length", "pd_ratio"},
@@ -90,19 +90,19 @@ class WorkloadConfig:
             raise ValueError("WorkloadConfig: kind 'fixed' takes prompt_len + decode_len, or length + "
                              "pd_ratio, not both")
         if explicit:
-            _check_int("WorkloadConfig.prompt_len", self.prompt_len, 1)
-            _check_int("WorkloadConfig.decode_len", self.decode_len, 1)
+            check_int("WorkloadConfig.prompt_len", self.prompt_len, 1)
+            check_int("WorkloadConfig.decode_len", self.decode_len, 1)
             return
         if self.length is None:
             raise ValueError("WorkloadConfig.length (or prompt_len + decode_len) is required for kind 'fixed'")
-        _check_int("WorkloadConfig.length", self.length, 2)  # one prompt + one decode token at least
+        check_int("WorkloadConfig.length", self.length, 2)  # one prompt + one decode token at least
         self._require_pd()
 
     def _check_uniform(self) -> None:
         if self.min_len is None or self.max_len is None:
             raise ValueError(f"WorkloadConfig.min_len and max_len are required for kind {self.kind!r}")
-        _check_int("WorkloadConfig.min_len", self.min_len, 2)
-        _check_int("WorkloadConfig.max_len", self.max_len, 2)
+        check_int("WorkloadConfig.min_len", self.min_len, 2)
+        check_int("WorkloadConfig.max_len", self.max_len, 2)
         if self.min_len > self.max_len:
             raise ValueError(f"WorkloadConfig.min_len={self.min_len} must be ≤ max_len={self.max_len}")
         self._require_pd()
@@ -111,7 +111,7 @@ class WorkloadConfig:
         self._check_uniform()
         if self.theta is None:
             raise ValueError("WorkloadConfig.theta is required for kind 'zipf'")
-        if not _is_number(self.theta) or self.theta < 0:
+        if not is_number(self.theta) or self.theta < 0:
             raise ValueError(f"WorkloadConfig.theta must be a finite number ≥ 0, got {self.theta!r}")
 
     def _check_trace(self) -> None:
