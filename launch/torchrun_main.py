@@ -157,12 +157,12 @@ def worker_loop(cfg: EngineConfig, source: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from launch.cli import build_parser, main as cli_main
+    from launch.cli import main as cli_main
+    from launch.parser import build_parser, engine_kwargs
     argv = list(sys.argv[1:] if argv is None else argv)
     if int(os.environ.get("RANK", "0")) == 0:
         return cli_main(["generate", "--launcher", "torchrun"] + argv)
     args = build_parser().parse_args(["generate", "--launcher", "torchrun", "--quiet"] + argv)
-    from launch.cli import engine_kwargs
     from pp_runtime.llm import build_engine_config
     kwargs = engine_kwargs(args)
     for driver_only in ("launcher", "verbose"):
