@@ -489,7 +489,7 @@ def _make_executor(launcher: str, cfg: EngineConfig, source: object) -> object:
         from pp_runtime.executor import LocalExecutor
         return LocalExecutor(cfg, source)
     if launcher == "ray":  # launch/ owns Ray; pp_runtime itself never imports it
-        from launch.ray_launch import RayExecutor
+        from launch.ray_executor import RayExecutor
         return RayExecutor(cfg, source)
     if launcher == "torchrun":
         import os

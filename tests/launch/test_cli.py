@@ -260,7 +260,7 @@ def test_input_from_stdin_and_unwritable_output(hf_models: dict, jsonl: Path, tm
 
 def test_unreachable_ray_address_fails_fast() -> None:
     """ray.init retries an unreachable GCS forever: a host:port that refuses is one clear error."""
-    from launch.ray_launch import _check_reachable
+    from launch.ray_cluster import _check_reachable
     with pytest.raises(ValueError, match="RAY_ADDRESS=127.0.0.1:1: no Ray cluster answers there"):
         _check_reachable("127.0.0.1:1")
     for other in ("auto", "ray://127.0.0.1:1", "http://127.0.0.1:1"):  # forms ray.init fails on itself

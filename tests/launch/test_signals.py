@@ -182,7 +182,7 @@ def test_sigint_during_ray_start_is_held_until_the_node_is_up() -> None:
     import os
     import signal
 
-    from launch.ray_launch import _deferred_signals
+    from launch.deferred_signals import _deferred_signals
     before = signal.getsignal(signal.SIGINT)
     with _deferred_signals() as caught:
         os.kill(os.getpid(), signal.SIGINT)

@@ -1,0 +1,46 @@
+"""Joining the Ray cluster named by RAY_ADDRESS, or starting an embedded local Ray.
+
+    owns_ray = _ensure_ray(world_size)   # True: this process started Ray and shuts it down
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+import ray
+
+from launch.deferred_signals import _deferred_signals
+
+
+def _ensure_ray(world_size: int) -> bool:
+    """Join RAY_ADDRESS's cluster, or start an embedded local Ray; True when we started it."""
+    if ray.is_initialized():
+        return False
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        _check_reachable(address)
+        ray.init(address=address, log_to_driver=False)
+        return True
+    # address="local": always a fresh embedded instance, never an unrelated cluster that happens
+    # to run on this machine (plain ray.init() would join it). A Ctrl-C in the middle of starting
+    # the node would leave its agents running with no one to stop them: hold it until the node
+    # is up, then shut the node down and deliver it.
+    with _deferred_signals() as interrupted:
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
+                 log_to_driver=False, _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0})
+    if interrupted:
+        ray.shutdown()
+        raise KeyboardInterrupt
+    return True
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A host:port RAY_ADDRESS must accept a connection: ray.init retries an unreachable GCS
+    forever. Other forms ("auto", ray://, http://) fail on their own."""
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"RAY_ADDRESS={address}: no Ray cluster answers there ({e.strerror or e})") from None
