@@ -5,26 +5,32 @@ model, time simulated (DESIGN.md §2 ``sim/``). Plain Python + numpy: no torch, 
     comparison = run_simulation("configs/sim/fig12.yaml", "runs/fig12")
 
 Pieces, usable on their own:
-  presets    Hardware / SimModel presets (configs/sim/hardware.yaml, models.yaml)
-  cost       BatchShape; RooflineCostModel, ProfileCostModel (+ fit_profile), StageProfiles; PipelineCost;
-             ConstantCost
-  memory     plan_memory: the paper's B = ⌊(M_G − M_S)/(L·m_kv)⌋ and the KV block count per deployment
-  executor   SimExecutor: the Executor interface of pp_runtime.engine.Engine on a virtual clock
-  simulator  simulate(): R replicas × real Engine/Scheduler/BlockManager + SimExecutor, event-ordered
-  rundir     write_sim_run_dir: the bench run-directory format
-  config     load_sim_config: configs/sim/*.yaml
-  run        run_simulation / run_scenario: scenarios → run dirs, comparison.json, <name>.md
+  presets        Hardware / SimModel presets (configs/sim/hardware.yaml, models.yaml)
+  batch_shape    BatchShape: what a micro-batch's cost depends on; OPS, the per-layer ops timed
+  roofline_cost  RooflineCostModel: per-layer op times from a Hardware preset
+  profile_fit    read_profile, fit_profile → ProfileFit: per-op lines fitted to a profile.csv
+  profile_cost   ProfileCostModel (one profile), StageProfiles (one per stage)
+  stage_cost     PipelineCost (per-layer model → stage and send times), ConstantCost
+  memory         plan_memory: the paper's B = ⌊(M_G − M_S)/(L·m_kv)⌋ and the KV block count per deployment
+  executor       SimExecutor: the Executor interface of pp_runtime.engine.Engine on a virtual clock
+  simulator      simulate(): R replicas × real Engine/Scheduler/BlockManager + SimExecutor, event-ordered
+  rundir         write_sim_run_dir: the bench run-directory format
+  config         load_sim_config: configs/sim/*.yaml
+  run            run_simulation / run_scenario: scenarios → run dirs, comparison.json, <name>.md
 """
+from pp_runtime.sim.batch_shape import OPS, BatchShape
 from pp_runtime.sim.config import Scenario, SimConfig, load_sim_config, parse_sim_config
-from pp_runtime.sim.cost import (OPS, BatchShape, ConstantCost, PipelineCost, ProfileCostModel, ProfileFit,
-                                 RooflineCostModel, StageProfiles, fit_profile, read_profile)
 from pp_runtime.sim.executor import PlanInfo, SimExecutor, VirtualClock
 from pp_runtime.sim.memory import SimMemoryPlan, plan_memory
 from pp_runtime.sim.presets import (Hardware, SimModel, hardware_names, hardware_preset, model_names, model_preset,
                                     resolve_hardware, resolve_model)
+from pp_runtime.sim.profile_cost import ProfileCostModel, StageProfiles
+from pp_runtime.sim.profile_fit import ProfileFit, fit_profile, read_profile
+from pp_runtime.sim.roofline_cost import RooflineCostModel
 from pp_runtime.sim.rundir import write_sim_run_dir
 from pp_runtime.sim.run import plan_deployment, run_scenario, run_simulation, workload_items
 from pp_runtime.sim.simulator import DummyTokens, SimReplica, SimResult, simulate
+from pp_runtime.sim.stage_cost import ConstantCost, PipelineCost
 
 __all__ = ["run_simulation", "run_scenario", "plan_deployment", "workload_items", "load_sim_config",
            "parse_sim_config", "SimConfig", "Scenario", "simulate", "SimResult", "SimReplica", "DummyTokens",

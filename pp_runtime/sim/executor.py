@@ -30,7 +30,8 @@ from collections import deque
 from typing import NamedTuple, Sequence
 
 from pp_runtime.batch import MicroBatch
-from pp_runtime.sim.cost import BatchShape, StageCost
+from pp_runtime.sim.batch_shape import BatchShape
+from pp_runtime.sim.stage_cost import StageCost
 
 
 class VirtualClock:

@@ -8,9 +8,9 @@
 
 Every scenario runs the same requests (pp_runtime.workload lengths, dummy token ids) on its own
 deployment: memory plan (B and KV blocks, pp_runtime.sim.memory), real Scheduler with that
-SchedulerConfig, cost model (pp_runtime.sim.cost) and GPU placement (replica r, stage s, TP rank t
-→ GPU r·pp·tp + s·tp + t, nodes filled in order, so a PP send crosses nodes whenever the two
-stages sit on different nodes).
+SchedulerConfig, cost model (pp_runtime.sim.stage_cost over roofline_cost or profile_cost) and GPU
+placement (replica r, stage s, TP rank t → GPU r·pp·tp + s·tp + t, nodes filled in order, so a PP
+send crosses nodes whenever the two stages sit on different nodes).
 """
 from __future__ import annotations
 
@@ -23,11 +23,14 @@ from pathlib import Path
 from pp_runtime.bench import compare
 from pp_runtime.config import SchedulerConfig
 from pp_runtime.request import Request, SamplingParams
+from pp_runtime.sim.batch_shape import BatchShape
 from pp_runtime.sim.config import Scenario, SimConfig, load_sim_config
-from pp_runtime.sim.cost import BatchShape, PipelineCost, ProfileCostModel, RooflineCostModel, StageProfiles
 from pp_runtime.sim.memory import SimMemoryPlan, plan_memory, stage_layers, weight_bytes_per_gpu
+from pp_runtime.sim.profile_cost import ProfileCostModel, StageProfiles
+from pp_runtime.sim.roofline_cost import RooflineCostModel
 from pp_runtime.sim.rundir import write_sim_run_dir
 from pp_runtime.sim.simulator import DummyTokens, simulate
+from pp_runtime.sim.stage_cost import PipelineCost
 from pp_runtime.workload import MIN_TOKEN_ID, _arrivals, _rngs, _sample_totals, generate_workload, split_pd
 from pp_runtime.workload_config import WorkloadConfig, workload_summary
 

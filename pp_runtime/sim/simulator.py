@@ -39,8 +39,8 @@ from pp_runtime.engine import Engine
 from pp_runtime.kv_cache import BlockManager
 from pp_runtime.request import Request
 from pp_runtime.scheduler import Scheduler
-from pp_runtime.sim.cost import StageCost
 from pp_runtime.sim.executor import SimExecutor, VirtualClock
+from pp_runtime.sim.stage_cost import StageCost
 
 ROUTERS = ("round_robin", "least_loaded")
 

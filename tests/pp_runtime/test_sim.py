@@ -21,7 +21,7 @@ from pp_runtime.sim import (BatchShape, ConstantCost, DummyTokens, PipelineCost,
                             SimExecutor, StageProfiles, VirtualClock, fit_profile, hardware_preset, load_sim_config,
                             model_preset, plan_memory, read_profile, run_simulation, simulate, workload_items,
                             write_sim_run_dir)
-from pp_runtime.sim.cost import OPS
+from pp_runtime.sim.batch_shape import OPS
 from pp_runtime.timing import TimingRecord
 from pp_runtime.workload import generate_workload
 from pp_runtime.workload_config import WorkloadConfig
