@@ -48,7 +48,7 @@ def ours(model: str | None, prompts: list[list[int]], max_tokens: int, **engine:
 def hf_model(model: str | None) -> object:
     """The same checkpoint in transformers (fp32, eval); a random preset has no HF form."""
     import transformers
-    from stages.weights import resolve_model
+    from stages.model_source import resolve_model
     src = resolve_model(model)
     if src.kind == "random":
         raise SystemExit("the HF comparison needs a real checkpoint (HF folder or GGUF)")
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the figures here too")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from stages.weights import resolve_model
+    from stages.model_source import resolve_model
     cfg = resolve_model(a.model).config
     n_prefill, plen, dec_new = (2, 64, 4) if a.smoke else (4, 1024, 32)
     g = torch.Generator().manual_seed(0)

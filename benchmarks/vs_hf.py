@@ -85,7 +85,7 @@ def main() -> None:
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)
     lens = torch.randint(a.min_len, a.max_len + 1, (a.num,), generator=g).tolist()
-    from stages.weights import resolve_model
+    from stages.model_source import resolve_model
     vocab = resolve_model(a.model).config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
     total = sum(lens) + a.num * a.new_tokens

@@ -177,7 +177,7 @@ def _write_workers(run_dir: Path, infos: list[dict]) -> None:
 
 def _tokenizer(model: str | None) -> object:
     from pp_runtime.tokenizer import load_tokenizer
-    from stages.weights import resolve_model
+    from stages.model_source import resolve_model
     source = resolve_model(model)
     tok = load_tokenizer(source.kind, source.path)
     if tok is None:

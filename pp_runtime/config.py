@@ -280,7 +280,7 @@ class DeviceConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything a run needs, grouped; ``model_path`` is resolved by stages.weights."""
+    """Everything a run needs, grouped; ``model_path`` is resolved by stages.model_source."""
 
     model_path: str
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

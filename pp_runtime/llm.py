@@ -115,7 +115,7 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
                         chunk_budget: str = "flops") -> tuple[EngineConfig, object]:
     """Resolve the model and validate every setting; raises ValueError naming the bad one.
     max_batch_size None is kept as 1 here and replaced once the memory plan gives B."""
-    from stages.weights import resolve_model
+    from stages.model_source import resolve_model
     source = resolve_model(model)
     mcfg = source.config
     parallel = ParallelConfig(pp, tp, tuple(_plain_number(n) for n in partition) if partition else None)

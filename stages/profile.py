@@ -47,7 +47,7 @@ from pp_runtime.profile_grid import (Grid, Layout, Point, format_summary, format
 from stages.attention import build_metadata
 from stages.layers import TPContext
 from stages.op_timing import OpTimer, instrument
-from stages.weights import DEFAULT_MODEL, resolve_model
+from stages.model_source import DEFAULT_MODEL, resolve_model
 from stages.worker import StageWorker, WorkerSpec
 
 

@@ -22,9 +22,10 @@ from stages import cpu_kernels
 from stages.attention import build_metadata
 from stages.layers import TPContext, pack_linears, set_matmul_precision
 from stages.model import StageModel
+from stages.model_source import ModelSource
 from stages.op_timing import OpTimer, instrument
 from stages.sampler import sample
-from stages.weights import ModelSource, load_weights
+from stages.weights import load_weights
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -164,7 +164,7 @@ def test_a_bad_checkpoint_fails_setup_with_the_workers_own_error(cluster: object
 
     from safetensors.torch import load_file, save_file
 
-    from stages.weights import ModelError
+    from stages.model_source import ModelError
     bad = tmp_path / "trunc"
     shutil.copytree(hf_models["llama"], bad)
     (st,) = bad.glob("*.safetensors")

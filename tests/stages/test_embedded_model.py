@@ -17,7 +17,7 @@ import torch
 from launch.cli import main
 from pp_runtime import LLM, SamplingParams
 from stages import cpu_kernels
-from stages.weights import resolve_model
+from stages.model_source import resolve_model
 
 MAX_NEW = 16
 QUESTION = "What is the capital of France?"

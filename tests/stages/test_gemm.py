@@ -11,7 +11,8 @@ from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
 from stages import cpu_kernels
 from stages.layers import TPContext, embedding_rows, linear, pack_linears, set_matmul_precision
 from stages.model import StageModel
-from stages.weights import load_weights, resolve_model
+from stages.model_source import resolve_model
+from stages.weights import load_weights
 from stages.worker import StageWorker, WorkerSpec
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")

@@ -11,7 +11,7 @@ from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
 from stages import cpu_kernels
 from stages.attention import build_metadata
 from stages.layers import TPContext
-from stages.weights import resolve_model
+from stages.model_source import resolve_model
 from stages.worker import StageWorker, WorkerSpec
 from tests.conftest import ARCHS, mixed_prompts
 

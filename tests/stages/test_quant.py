@@ -17,7 +17,8 @@ from stages import cpu_kernels, quant
 from stages.attention import build_metadata
 from stages.layers import TPContext
 from stages.model import StageModel
-from stages.weights import load_weights, resolve_model
+from stages.model_source import resolve_model
+from stages.weights import load_weights
 from stages.worker import StageWorker, WorkerSpec
 
 gguf = pytest.importorskip("gguf")
@@ -169,7 +170,7 @@ def test_native_load_holds_the_same_weights_in_fewer_bytes(gguf_models: dict, va
 
 def test_a_column_shard_that_cuts_a_block_stays_float(gguf_models: dict) -> None:
     src = resolve_model(str(gguf_models["q4_1"]))
-    from stages.weights import GGUFSource
+    from stages.weight_sources import GGUFSource
     source = GGUFSource(src.path, src.config)
     assert source.read_blocks("model.layers.0.self_attn.o_proj.weight", cols=(0, 16)) is None
     assert source.read_blocks("model.layers.0.self_attn.o_proj.weight", cols=(32, 64))[1].shape == (H, 20)

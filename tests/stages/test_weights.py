@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.weights import ModelError, hf_config
+from stages.model_source import ModelError, hf_config
 
 
 def edited(src: Path, dst: Path, **changes: object) -> Path:
@@ -40,7 +40,7 @@ def test_supported_options_load(hf_models: dict, tmp_path: Path) -> None:
 
 
 def test_a_corrupt_safetensors_file_is_named(hf_models: dict, tmp_path: Path) -> None:
-    from stages.weights import SafetensorsSource
+    from stages.weight_sources import SafetensorsSource
     bad = edited(hf_models["llama"], tmp_path / "m")
     (st,) = bad.glob("*.safetensors")
     st.write_bytes(b"\xff" * 1024)
