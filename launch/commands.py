@@ -20,7 +20,8 @@ from pp_runtime.config import SCHEDULER_POLICIES
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from pp_runtime.jsonl import read_requests, write_results
-    from pp_runtime.llm import LLM, RunInterrupted
+    from pp_runtime.llm import LLM
+    from pp_runtime.run_outputs import RunInterrupted
     # Every check that needs no model runs before the model loads (seconds for real weights).
     if bool(a.input) == bool(a.prompt):
         raise ValueError("give either --input FILE or --prompt TEXT")
@@ -104,7 +105,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         raise ValueError(f"--out {a.out} and --run-dir {a.run_dir}: bench takes one output directory")
     out = a.out or a.run_dir or str(Path("runs") / Path(a.config).stem)
     check_writable("--out", out, is_dir=True)
-    from pp_runtime.llm import RunInterrupted
+    from pp_runtime.run_outputs import RunInterrupted
     try:
         comparison = run_bench(cfg, out, progress=not a.quiet, verbose=not a.quiet)
     except RunInterrupted as e:  # schedulers done so far have their run directories; this one its results

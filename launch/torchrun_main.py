@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         return cli_main(["generate", "--launcher", "torchrun"] + argv)
     args = build_parser().parse_args(["generate", "--launcher", "torchrun", "--quiet"] + argv)
-    from pp_runtime.llm import build_engine_config
+    from pp_runtime.engine_args import build_engine_config
     kwargs = engine_kwargs(args)
     for driver_only in ("launcher", "verbose"):
         kwargs.pop(driver_only)

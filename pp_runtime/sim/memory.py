@@ -6,7 +6,7 @@ Every stage holds the same block pool (one block table addresses all stages, as 
 so the tightest GPU sets the number of KV blocks and B.
 
 B counts requests whose full-length K/V fits at once (the project's ``max_batch_size`` default:
-``pp_runtime.llm.plan_memory``). With PP, those requests are spread over the ``pp`` micro-batches
+``pp_runtime.memory_plan.plan_memory``). With PP, those requests are spread over the ``pp`` micro-batches
 in flight, so the paper's per-micro-batch batch size is ⌊B / pp⌋.
 """
 from __future__ import annotations

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pp_runtime.llm import LLM, StreamOutput
+from pp_runtime.llm import LLM
 from pp_runtime.request import SamplingParams
+from pp_runtime.run_outputs import StreamOutput
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=9, temperature=0.8, top_k=40, seed=7, ignore_eos=True)

@@ -1,0 +1,52 @@
+"""Prompt checks: a bad prompt finishes its request with an error naming what is wrong.
+
+    ids = as_token_list(np.array([1, 2, 3]))      # [1, 2, 3], plain ints
+    validate_prompt(ids, vocab_size=49152)        # None when fine, else the error message
+    per_prompt_params(prompts, params, ids)       # (request id, params, error) for each prompt
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+from pp_runtime.request import SamplingParams
+
+
+def as_token_list(prompt: object) -> object:
+    """A numpy array (or anything with ``tolist``) as a plain list, numpy integers as ints; the
+    rest as given, for validate_prompt to judge."""
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list, tuple)):
+        prompt = prompt.tolist()
+    if isinstance(prompt, (list, tuple)):
+        return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in prompt]
+    return prompt
+
+
+def validate_prompt(ids: object, vocab_size: int) -> str | None:
+    if not isinstance(ids, (list, tuple)):
+        return f"prompt_token_ids must be a list of integers, got {type(ids).__name__}"
+    if not ids:
+        return "empty prompt: prompt_token_ids has no tokens"
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            return f"prompt_token_ids[{i}] = {t!r} is not an integer"
+        if not 0 <= t < vocab_size:
+            return f"prompt_token_ids[{i}] = {t} is outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def per_prompt_params(prompts: Sequence[object], params: SamplingParams | Sequence[SamplingParams] | None,
+                      ids: Sequence[str] | None) -> list[tuple[str, SamplingParams | None, str | None]]:
+    """``generate``'s params and ids, one each per prompt: a count that does not match raises
+    ValueError; a params entry that is not SamplingParams becomes that request's error."""
+    params = params or SamplingParams()
+    plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    for name, given in (("params", plist), ("ids", ids)):
+        if given is not None and len(given) != len(prompts):
+            raise ValueError(f"{name} has {len(given)} entries for {len(prompts)} prompts (one each)")
+    out = []
+    for i in range(len(prompts)):
+        bad = None if isinstance(plist[i], SamplingParams) else \
+            f"params[{i}] is a {type(plist[i]).__name__}, not SamplingParams"
+        out.append((ids[i] if ids else str(i), None if bad else plist[i], bad))
+    return out

@@ -1,0 +1,59 @@
+"""What an ``LLM`` run hands back besides its ``RequestOutput`` list.
+
+    for out in llm.generate_stream(prompts):   # StreamOutput items, partial then final
+        ...
+    try:
+        llm.run(reqs)
+    except RunInterrupted as e:                # e.outputs: every request, the rest "cancelled"
+        ...
+    llm.last_run                               # RunRecord: requests, engine, clock span
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pp_runtime.engine import Engine
+from pp_runtime.request import Request, RequestOutput
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """``LLM.run`` stopped by a KeyboardInterrupt. ``outputs``: every request of the run, in order,
+    the finished ones with their tokens and the rest ``cancelled`` (with the tokens they had);
+    ``scheduler`` and ``workers`` say what ran. The LLM's workers are already shut down: an
+    interrupt can land between the stages' copies of one plan, so the pipeline is not reusable."""
+
+    def __init__(self, outputs: list[RequestOutput], scheduler: str, workers: list[dict]) -> None:
+        cancelled = sum(o.finish_reason == "cancelled" for o in outputs)
+        super().__init__(f"{cancelled} of {len(outputs)} requests cancelled")
+        self.outputs, self.scheduler, self.workers = outputs, scheduler, workers
+
+
+@dataclass
+class StreamOutput(RequestOutput):
+    """One item of ``LLM.generate_stream``: a request's tokens so far. ``finished`` False: a partial
+    output (finish_reason None, more tokens to come); True: the request's last item, equal to what
+    ``generate`` returns for it."""
+
+    finish_reason: str | None = None
+    finished: bool = False
+
+    @classmethod
+    def partial(cls, req: Request) -> "StreamOutput":
+        return cls(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), None)
+
+    @classmethod
+    def final(cls, req: Request) -> "StreamOutput":
+        return cls(**vars(RequestOutput.from_request(req)), finished=True)
+
+
+@dataclass
+class RunRecord:
+    """One ``LLM.run``: its requests, its engine (plans issued, driver stats) and its clock span
+    (wall clock for worker timings, perf_counter for request times)."""
+
+    requests: list[Request]
+    engine: Engine
+    start_wall: float
+    end_wall: float
+    start: float
+    end: float
