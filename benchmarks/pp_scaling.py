@@ -201,7 +201,10 @@ def main() -> None:
     ap.add_argument("--matmul-precision", default="highest", choices=MATMUL_PRECISIONS,
                     help="medium: products of > 12 rows (prefill chunks, decode batches of 13+) on bf16 inputs "
                          "(AVX512-BF16)")
-    ap.add_argument("--max-batch-size", type=int, default=24)
+    ap.add_argument("--max-batch-size", type=int, default=32,
+                    help="sequences per micro-batch (the engine's default); pp=2 runs up to twice as many requests. "
+                         "At P:D = 10 a 256-token chunk per micro-batch needs ~25 decodes beside it, ~51 running "
+                         "requests at pp=2: 24 would cap it and bring decode-only micro-batches back mid-run")
     ap.add_argument("--schedulers", default="sarathi,orca")
     ap.add_argument("--chunk-budgets", default="flops",
                     help="sarathi's chunk budgets to run, comma separated (flops,tokens: both, paired; the "
@@ -225,10 +228,9 @@ def main() -> None:
         ap.error(f"--chunk-budgets: {', '.join(bad)} not among {', '.join(CHUNK_BUDGETS)}")
     runs = variants(policies, budgets)
     r: dict = {"workload": {"num_requests": a.num_requests, "min_len": a.min_len, "max_len": a.max_len,
-                            "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "kv_cache_dtype": a.kv_cache_dtype,
-               "matmul_precision": a.matmul_precision, "pp2_chunk": a.pp2_chunk or a.chunk,
-               "chunk_budgets": budgets, "throughput_tok_s": {},
-               "efficiency": {}}
+                            "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "max_batch_size": a.max_batch_size,
+               "kv_cache_dtype": a.kv_cache_dtype, "matmul_precision": a.matmul_precision,
+               "pp2_chunk": a.pp2_chunk or a.chunk, "chunk_budgets": budgets, "throughput_tok_s": {}, "efficiency": {}}
     with contextlib.ExitStack() as stack:
         llms = {pp: stack.enter_context(LLM(pp=pp, launcher="local" if pp == 1 else "ray", **common)) for pp in (1, 2)}
         items = generate_workload(wl, llms[1].source.config.vocab_size)
