@@ -1,8 +1,9 @@
 """Does pipeline parallelism pay on this box? pp=2 against pp=1 on a P:D = 10 Zipf workload
 (issue 8: targets 4 pipeline efficiency, 5 control plane, 6 memory).
 
-    .venv/bin/python benchmarks/pp_scaling.py                      # embedded model, 24 requests, ~12 min
-    .venv/bin/python benchmarks/pp_scaling.py --num-requests 48    # configs/runs/pp2_zipf.yaml's size, ~20 min
+    .venv/bin/python benchmarks/pp_scaling.py                      # embedded model, 24 requests, ~5 min
+    .venv/bin/python benchmarks/pp_scaling.py --num-requests 96    # the drain amortised, ~13 min
+    .venv/bin/python benchmarks/pp_scaling.py --num-requests 48    # configs/runs/pp2_zipf.yaml's size
     .venv/bin/python benchmarks/pp_scaling.py --smoke              # llama-tiny, seconds (CI)
 
 For sarathi and orca: the same requests (total lengths Zipf θ = 0.4 in --min-len..--max-len,
