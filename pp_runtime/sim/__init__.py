@@ -15,11 +15,12 @@ Pieces, usable on their own:
   executor       SimExecutor: the Executor interface of pp_runtime.engine.Engine on a virtual clock
   simulator      simulate(): R replicas × real Engine/Scheduler/BlockManager + SimExecutor, event-ordered
   rundir         write_sim_run_dir: the bench run-directory format
-  config         load_sim_config: configs/sim/*.yaml
+  scenario       Scenario (one deployment to simulate), SimConfig (its model, hardware, workload, scenarios)
+  config         load_sim_config: configs/sim/*.yaml → SimConfig
   run            run_simulation / run_scenario: scenarios → run dirs, comparison.json, <name>.md
 """
 from pp_runtime.sim.batch_shape import OPS, BatchShape
-from pp_runtime.sim.config import Scenario, SimConfig, load_sim_config, parse_sim_config
+from pp_runtime.sim.config import load_sim_config, parse_sim_config
 from pp_runtime.sim.executor import PlanInfo, SimExecutor, VirtualClock
 from pp_runtime.sim.memory import SimMemoryPlan, plan_memory
 from pp_runtime.sim.presets import (Hardware, SimModel, hardware_names, hardware_preset, model_names, model_preset,
@@ -29,6 +30,7 @@ from pp_runtime.sim.profile_fit import ProfileFit, fit_profile, read_profile
 from pp_runtime.sim.roofline_cost import RooflineCostModel
 from pp_runtime.sim.rundir import write_sim_run_dir
 from pp_runtime.sim.run import plan_deployment, run_scenario, run_simulation, workload_items
+from pp_runtime.sim.scenario import Scenario, SimConfig
 from pp_runtime.sim.simulator import DummyTokens, SimReplica, SimResult, simulate
 from pp_runtime.sim.stage_cost import ConstantCost, PipelineCost
 

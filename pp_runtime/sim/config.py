@@ -41,32 +41,19 @@ max_batch_size × pp, which a scenario mimicking a real run sets here).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from pp_runtime.config import DTYPE_BYTES, SCHEDULER_POLICIES
+from pp_runtime.config import DTYPE_BYTES
 from pp_runtime.run_config import read_yaml_mapping
-from pp_runtime.sim.presets import Hardware, SimModel, resolve_hardware, resolve_model
-from pp_runtime.sim.simulator import ROUTERS
+from pp_runtime.sim.presets import resolve_hardware, resolve_model
+from pp_runtime.sim.scenario import Scenario, SimConfig, checked_int, checked_number
 from pp_runtime.workload_config import WorkloadConfig
 
 TOP_KEYS = ("name", "description", "model", "hardware", "dtype", "cluster", "memory", "max_model_len",
             "cost_model", "seed", "workload", "scenarios", "base", "claims", "output", "notes")
-BATCH_AUTO = ("auto", "auto_per_microbatch")
 CLAIM_KEYS = ("name", "metric", "numerator", "denominator", "paper")
-
-
-def _int(where: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{where} must be an integer ≥ {minimum}, got {value!r}")
-    return value
-
-
-def _num(where: str, value: object, minimum: float = 0.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= minimum:
-        raise ValueError(f"{where} must be a number ≥ {minimum}, got {value!r}")
-    return float(value)
 
 
 def _keys(where: str, data: Mapping, known: tuple[str, ...] | set[str]) -> None:
@@ -75,103 +62,6 @@ def _keys(where: str, data: Mapping, known: tuple[str, ...] | set[str]) -> None:
     for key in data:
         if key not in known:
             raise ValueError(f"unknown key {where}.{key} (known: {', '.join(sorted(known))})")
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    scheduler: str
-    tp: int = 1
-    pp: int = 1
-    replicas: int = 1
-    router: str = "round_robin"
-    chunk_size: int = 256
-    max_batch_size: int | str = "auto"
-    tile_align: bool = False
-    partition: tuple[int, ...] | None = None
-    dispatch_us: float = 0.0
-    return_us: float = 0.0
-    prep_us: float | tuple[float, ...] = 0.0
-    max_running: int | None = None  # sequences that may run at once; None: max(max_batch_size, B)
-
-    def __post_init__(self) -> None:
-        where = f"scenario {self.name!r}"
-        if not isinstance(self.name, str) or not self.name or "/" in self.name or self.name.startswith("."):
-            raise ValueError(f"scenario name must be a non-empty string usable as a directory name, got {self.name!r}")
-        if self.scheduler not in SCHEDULER_POLICIES:
-            raise ValueError(f"{where}: scheduler must be one of {', '.join(SCHEDULER_POLICIES)}, got {self.scheduler!r}")
-        for k in ("tp", "pp", "replicas", "chunk_size"):
-            _int(f"{where}: {k}", getattr(self, k))
-        if self.router not in ROUTERS:
-            raise ValueError(f"{where}: router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
-        if isinstance(self.max_batch_size, str):
-            if self.max_batch_size not in BATCH_AUTO:
-                raise ValueError(f"{where}: max_batch_size must be an integer or one of {', '.join(BATCH_AUTO)}, "
-                                 f"got {self.max_batch_size!r}")
-        else:
-            _int(f"{where}: max_batch_size", self.max_batch_size)
-        if not isinstance(self.tile_align, bool):
-            raise ValueError(f"{where}: tile_align must be true or false, got {self.tile_align!r}")
-        if self.partition is not None:
-            if not isinstance(self.partition, (list, tuple)) or len(self.partition) != self.pp:
-                raise ValueError(f"{where}: partition must list {self.pp} layer counts, got {self.partition!r}")
-            object.__setattr__(self, "partition", tuple(_int(f"{where}: partition", n) for n in self.partition))
-        _num(f"{where}: dispatch_us", self.dispatch_us)
-        _num(f"{where}: return_us", self.return_us)
-        if isinstance(self.prep_us, (list, tuple)):
-            if len(self.prep_us) != self.pp:
-                raise ValueError(f"{where}: prep_us must be one number or {self.pp} (one per stage), "
-                                 f"got {list(self.prep_us)}")
-            object.__setattr__(self, "prep_us", tuple(_num(f"{where}: prep_us", x) for x in self.prep_us))
-        else:
-            _num(f"{where}: prep_us", self.prep_us)
-        if self.max_running is not None:
-            _int(f"{where}: max_running", self.max_running)
-
-    @property
-    def gpus(self) -> int:
-        return self.replicas * self.pp * self.tp
-
-    def to_json(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["partition"] = list(self.partition) if self.partition else None
-        d["prep_us"] = list(self.prep_us) if isinstance(self.prep_us, tuple) else self.prep_us
-        return d
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    name: str
-    model: SimModel
-    hardware: Hardware
-    workload: WorkloadConfig
-    scenarios: tuple[Scenario, ...]
-    cost_model: dict = field(default_factory=lambda: {"kind": "roofline"})
-    dtype: str = "bfloat16"
-    nodes: int | None = None
-    gpus_per_node: int = 8
-    memory_utilization: float = 0.9
-    memory_reserve_gb: float = 0.0
-    block_size: int = 16
-    max_model_len: int = 2048
-    seed: int = 0
-    base: str | None = None
-    claims: tuple[dict, ...] = ()
-    timings_tp_ranks: str = "all"
-    trace_max_microbatches: int | None = None
-    description: str = ""
-    notes: tuple[str, ...] = ()
-    path: str = ""
-
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    def scenario(self, name: str) -> Scenario:
-        for s in self.scenarios:
-            if s.name == name:
-                return s
-        raise KeyError(name)
 
 
 def _cost_model(spec: object, where: Path) -> dict:
@@ -196,7 +86,7 @@ def _cost_model(spec: object, where: Path) -> dict:
     found = _csv_files("cost_model.csv", paths, where)
     out = {"kind": "profile", "csv": found[0] if len(found) == 1 else found, "jitter": jitter}
     if spec.get("profiled_layers") is not None:
-        out["profiled_layers"] = _int("cost_model.profiled_layers", spec["profiled_layers"])
+        out["profiled_layers"] = checked_int("cost_model.profiled_layers", spec["profiled_layers"])
     return out
 
 
@@ -258,7 +148,7 @@ def _claims(data: object, names: set[str]) -> tuple[dict, ...]:
             if c[k] not in names:
                 raise ValueError(f"claims[{i}].{k} names no scenario: {c[k]!r} (scenarios: {', '.join(sorted(names))})")
         if c.get("paper") is not None:
-            _num(f"claims[{i}].paper", c["paper"])
+            checked_number(f"claims[{i}].paper", c["paper"])
         out.append(dict(c))
     return tuple(out)
 
@@ -275,14 +165,14 @@ def parse_sim_config(data: Mapping[str, Any], path: str | Path = "<config>") -> 
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     cluster = data.get("cluster") or {}
     _keys("cluster", cluster, ("nodes", "gpus_per_node"))
-    gpn = _int("cluster.gpus_per_node", cluster.get("gpus_per_node", hw.gpus_per_node))
-    nodes = None if cluster.get("nodes") is None else _int("cluster.nodes", cluster["nodes"])
+    gpn = checked_int("cluster.gpus_per_node", cluster.get("gpus_per_node", hw.gpus_per_node))
+    nodes = None if cluster.get("nodes") is None else checked_int("cluster.nodes", cluster["nodes"])
     mem = data.get("memory") or {}
     _keys("memory", mem, ("utilization", "reserve_gb", "block_size"))
-    util = _num("memory.utilization", mem.get("utilization", 0.9))
+    util = checked_number("memory.utilization", mem.get("utilization", 0.9))
     if not 0 < util <= 1:
         raise ValueError(f"memory.utilization must be in (0, 1], got {util}")
-    max_len = _int("max_model_len", data.get("max_model_len", model.max_position_embeddings))
+    max_len = checked_int("max_model_len", data.get("max_model_len", model.max_position_embeddings))
     if max_len > model.max_position_embeddings:
         raise ValueError(f"max_model_len={max_len} exceeds model {model.name}'s max_position_embeddings="
                          f"{model.max_position_embeddings}")
@@ -325,7 +215,7 @@ def parse_sim_config(data: Mapping[str, Any], path: str | Path = "<config>") -> 
         raise ValueError(f"output.timings_tp_ranks must be all or first, got {ranks!r}")
     trace_max = out.get("trace_max_microbatches")
     if trace_max is not None:
-        _int("output.trace_max_microbatches", trace_max)
+        checked_int("output.trace_max_microbatches", trace_max)
     notes = data.get("notes") or ()
     if isinstance(notes, str) or not all(isinstance(n, str) for n in notes):
         raise ValueError("notes must be a list of strings")
@@ -335,9 +225,10 @@ def parse_sim_config(data: Mapping[str, Any], path: str | Path = "<config>") -> 
     return SimConfig(name=name, model=model, hardware=hw, workload=workload, scenarios=tuple(scenarios),
                      cost_model=_cost_model(data.get("cost_model", "roofline"), path), dtype=dtype, nodes=nodes,
                      gpus_per_node=gpn, memory_utilization=util,
-                     memory_reserve_gb=_num("memory.reserve_gb", mem.get("reserve_gb", 0.0)),
-                     block_size=_int("memory.block_size", mem.get("block_size", 16)), max_model_len=max_len,
-                     seed=_int("seed", data.get("seed", 0), 0), base=base, claims=_claims(data.get("claims"), set(names)),
+                     memory_reserve_gb=checked_number("memory.reserve_gb", mem.get("reserve_gb", 0.0)),
+                     block_size=checked_int("memory.block_size", mem.get("block_size", 16)), max_model_len=max_len,
+                     seed=checked_int("seed", data.get("seed", 0), 0), base=base,
+                     claims=_claims(data.get("claims"), set(names)),
                      timings_tp_ranks=ranks, trace_max_microbatches=trace_max,
                      description=str(data.get("description", "")), notes=tuple(notes), path=str(path))
 
@@ -350,3 +241,4 @@ def load_sim_config(path: str | Path) -> SimConfig:
         return parse_sim_config(data, path)
     except ValueError as exc:
         raise ValueError(f"sim config {path}: {exc}") from None
+

@@ -24,11 +24,12 @@ from pp_runtime.bench import compare
 from pp_runtime.config import SchedulerConfig
 from pp_runtime.request import Request, SamplingParams
 from pp_runtime.sim.batch_shape import BatchShape
-from pp_runtime.sim.config import Scenario, SimConfig, load_sim_config
+from pp_runtime.sim.config import load_sim_config
 from pp_runtime.sim.memory import SimMemoryPlan, plan_memory, stage_layers, weight_bytes_per_gpu
 from pp_runtime.sim.profile_cost import ProfileCostModel, StageProfiles
 from pp_runtime.sim.roofline_cost import RooflineCostModel
 from pp_runtime.sim.rundir import write_sim_run_dir
+from pp_runtime.sim.scenario import Scenario, SimConfig
 from pp_runtime.sim.simulator import DummyTokens, simulate
 from pp_runtime.sim.stage_cost import PipelineCost
 from pp_runtime.workload import MIN_TOKEN_ID, _arrivals, _rngs, _sample_totals, generate_workload, split_pd
