@@ -20,7 +20,7 @@ has profile.csv's columns, so `cost_model.stages` in a simulation config takes t
 profile.json adds the per-micro-batch costs around the steps (``overheads_us``: each stage's
 ``prep``, the tokens' ``return``), a simulation scenario's prep_us and return_us, and how noisy
 the steps are (``jitter``: per-stage σ, its step-to-step part, the part adjacent stages share,
-the independent σ a simulation's cost_model.jitter takes; profile_grid.stage_jitter). Only TP rank 0
+the independent σ a simulation's cost_model.jitter takes; profile_stats.stage_jitter). Only TP rank 0
 of each stage is reported (its ranks run in lockstep). The driver only plans and reads
 timings: no tensor here.
 """
@@ -34,9 +34,9 @@ import time
 from collections import deque
 
 from pp_runtime.batch import MicroBatch
-from pp_runtime.profile_grid import (Grid, Layout, Point, format_table, grid_points, parse_grid, plan_chunks,
-                                     rows_from_samples, stage_jitter, table2, timed_sample, write_csv,
-                                     write_json)
+from pp_runtime.profile_grid import Grid, Layout, Point, grid_points, parse_grid, plan_chunks
+from pp_runtime.profile_stats import rows_from_samples, stage_jitter, timed_sample
+from pp_runtime.profile_tables import format_table, table2, write_csv, write_json
 
 
 def check_fits(llm: object, grid: Grid) -> Layout:

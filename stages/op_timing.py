@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from pp_runtime.profile_grid import OPS
+from pp_runtime.profile_stats import OPS
 
 _LINEARS = {"preproj": "self_attn.qkv_proj", "postproj": "self_attn.o_proj",
             "ffn_ln1": "mlp.gate_up_proj", "ffn_ln2": "mlp.down_proj"}

@@ -42,8 +42,9 @@ from typing import Callable
 import torch
 
 from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig, check_kv_dtype
-from pp_runtime.profile_grid import (Grid, Layout, Point, format_summary, format_table, grid_points, parse_grid,
-                                     plan_chunks, rows_from_samples, table2, timed_sample, write_csv, write_json)
+from pp_runtime.profile_grid import Grid, Layout, Point, grid_points, parse_grid, plan_chunks
+from pp_runtime.profile_stats import rows_from_samples, timed_sample
+from pp_runtime.profile_tables import format_summary, format_table, table2, write_csv, write_json
 from stages.attention import build_metadata
 from stages.layers import TPContext
 from stages.op_timing import OpTimer, instrument

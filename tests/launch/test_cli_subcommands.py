@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from launch.cli import main
-from pp_runtime.profile_grid import CSV_COLUMNS
+from pp_runtime.profile_tables import CSV_COLUMNS
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,9 @@ import pytest
 
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.profile_deploy import profile_deployment
-from pp_runtime.profile_grid import CSV_COLUMNS, OPS, Point, grid_points, parse_grid, stage_jitter
+from pp_runtime.profile_grid import Point, grid_points, parse_grid
+from pp_runtime.profile_stats import OPS, stage_jitter
+from pp_runtime.profile_tables import CSV_COLUMNS
 from pp_runtime.sim import StageProfiles
 
 GRID = "quick;reps=2"

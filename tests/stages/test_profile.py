@@ -11,8 +11,9 @@ import torch
 
 from pp_runtime.batch import SeqChunk
 from stages.attention import build_metadata
-from pp_runtime.profile_grid import (BUCKETS, CSV_COLUMNS, GRIDS, OPS, Grid, format_table, grid_points, log_sd,
-                                     parse_grid)
+from pp_runtime.profile_grid import GRIDS, Grid, grid_points, parse_grid
+from pp_runtime.profile_stats import BUCKETS, OPS, log_sd
+from pp_runtime.profile_tables import CSV_COLUMNS, format_table
 from stages.profile import build_worker, measure, run_profile
 
 QUICK = "quick;reps=9"  # a few more reps than the quick grid's 3: steadier medians, still < 1 s
@@ -167,7 +168,7 @@ def test_grid_longer_than_model_rejected(tmp_path) -> None:
 
 def test_summary_flags_a_negative_piggybacked_cost() -> None:
     """Under outside load a mixed batch can time below its chunk alone: no ratio is printed from it."""
-    from pp_runtime.profile_grid import format_summary
+    from pp_runtime.profile_tables import format_summary
     t2 = {"decode_alone_ms_per_token": 30.0, "decode_piggybacked_ms_per_token": -39.7, "ratio": None, "decodes": 4,
           "decode_context_len": 256, "mixed_prefill_tokens": 256, "prefill_ms_per_token_at_256": 3.6,
           "prefill_tokens_for_per_token": 256}
