@@ -17,10 +17,13 @@ Pieces, usable on their own:
   rundir         write_sim_run_dir: the bench run-directory format
   scenario       Scenario (one deployment to simulate), SimConfig (its model, hardware, workload, scenarios)
   config         load_sim_config: configs/sim/*.yaml → SimConfig
+  deployment     plan_deployment: a scenario's memory plan, SchedulerConfig, costs and GPU placement
+  comparison     comparison / format_report: finished scenarios → comparison.json, <name>.md
   run            run_simulation / run_scenario: scenarios → run dirs, comparison.json, <name>.md
 """
 from pp_runtime.sim.batch_shape import OPS, BatchShape
 from pp_runtime.sim.config import load_sim_config, parse_sim_config
+from pp_runtime.sim.deployment import plan_deployment
 from pp_runtime.sim.executor import PlanInfo, SimExecutor, VirtualClock
 from pp_runtime.sim.memory import SimMemoryPlan, plan_memory
 from pp_runtime.sim.presets import (Hardware, SimModel, hardware_names, hardware_preset, model_names, model_preset,
@@ -29,7 +32,7 @@ from pp_runtime.sim.profile_cost import ProfileCostModel, StageProfiles
 from pp_runtime.sim.profile_fit import ProfileFit, fit_profile, read_profile
 from pp_runtime.sim.roofline_cost import RooflineCostModel
 from pp_runtime.sim.rundir import write_sim_run_dir
-from pp_runtime.sim.run import plan_deployment, run_scenario, run_simulation, workload_items
+from pp_runtime.sim.run import run_scenario, run_simulation, workload_items
 from pp_runtime.sim.scenario import Scenario, SimConfig
 from pp_runtime.sim.simulator import DummyTokens, SimReplica, SimResult, simulate
 from pp_runtime.sim.stage_cost import ConstantCost, PipelineCost

@@ -356,7 +356,7 @@ def test_per_stage_profiles_of_a_deployment(tmp_path: Path) -> None:
 
 
 def test_scenario_max_running_caps_running_sequences(tmp_path: Path) -> None:
-    from pp_runtime.sim.run import plan_deployment
+    from pp_runtime.sim.deployment import plan_deployment
     cfg = load_sim_config(REPO / "configs/sim/smoke.yaml")
     sc = dataclasses.replace(cfg.scenarios[0], max_batch_size=8, max_running=16)
     assert plan_deployment(cfg, sc).sched_cfg.max_running == 16
@@ -497,7 +497,7 @@ def test_config_errors_name_the_problem(tmp_path: Path) -> None:
 
 def test_shipped_configs(tmp_path: Path) -> None:
     """Every configs/sim/*.yaml scenario file loads and plans its deployments; smoke.yaml runs."""
-    from pp_runtime.sim.run import plan_deployment
+    from pp_runtime.sim.deployment import plan_deployment
     presets = {"hardware.yaml", "models.yaml"}
     paths = [p for p in sorted((REPO / "configs/sim").glob("*.yaml")) if p.name not in presets]
     assert {p.name for p in paths} >= {"fig12.yaml", "smoke.yaml"}
