@@ -107,6 +107,21 @@ def read_yaml_mapping(path: Path, what: str) -> dict:
     return data
 
 
+def workload_section(data: Mapping[str, Any], path: Path) -> object:
+    """A config file's ``workload`` mapping as WorkloadConfig.from_dict takes it: the file's top-level
+    seed unless the workload sets its own, and a relative trace_path found beside the file read from
+    there (not from the working directory). Anything but a mapping is returned as is, for
+    from_dict to name what is wrong with it. Shared by run configs and simulator configs."""
+    wl = data["workload"]
+    if isinstance(wl, Mapping):
+        wl = dict(wl)
+        wl.setdefault("seed", data.get("seed", 0))
+        trace = wl.get("trace_path")
+        if isinstance(trace, str) and not Path(trace).is_absolute() and (path.parent / trace).is_file():
+            wl["trace_path"] = str(path.parent / trace)
+    return wl
+
+
 def load_run_config(path: str | Path) -> RunConfig:
     """Read a run YAML (configs/runs/*.yaml). Every key is optional except ``workload``; an
     unknown key raises ValueError naming it. A relative workload.trace_path is taken relative to
@@ -119,13 +134,7 @@ def load_run_config(path: str | Path) -> RunConfig:
             raise ValueError(f"run config {path}: unknown key {key!r} (known: {', '.join(RUN_KEYS)})")
     if "workload" not in data:
         raise ValueError(f"run config {path}: workload is required")
-    wl = data["workload"]
-    if isinstance(wl, dict):
-        wl = dict(wl)
-        wl.setdefault("seed", data.get("seed", 0))
-        trace = wl.get("trace_path")
-        if isinstance(trace, str) and not Path(trace).is_absolute() and (path.parent / trace).is_file():
-            wl["trace_path"] = str(path.parent / trace)
+    wl = workload_section(data, path)
     try:
         engine = {k: data[k] for k in ENGINE_KEYS if k in data}
         return RunConfig(engine=engine, workload=WorkloadConfig.from_dict(wl),

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pp_runtime.config import DTYPE_BYTES
-from pp_runtime.run_config import read_yaml_mapping
+from pp_runtime.run_config import read_yaml_mapping, workload_section
 from pp_runtime.sim.presets import resolve_hardware, resolve_model
 from pp_runtime.sim.scenario import Scenario, SimConfig, checked_int, checked_number
 from pp_runtime.workload_config import WorkloadConfig
@@ -176,14 +176,7 @@ def parse_sim_config(data: Mapping[str, Any], path: str | Path = "<config>") -> 
     if max_len > model.max_position_embeddings:
         raise ValueError(f"max_model_len={max_len} exceeds model {model.name}'s max_position_embeddings="
                          f"{model.max_position_embeddings}")
-    wl = data["workload"]
-    if isinstance(wl, Mapping):
-        wl = dict(wl)
-        wl.setdefault("seed", data.get("seed", 0))
-        trace = wl.get("trace_path")
-        if isinstance(trace, str) and not Path(trace).is_absolute() and (path.parent / trace).is_file():
-            wl["trace_path"] = str(path.parent / trace)
-    workload = WorkloadConfig.from_dict(wl)
+    workload = WorkloadConfig.from_dict(workload_section(data, path))
     if workload.max_total_len is not None and workload.max_total_len > max_len:
         raise ValueError(f"workload: requests up to {workload.max_total_len} tokens exceed max_model_len={max_len}")
     raw = data["scenarios"]

@@ -364,6 +364,19 @@ def test_scenario_max_running_caps_running_sequences(tmp_path: Path) -> None:
         dataclasses.replace(sc, max_running=0)
 
 
+def test_sim_config_workload_takes_file_seed_and_trace_beside_it(tmp_path: Path) -> None:
+    """The workload section is read as a run config's is: the top-level seed, a trace path relative to the file."""
+    from pp_runtime.workload import WorkItem, save_trace
+    data = yaml.safe_load((REPO / "configs/sim/smoke.yaml").read_text())
+    data["seed"] = 7
+    (tmp_path / "seeded.yaml").write_text(yaml.safe_dump(data))
+    assert load_sim_config(tmp_path / "seeded.yaml").workload.seed == 7
+    save_trace([WorkItem("a", [5, 6], 2)], tmp_path / "t.jsonl")
+    data["workload"] = {"kind": "trace", "trace_path": "t.jsonl"}
+    (tmp_path / "traced.yaml").write_text(yaml.safe_dump(data))
+    assert load_sim_config(tmp_path / "traced.yaml").workload.trace_path == str(tmp_path / "t.jsonl")
+
+
 # ---- workload, config, run directories ----------------------------------------------------------
 @pytest.mark.parametrize("wl", [
     dict(kind="zipf", num_requests=40, min_len=64, max_len=512, theta=0.4, pd_ratio=10, seed=3),
