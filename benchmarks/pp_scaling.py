@@ -1,8 +1,8 @@
 """Does pipeline parallelism pay on this box? pp=2 against pp=1 on a P:D = 10 Zipf workload
 (issue 8: targets 4 pipeline efficiency, 5 control plane, 6 memory).
 
-    .venv/bin/python benchmarks/pp_scaling.py                      # embedded model, 24 requests, ~5 min
-    .venv/bin/python benchmarks/pp_scaling.py --num-requests 96    # the drain amortised, ~13 min
+    .venv/bin/python benchmarks/pp_scaling.py                      # embedded model, 24 requests, ~6 min
+    .venv/bin/python benchmarks/pp_scaling.py --num-requests 96    # the drain amortised, ~16 min
     .venv/bin/python benchmarks/pp_scaling.py --num-requests 48    # configs/runs/pp2_zipf.yaml's size
     .venv/bin/python benchmarks/pp_scaling.py --smoke              # llama-tiny, seconds (CI)
 
@@ -19,7 +19,8 @@ prompt and decode tokens what it is at pp=1 (SARATHI sizes the chunk from the P:
 decodes per micro-batch). Both deployments stay up and their runs alternate (pp=1, pp=2, then
 pp=2, pp=1, ...) for --rounds rounds: this box drifts by 10-30% between runs minutes apart, so
 each round's pp=2 run is paired with that round's pp=1 run, and the efficiency printed is the
-median of the rounds' paired ratios (benchmarks/pairing.py).
+median of the rounds' paired ratios (benchmarks/pairing.py). Every round is warm: each deployment
+first runs the workload once unmeasured.
 
 The run ends in a drain: once the last prompt is in, the remaining requests (the longest has
 ~90 tokens to generate) decode one token per pass through the pipeline whatever pp is, in
@@ -231,14 +232,18 @@ def main() -> None:
     r: dict = {"workload": {"num_requests": a.num_requests, "min_len": a.min_len, "max_len": a.max_len,
                             "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "max_batch_size": a.max_batch_size,
                "kv_cache_dtype": a.kv_cache_dtype, "matmul_precision": a.matmul_precision,
-               "pp2_chunk": a.pp2_chunk or a.chunk, "chunk_budgets": budgets, "throughput_tok_s": {}, "efficiency": {}}
+               "pp2_chunk": a.pp2_chunk or a.chunk, "chunk_budgets": budgets, "warmup": "one unmeasured run per pp", "throughput_tok_s": {}, "efficiency": {}}
     with contextlib.ExitStack() as stack:
         llms = {pp: stack.enter_context(LLM(pp=pp, launcher="local" if pp == 1 else "ray", **common)) for pp in (1, 2)}
         items = generate_workload(wl, llms[1].source.config.vocab_size)
         tokens = sum(len(it.prompt_token_ids) + it.max_tokens for it in items)
-        for llm in llms.values():
-            llm.generate([items[0].prompt_token_ids[:8]], SamplingParams(max_tokens=2))  # warm-up
-        paired_runs(llms, items, tokens, runs, a.rounds, {1: a.chunk, 2: a.pp2_chunk or a.chunk}, r)
+        chunks = {1: a.chunk, 2: a.pp2_chunk or a.chunk}
+        for pp, llm in llms.items():
+            # A whole unmeasured run each: a process's first run is 2-8% slower (the OS faults in and
+            # zeroes the KV cache's pages as blocks are first written), which would flatter whichever
+            # side pays it more in round 0.
+            run_once(llm, items, runs[0][1], chunks[pp], runs[0][2])
+        paired_runs(llms, items, tokens, runs, a.rounds, chunks, r)
         r["memory_pp2"] = memory(llms[2])
     print("pipeline efficiency tput(pp=2) / (2 × tput(pp=1)), median of paired rounds, target >= 0.9 for sarathi: "
           + ", ".join(f"{p} {e:.3f} (rounds: {', '.join(f'{x:.3f}' for x in r['rounds'][p]['efficiency'])})"
