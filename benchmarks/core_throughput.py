@@ -36,7 +36,8 @@ def ours(model: str | None, prompts: list[list[int]], max_tokens: int, **engine:
     """Wall seconds for our engine on ``prompts`` (all submitted at once), after a warm-up."""
     from pp_runtime import LLM, SamplingParams
     # the embedded model: 2048 of its 8192 positions (the memory plan's B); another model: its own limit
-    with LLM(model=model, memory_budget_gb=2.0, max_model_len=2048 if model is None else None, **engine) as llm:
+    with LLM(model=model, memory_budget_gb=2.0, max_model_len=2048 if model is None else None, prefault_kv=True,
+             **engine) as llm:
         llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
         t = time.perf_counter()
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))

@@ -225,11 +225,17 @@ class CacheConfig:
     kv_dtype: "auto" stores K/V in the model's dtype; "float16" halves them for an fp32 model on
     CPU — twice the tokens in the same budget, and half the bytes that decode attention (bound by
     reading K/V) streams. Values are rounded once when written; attention still computes in fp32.
+
+    prefault: on CPU the cache is allocated as zero pages that the OS faults in (and zeroes) when
+    a block is first written, so a process's first run pays for that: 2-8% of its throughput on
+    the project's box. True writes every page at allocation (about a second per GiB) so that runs
+    measured from the first one (``pp-runtime bench``'s schedulers) are all warm.
     """
 
     block_size: int = 16
     memory_budget_bytes: int | None = 4 << 30
     kv_dtype: str = "auto"
+    prefault: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "block_size")
@@ -237,6 +243,8 @@ class CacheConfig:
             _positive(self, "memory_budget_bytes")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"CacheConfig.kv_dtype must be {' or '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if not isinstance(self.prefault, bool):
+            raise ValueError(f"CacheConfig.prefault must be true or false, got {self.prefault!r}")
 
 
 GGUF_WEIGHTS = ("native", "dequantize")

@@ -49,6 +49,17 @@ def tune_cpu_allocator() -> bool:
         return False
 
 
+def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, prefault: bool) -> torch.Tensor:
+    """A zero-filled KV cache tensor. On CPU the zeros are the OS's zero pages (numpy's calloc;
+    numpy also asks for huge pages), so GiBs cost nothing until written; ``prefault`` writes them
+    now, so the first run does not pay for faulting them in (CacheConfig.prefault)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    same_width = {4: np.int32, 2: np.int16}[dtype.itemsize]  # all-zero bits are 0.0
+    t = torch.from_numpy(np.zeros(shape, dtype=same_width)).view(dtype)
+    return t.zero_() if prefault else t
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     source: ModelSource
@@ -129,18 +140,14 @@ class StageWorker:
         """One (K, V) pair of (num_blocks, block_size, H_kv/tp, D) per layer with attention; returns bytes.
 
         Zero-filled, because attention reads whole blocks and masks the unused tail: a masked
-        key must still be finite (NaN × 0 weight is NaN). On CPU the zeros come from the OS's
-        zero pages (numpy's calloc), so GiBs cost nothing until they are written."""
+        key must still be finite (NaN × 0 weight is NaN). See cache_zeros for CPU pages."""
         cfg = self.spec.source.config
         shape = (num_blocks, self.block_size, cfg.num_kv_heads // self.tp.size, cfg.head_size)
-        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(self.model.num_attention_layers)]
+        prefault = self.spec.cache.prefault
+        self.kv_caches = [(cache_zeros(shape, self.kv_dtype, self.device, prefault),
+                           cache_zeros(shape, self.kv_dtype, self.device, prefault))
+                          for _ in range(self.model.num_attention_layers)]
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
-
-    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        same_width = {4: np.int32, 2: np.int16}[self.kv_dtype.itemsize]  # all-zero bits are 0.0
-        return torch.from_numpy(np.zeros(shape, dtype=same_width)).view(self.kv_dtype)
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
