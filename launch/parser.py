@@ -22,21 +22,22 @@ MATMUL_HELP = ("highest: fp32 products; medium: products of > 12 rows (prefill c
                "256 rows (fp32 models on CPU)")
 
 
-def _positive_int(text: str) -> int:
+def _int(text: str) -> int:
     try:
-        v = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    v = _int(text)
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
     return v
 
 
 def _nonnegative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    v = _int(text)
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be ≥ 0, got {v}")
     return v
