@@ -232,7 +232,8 @@ def main() -> None:
     r: dict = {"workload": {"num_requests": a.num_requests, "min_len": a.min_len, "max_len": a.max_len,
                             "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "max_batch_size": a.max_batch_size,
                "kv_cache_dtype": a.kv_cache_dtype, "matmul_precision": a.matmul_precision,
-               "pp2_chunk": a.pp2_chunk or a.chunk, "chunk_budgets": budgets, "warmup": "one unmeasured run per pp", "throughput_tok_s": {}, "efficiency": {}}
+               "pp2_chunk": a.pp2_chunk or a.chunk, "chunk_budgets": budgets, "warmup": "one unmeasured run per pp",
+               "throughput_tok_s": {}, "efficiency": {}}
     with contextlib.ExitStack() as stack:
         llms = {pp: stack.enter_context(LLM(pp=pp, launcher="local" if pp == 1 else "ray", **common)) for pp in (1, 2)}
         items = generate_workload(wl, llms[1].source.config.vocab_size)

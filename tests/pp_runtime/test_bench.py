@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pp_runtime import bench
 from pp_runtime.bench import compare, format_table, run_bench
 from pp_runtime.run_config import load_run_config
 
@@ -14,13 +15,30 @@ REPO = Path(__file__).resolve().parents[2]
 FILES = ("stage_timings.jsonl", "summary.json", "trace.json", "results.jsonl", "workers.json")
 
 
+PREFAULT: list[bool] = []  # CacheConfig.prefault of every LLM the bench built
+
+
 @pytest.fixture(scope="module")
 def bench_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = load_run_config(REPO / "configs/runs/smoke.yaml")
     cfg = replace(cfg, workload=replace(cfg.workload, num_requests=10)).with_overrides(launcher="ray")
     out = tmp_path_factory.mktemp("bench")
-    run_bench(cfg, str(out), progress=False, verbose=False)
+
+    class RecordingLLM(bench.LLM):
+        def __init__(self, **kw: object) -> None:
+            super().__init__(**kw)
+            PREFAULT.append(self.config.cache.prefault)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "LLM", RecordingLLM)
+        run_bench(cfg, str(out), progress=False, verbose=False)
     return out
+
+
+def test_bench_writes_the_kv_pool_before_the_first_scheduler(bench_dir: Path) -> None:
+    """sarathi runs first and is the base of every ratio: its run must not pay for the OS
+    faulting the KV cache in while the later schedulers do not (CacheConfig.prefault)."""
+    assert PREFAULT == [True]
 
 
 @pytest.mark.parametrize("scheduler", ("sarathi", "orca"))
