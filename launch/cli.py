@@ -17,6 +17,7 @@ from launch.commands import cmd_bench, cmd_generate, cmd_report, cmd_simulate
 from launch.interrupts import Interrupts, ignore_interrupts
 from launch.parser import build_parser
 from launch.profile_cmd import cmd_profile
+from pp_runtime.executor import WorkerError
 
 
 def main(argv: list[str] | None = None, keep_handlers: bool = False) -> int:
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None, keep_handlers: bool = False) -> int:
     except (ValueError, OSError) as e:  # user-caused (bad value, unreadable/unwritable path): one line
         print(f"pp-runtime: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except WorkerError as e:  # a worker died or hung: name it on one line, not a traceback
+        print(f"pp-runtime: error: {_one_line(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         detail = f": {e}" if str(e) and str(e) != interrupts.name else ""
         print(f"pp-runtime: interrupted by {interrupts.name}{detail}", file=sys.stderr)

@@ -19,7 +19,7 @@ from pp_runtime.config import SCHEDULER_POLICIES
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    from pp_runtime.jsonl import read_requests, write_results
+    from pp_runtime.jsonl import read_requests
     from pp_runtime.llm import LLM
     from pp_runtime.run_outputs import RunInterrupted
     # Every check that needs no model runs before the model loads (seconds for real weights).
@@ -55,33 +55,61 @@ def cmd_generate(a: argparse.Namespace) -> int:
                 if o.finish_reason != "error":
                     o.text = tok.decode(o.token_ids)
         rows = [o.to_json() for o in outs]
-        if a.run_dir:
-            from pp_runtime.rundir import write_run_dir
-            if not llm.broken:  # timings live on the workers; a dead one has none to give
-                write_run_dir(a.run_dir, llm)
-            if lines is None or llm.broken:  # keep the decoded texts next to the tokens
-                Path(a.run_dir).mkdir(parents=True, exist_ok=True)
-                write_results(str(Path(a.run_dir) / "results.jsonl"), rows)
-        if a.output:
+        # Results first (--output or stdout), the run directory after: a run directory that
+        # cannot be written (disk full, a worker gone before its timings were read) must not
+        # take the results with it.
+        failed = []
+        for write in (lambda: _emit_results(a, outs, rows, texts=lines is None),
+                      lambda: a.run_dir and _write_run_dir(a.run_dir, llm, rows if lines is None or llm.broken else None)):
             try:
-                write_results(a.output, rows)
-            except OSError as e:  # checked at start, but the disk may fill or the path go away
-                for r in rows:  # the run's results, on stdout rather than lost
-                    print(json.dumps(r))
-                raise ValueError(f"--output {a.output}: could not write ({e.strerror or e}); "
-                                 "the results went to stdout") from None
-        elif lines is None:
-            for o in outs:
-                print(o.text if o.error is None else f"{o.finish_reason}: {o.error}")
-        else:
-            for r in rows:
-                print(json.dumps(r))
+                write()
+            except ValueError as e:  # the other destination is still written
+                failed.append(str(e))
+        if failed:
+            raise ValueError("; ".join(failed))
         if interrupted is not None:
             raise interrupted
         if llm.broken:  # results are written; the run itself failed
             print(f"pp-runtime: error: {llm.broken}", file=sys.stderr)
             return 1
     return 0
+
+
+def _emit_results(a: argparse.Namespace, outs: list, rows: list[dict], texts: bool) -> None:
+    """Write the results to --output, else print them: texts one per line, JSONL rows otherwise."""
+    from pp_runtime.jsonl import write_results
+    if a.output:
+        try:
+            write_results(a.output, rows)
+        except OSError as e:  # checked at start, but the disk may fill or the path go away
+            for r in rows:  # the run's results, on stdout rather than lost
+                print(json.dumps(r))
+            raise ValueError(f"--output {a.output}: could not write ({e.strerror or e}); "
+                             "the results went to stdout") from None
+    elif texts:
+        for o in outs:
+            print(o.text if o.error is None else f"{o.finish_reason}: {o.error}")
+    else:
+        for r in rows:
+            print(json.dumps(r))
+
+
+def _write_run_dir(run_dir: str, llm: object, rows: list[dict] | None) -> None:
+    """Timings, summary and plots into --run-dir; ``rows`` (decoded texts, or a broken run's
+    results) go beside them as results.jsonl."""
+    from pp_runtime.executor import WorkerError
+    from pp_runtime.jsonl import write_results
+    from pp_runtime.rundir import write_run_dir
+    try:
+        if not llm.broken:  # timings live on the workers; a dead one has none to give
+            write_run_dir(run_dir, llm)
+        if rows is not None:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            write_results(str(Path(run_dir) / "results.jsonl"), rows)
+    except (OSError, WorkerError) as e:
+        detail = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise ValueError(f"--run-dir {run_dir}: could not write ({detail}); the results were written "
+                         "already") from None
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -125,7 +153,7 @@ def cmd_report(a: argparse.Namespace) -> int:
         if not Path(d).is_dir():
             raise ValueError(f"{d}: not a directory")
     check_writable("--out", a.out, is_dir=True)
-    for path in make_report(a.dirs, a.out):
+    for path in make_report(a.dirs, a.out, window_mbs=a.window_mbs, window_s=a.window_s):
         print(path)
     return 0
 

@@ -37,7 +37,8 @@ def cmd_profile(a: argparse.Namespace) -> int:
     finally:
         failed = [k for k, p in enumerate(siblings, 1) if p.wait() != 0]
     if failed:
-        raise RuntimeError(f"co-located profile(s) {failed} failed; see {a.out}/colocated-K/profile.log")
+        from pp_runtime.executor import WorkerError
+        raise WorkerError(f"co-located profile(s) {failed} failed; see {a.out}/colocated-K/profile.log")
     return 0
 
 

@@ -21,7 +21,10 @@ CACHE_DIR = Path(os.environ.get("PP_RUNTIME_CACHE", Path.home() / ".cache" / "pp
 class Tokenizer:
     def __init__(self, tokenizer_json: str, chat_template: str | None, bos: str | None, eos: str | None) -> None:
         from tokenizers import Tokenizer as HFTokenizer
-        self._tok = HFTokenizer.from_file(tokenizer_json)
+        try:
+            self._tok = HFTokenizer.from_file(tokenizer_json)
+        except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
+            raise ValueError(f"{tokenizer_json} could not be read as a tokenizer ({' '.join(str(e).split())})") from None
         self.folder = Path(tokenizer_json).parent  # loadable by transformers.AutoTokenizer too
         self.chat_template, self.bos_token, self.eos_token = chat_template, bos, eos
 
@@ -84,7 +87,12 @@ def _from_folder(folder: Path) -> Tokenizer | None:
         return None
     conf = {}
     if (folder / "tokenizer_config.json").exists():
-        conf = json.loads((folder / "tokenizer_config.json").read_text())
+        try:
+            conf = json.loads((folder / "tokenizer_config.json").read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{folder / 'tokenizer_config.json'} is not valid JSON ({e})") from None
+        if not isinstance(conf, dict):
+            raise ValueError(f"{folder / 'tokenizer_config.json'} must hold a JSON object")
     template = conf.get("chat_template")
     if template is None and (folder / "chat_template.jinja").exists():
         template = (folder / "chat_template.jinja").read_text()

@@ -117,6 +117,8 @@ class WorkloadConfig:
     def _check_trace(self) -> None:
         if not self.trace_path:
             raise ValueError("WorkloadConfig.trace_path is required for kind 'trace'")
+        if not isinstance(self.trace_path, str):
+            raise ValueError(f"WorkloadConfig.trace_path must be a file path (a string), got {self.trace_path!r}")
 
     def _require_pd(self) -> None:
         if self.pd_ratio is None:

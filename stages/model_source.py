@@ -87,6 +87,8 @@ def hf_config(folder: Path) -> ModelConfig:
         c = json.loads((folder / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
+    if not isinstance(c, dict):
+        raise ModelError(f"{folder / 'config.json'} must hold a JSON object, got a {type(c).__name__}")
     try:
         return _hf_config(folder, c)
     except KeyError as e:

@@ -116,7 +116,11 @@ def test_generate_stdout_and_run_dir(hf_models: dict, tmp_path: Path, capsys: py
     assert [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()] == rows
     workers = json.loads((run_dir / "workers.json").read_text())
     assert [(w["stage"], w["tp_rank"], w["device"]) for w in workers] == [(0, 0, "cpu")]
-    assert json.loads((run_dir / "summary.json").read_text())["chunk_budget"] == "tokens"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["chunk_budget"] == "tokens" and summary["scheduler"] == "sarathi"
+    assert (summary["pp"], summary["tp"], summary["chunk_size"]) == (1, 1, 256)
+    assert summary["num_requests"] == 2 and summary["decode_tokens"] == 3
+    assert isinstance(summary["max_batch_size"], int) and 1 <= summary["max_batch_size"] <= 64
 
 
 def test_verbose_run_prints_memory_plan(hf_models: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -237,6 +241,23 @@ def test_bad_inputs(args: list[str], message: str, hf_models: dict, jsonl: Path,
     assert_usage_error(rc, err, message)
 
 
+@pytest.mark.parametrize("file, content, message", [
+    ("config.json", "[1, 2]", "config.json must hold a JSON object, got a list"),
+    ("tokenizer.json", "{not json", "tokenizer.json could not be read as a tokenizer"),
+    ("tokenizer_config.json", "{not json", "tokenizer_config.json is not valid JSON"),
+])
+def test_broken_model_files_are_one_line(file: str, content: str, message: str, hf_models: dict, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture) -> None:
+    import shutil
+    folder = tmp_path / "model"
+    shutil.copytree(hf_models["llama"], folder)
+    if file == "tokenizer_config.json":  # read only beside a tokenizer.json
+        (folder / "tokenizer.json").write_text("{}")
+    (folder / file).write_text(content)
+    rc, out, err = run_main(["generate", "--model", str(folder), "--prompt", "hello", *FAST], capsys)
+    assert_usage_error(rc, err, message)
+
+
 def test_input_from_stdin_and_unwritable_output(hf_models: dict, jsonl: Path, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """--input - reads standard input; an --output that fails at the end (full disk, path gone)
@@ -256,6 +277,39 @@ def test_input_from_stdin_and_unwritable_output(hf_models: dict, jsonl: Path, tm
                              "--output", str(tmp_path / "out.jsonl")], capsys)
     assert_usage_error(rc, err, "--output")
     assert "No space left on device" in err and json.loads(out)["finish_reason"] == "length"
+
+
+def test_unwritable_run_dir_keeps_the_results(hf_models: dict, jsonl: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """A run directory that fails at the end (full disk, a worker gone before its timings were
+    read) is written after the results: --output still gets them, and one line names --run-dir."""
+    import pp_runtime.rundir
+
+    def full_disk(run_dir: str, llm: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pp_runtime.rundir, "write_run_dir", full_disk)
+    out_file = tmp_path / "out.jsonl"
+    rc, out, err = run_main(["generate", "--model", str(hf_models["llama"]), *FAST, "--quiet", "--input", str(jsonl),
+                             "--output", str(out_file), "--run-dir", str(tmp_path / "run")], capsys)
+    assert_usage_error(rc, err, "--run-dir")
+    assert "No space left on device" in err and "results were written" in err
+    assert json.loads(out_file.read_text())["finish_reason"] == "length"
+
+
+def test_worker_death_outside_a_run_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture) -> None:
+    """A worker that dies while starting (no run to report it in) exits 1 with one line naming it."""
+    import launch.cli
+    from pp_runtime.executor import WorkerError
+
+    def dies(args: object) -> int:
+        raise WorkerError("stage 1 (tp rank 0) on node 127.0.0.1 died\nwhile loading its weights")
+
+    monkeypatch.setattr(launch.cli, "cmd_generate", dies)
+    rc, out, err = run_main(["generate", "--prompt", "hi"], capsys)
+    assert rc == 1 and out == ""
+    assert err.splitlines() == ["pp-runtime: error: stage 1 (tp rank 0) on node 127.0.0.1 died while loading its weights"]
 
 
 def test_unreachable_ray_address_fails_fast() -> None:

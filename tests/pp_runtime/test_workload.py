@@ -250,6 +250,7 @@ def test_trace_path_relative_to_config(tmp_path: Path) -> None:
     ("workload: {kind: fixed, num_requests: 1, prompt_len: 2}", "decode_len"),
     ("workload: {kind: fixed, num_requests: 1, length: 10}", "pd_ratio"),
     ("workload: {kind: trace}", "trace_path"),
+    ("workload: {kind: trace, trace_path: 5}", "trace_path must be a file path"),
     ("schedulers: [sarathi, fifo]\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}",
      "fifo"),
     ("schedulers: []\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}", "schedulers"),
