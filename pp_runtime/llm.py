@@ -24,7 +24,7 @@ from pp_runtime.engine_args import build_engine_config
 from pp_runtime.executor import WorkerError
 from pp_runtime.kv_cache import BlockManager
 from pp_runtime.memory_plan import plan_memory
-from pp_runtime.prompt_validation import as_token_list, per_prompt_params, validate_prompt
+from pp_runtime.prompt_validation import as_token_list, check_arrivals, per_prompt_params, validate_prompt
 from pp_runtime.request import Request, RequestOutput, SamplingParams
 from pp_runtime.run_outputs import RunInterrupted, RunRecord, StreamOutput
 from pp_runtime.scheduler import Scheduler
@@ -94,9 +94,10 @@ class LLM:
         if bad:
             raise ValueError(f"reconfigure: {', '.join(bad)} cannot change after start; "
                              f"only {', '.join(RECONFIGURABLE)} can (create a new LLM for the rest)")
+        sched = replace(self.sched_config, **changes)  # validated here, before anything uses it
         if "max_batch_size" in changes:  # the running cap follows, as in __init__
-            changes["max_running"] = changes["max_batch_size"] * self.config.parallel.pp
-        self.sched_config = replace(self.sched_config, **changes)
+            sched = replace(sched, max_running=sched.max_batch_size * self.config.parallel.pp)
+        self.sched_config = sched
         self.config = replace(self.config, scheduler=self.sched_config)
 
     def workers_info(self) -> list[dict]:
@@ -183,6 +184,8 @@ class LLM:
         over time, else all arrive at once. ``on_finish`` sees every request as it finishes (those
         finished with an error before the run first). The run's record stays in ``self.last_run``.
         A KeyboardInterrupt comes out as ``RunInterrupted``, carrying every request's output."""
+        if arrivals is not None:
+            arrivals = check_arrivals(arrivals, len(reqs))
         bar = run_loop.progress_bar(len(reqs), progress)
         steps = self._start(reqs, arrivals)
         try:

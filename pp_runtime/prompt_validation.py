@@ -3,9 +3,11 @@
     ids = as_token_list(np.array([1, 2, 3]))      # [1, 2, 3], plain ints
     validate_prompt(ids, vocab_size=49152)        # None when fine, else the error message
     per_prompt_params(prompts, params, ids)       # (request id, params, error) for each prompt
+    check_arrivals([0.0, 0.5], num_requests=2)    # [0.0, 0.5]; ValueError naming a bad entry
 """
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Sequence
 
@@ -50,3 +52,16 @@ def per_prompt_params(prompts: Sequence[object], params: SamplingParams | Sequen
             f"params[{i}] is a {type(plist[i]).__name__}, not SamplingParams"
         out.append((ids[i] if ids else str(i), None if bad else plist[i], bad))
     return out
+
+
+def check_arrivals(arrivals: Sequence[object], num_requests: int) -> list[float]:
+    """Arrival offsets (seconds from the run's start), one per request, as floats. A whole-run
+    argument, so a bad one is a ValueError: a NaN would never arrive (the run would spin
+    forever), an infinite one neither, and a short list would leave requests without a time."""
+    offsets = list(arrivals)
+    if len(offsets) != num_requests:
+        raise ValueError(f"arrivals has {len(offsets)} entries for {num_requests} requests")
+    for i, t in enumerate(offsets):
+        if not isinstance(t, numbers.Real) or isinstance(t, bool) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"arrivals[{i}] must be a finite number of seconds ≥ 0, got {t!r}")
+    return [float(t) for t in offsets]

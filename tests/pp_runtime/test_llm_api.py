@@ -231,6 +231,45 @@ def test_constructor_values_are_checked_not_replaced(kw: dict, message: str) -> 
         LLM(model="llama-tiny", launcher="local", memory_budget_gb=0.05, **kw)
 
 
+def test_run_arrivals_are_checked_before_the_run(llm: LLM) -> None:
+    """A NaN or infinite arrival would never come (the run would wait forever), a short list would
+    leave requests without a time: each is one ValueError naming the entry, and nothing runs."""
+    ps = prompts()[:2]
+    for arrivals, message in (([0.0], "arrivals has 1 entries for 2 requests"),
+                              ([0.0, float("nan")], r"arrivals\[1\] must be a finite number of seconds ≥ 0, got nan"),
+                              ([float("inf"), 0.0], r"arrivals\[0\] must be .* got inf"),
+                              ([0.0, -1], r"arrivals\[1\] must be .* got -1"),
+                              ([0.0, "1"], r"arrivals\[1\] must be .* got '1'")):
+        reqs = [llm.make_request(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]
+        with pytest.raises(ValueError, match=message):
+            llm.run(reqs, arrivals=arrivals)
+        assert not any(r.finished for r in reqs)
+    reqs = [llm.make_request(f"r{i}", p, GREEDY) for i, p in enumerate(ps)]
+    outs = llm.run(reqs, arrivals=[0.0, np.float64(0.01)])
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+
+
+def test_reconfigure_checks_max_batch_size_before_using_it(llm: LLM) -> None:
+    before = llm.sched_config
+    with pytest.raises(ValueError, match="max_batch_size must be a positive integer, got None"):
+        llm.reconfigure(max_batch_size=None)
+    assert llm.sched_config == before
+
+
+@pytest.mark.parametrize("budget_gb, max_model_len", [(0.002, 128), (0.05, 128)])
+def test_default_max_batch_size_is_b_over_pp_capped_at_64(budget_gb: float, max_model_len: int) -> None:
+    """Without --max-batch-size a micro-batch holds ⌊B/pp⌋ sequences (B: full-length requests the
+    KV budget holds), at most 64, and pp × that many may run (every micro-batch in flight full)."""
+    with LLM(model="llama-tiny", pp=2, launcher="local", memory_budget_gb=budget_gb,
+             max_model_len=max_model_len) as m:
+        b = m.memory.max_batch_b
+        assert b == m.memory.num_blocks * 16 // max_model_len
+        assert m.sched_config.max_batch_size == max(1, min(b // 2, 64))
+        assert m.sched_config.max_running == 2 * m.sched_config.max_batch_size
+    # the two budgets land on either side of the cap
+    assert (b // 2 > 64) == (budget_gb == 0.05)
+
+
 # ---- memory pressure ----------------------------------------------------------------------------
 @pytest.mark.parametrize("scheduler", ["sarathi", "orca"])
 def test_kv_cache_far_below_demand_preempts_without_changing_outputs(scheduler: str, tmp_path: Path) -> None:
