@@ -80,7 +80,8 @@ def sim_config(run_path: str, stage_csvs: list[list[str]], dispatch_us: float, o
     budget_gib = e.get("memory_budget_gb", 4.0)
     workload = {k: v for k, v in vars(w).items() if v is not None}
     scen = [{"name": s, "scheduler": s, "pp": pp, "chunk_size": e.get("chunk_size", 256), "max_batch_size": mbs,
-             "max_running": mbs * pp, "tile_align": bool(e.get("tile_align", False)), "dispatch_us": dispatch_us,
+             "max_running": mbs * pp, "tile_align": bool(e.get("tile_align", False)),
+             "chunk_budget": e.get("chunk_budget") or "flops", "dispatch_us": dispatch_us,
              "return_us": round(overheads["return"], 1), "prep_us": [round(x, 1) for x in overheads["prep"]]}
             for s in cfg.schedulers]
     if e.get("partition"):  # the profiled layer cut: per-stage cost models hold only for it
@@ -147,6 +148,10 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     run = load_run_config(a.config)
+    missing = [k for k in ("max_batch_size", "max_model_len") if run.engine.get(k) is None]
+    if missing:  # the runtime derives them from its memory plan; the simulation must not guess them
+        ap.error(f"{a.config}: engine.{' and engine.'.join(missing)} must be set for validation "
+                 "(the simulation has to run the same batches)")
     grids = ["quick", "quick;context=24;prefill="] if a.smoke else ["default", CONTEXT2_GRID.format(ctx=a.context2)]
     csvs, overheads = profile(out, run.engine, grids)
     bench = Path(a.bench_dir) if a.bench_dir else out / "bench"

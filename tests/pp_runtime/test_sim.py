@@ -364,6 +364,17 @@ def test_scenario_max_running_caps_running_sequences(tmp_path: Path) -> None:
         dataclasses.replace(sc, max_running=0)
 
 
+@pytest.mark.parametrize("budget", ["flops", "tokens"])
+def test_scenario_chunk_budget_reaches_the_scheduler(budget: str) -> None:
+    """A scenario simulates the runtime's chunk budget it names (validate_sim copies a bench's)."""
+    from pp_runtime.sim.deployment import plan_deployment
+    cfg = load_sim_config(REPO / "configs/sim/smoke.yaml")
+    sc = dataclasses.replace(cfg.scenarios[0], scheduler="sarathi", chunk_budget=budget)
+    assert plan_deployment(cfg, sc).sched_cfg.chunk_budget == budget
+    with pytest.raises(ValueError, match="chunk_budget must be one of flops, tokens, got 'bytes'"):
+        dataclasses.replace(sc, chunk_budget="bytes")
+
+
 def test_sim_config_workload_takes_file_seed_and_trace_beside_it(tmp_path: Path) -> None:
     """The workload section is read as a run config's is: the top-level seed, a trace path relative to the file."""
     from pp_runtime.workload import WorkItem, save_trace
