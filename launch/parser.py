@@ -88,7 +88,7 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
                    help="M_G per worker (CPU default 4)")
     p.add_argument("--block-size", type=_positive_int, default=16)
     p.add_argument("--max-model-len", type=_positive_int, default=None)
-    p.add_argument("--threads", type=_nonnegative_int, default=0, help="torch threads per worker (0: torch default)")
+    p.add_argument("--threads", type=_nonnegative_int, default=0, help="torch threads per worker (0: torch's default in local and torchrun workers, 1 in a Ray actor, which reserves one CPU whatever this is)")
     p.add_argument("--gguf-weights", choices=GGUF_WEIGHTS, default="native",
                    help="GGUF Q4_0/Q4_1/Q8_0 matrices: keep the stored blocks (CPU fp32 GEMM dequantizes "
                         "on the fly, same weights) or load them as floats")
@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="plots (PNG) from run, bench or profile directories")
     r.add_argument("dirs", nargs="+")
     r.add_argument("--out", default=None, help="where combined plots go (default: the first directory)")
+    window = r.add_mutually_exclusive_group()
+    window.add_argument("--window-mbs", type=_positive_int, default=None,
+                        help="Gantt window: the first N stage-0 micro-batches (default 40)")
+    window.add_argument("--window-s", type=_positive_float, default=None, help="Gantt window: the first S seconds")
     sm = sub.add_parser("simulate", help="cluster-scale simulation with the real scheduler (configs/sim/*.yaml)")
     sm.add_argument("--config", required=True)
     sm.add_argument("--out", default=None, help="output directory (default runs/sim_<config name>)")

@@ -8,7 +8,7 @@ Usage::
     make_report(["runs/a", "runs/b"], out="plots")
     make_report(["runs/profile"])                # a dir holding only profile.csv
 
-    python -m pp_runtime.report DIR [DIR ...] [--out OUT] [--window-mbs N | --window-s S]
+    pp-runtime report DIR [DIR ...] [--out OUT] [--window-mbs N | --window-s S]
 
 Each argument is a run directory (stage_timings.jsonl and/or summary.json), a bench directory
 (comparison.json and/or one run directory per scheduler; it stands for its run directories), a
@@ -38,7 +38,6 @@ registry (safe inside a long-lived process).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import defaultdict
@@ -171,13 +170,14 @@ def _disambiguate(runs: list[Run]) -> None:
 
 
 # ---- entry point ---------------------------------------------------------------------------------
-def make_report(dirs: list[str], out: str | None = None, *, window_mbs: int = DEFAULT_WINDOW_MBS,
+def make_report(dirs: list[str], out: str | None = None, *, window_mbs: int | None = None,
                 window_s: float | None = None) -> list[str]:
     """Write every plot the inputs allow; returns the PNG paths written, in order.
 
     dirs: run dirs, bench dirs and/or profile dirs (see the module docstring). out: where the
     combined plots go (created if needed); default the first dir given. window_mbs/window_s:
-    the Gantt chart's window (first N stage-0 micro-batches, or first S seconds).
+    the Gantt chart's window (first N stage-0 micro-batches, default DEFAULT_WINDOW_MBS, or first S
+    seconds).
     Raises ValueError naming a dir that is missing or has none of the inputs.
     """
     if not dirs:
@@ -187,7 +187,7 @@ def make_report(dirs: list[str], out: str | None = None, *, window_mbs: int = DE
     _disambiguate(runs)
     written: list[str] = []
     for run in runs:
-        written += gantt_plots(run, window_mbs, window_s)
+        written += gantt_plots(run, window_mbs or DEFAULT_WINDOW_MBS, window_s)
     for d in profile_dirs:
         if (p := plot_per_token_cost(d / PROFILE, d / "per_token_cost.png")) is not None:
             written.append(p)
@@ -199,25 +199,3 @@ def make_report(dirs: list[str], out: str | None = None, *, window_mbs: int = DE
             if (p := plot(runs, dest / name)) is not None:
                 written.append(p)
     return written
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pp_runtime.report", description=__doc__.split("\n\n")[0])
-    ap.add_argument("dirs", nargs="+", help="run, bench or profile directories")
-    ap.add_argument("--out", help="directory for the combined plots (default: the first DIR)")
-    group = ap.add_mutually_exclusive_group()
-    group.add_argument("--window-mbs", type=int, default=DEFAULT_WINDOW_MBS,
-                       help="Gantt window: first N stage-0 micro-batches (default %(default)s)")
-    group.add_argument("--window-s", type=float, help="Gantt window: first S seconds")
-    args = ap.parse_args(argv)
-    try:
-        paths = make_report(args.dirs, args.out, window_mbs=args.window_mbs, window_s=args.window_s)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print("\n".join(paths))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

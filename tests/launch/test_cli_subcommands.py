@@ -57,6 +57,29 @@ def test_bench_run_dir_is_its_out(tmp_path: Path, capsys: pytest.CaptureFixture)
     rc = main(["bench", "--config", str(REPO / "configs/runs/smoke.yaml"), "--out", "/tmp/a", "--run-dir", "/tmp/b"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "bench takes one output directory" in err[0]
-    out = tmp_path / "bench"
-    assert main(["bench", "--config", str(REPO / "configs/runs/smoke.yaml"), "--run-dir", str(out), "--quiet"]) == 0
-    assert (out / "comparison.json").is_file() and (out / "sarathi" / "summary.json").is_file()
+    rc = main(["bench", "--config", str(REPO / "configs/runs/smoke.yaml"), "--schedulers", "orca,fifo"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--schedulers: unknown fifo" in err[0]
+    out = tmp_path / "bench"  # --schedulers replaces the config's list (sarathi, orca)
+    assert main(["bench", "--config", str(REPO / "configs/runs/smoke.yaml"), "--run-dir", str(out), "--quiet",
+                 "--schedulers", "orca"]) == 0
+    comp = json.loads((out / "comparison.json").read_text())
+    assert comp["base"] == "orca" and set(comp["schedulers"]) == {"orca"}
+    assert (out / "orca" / "summary.json").is_file() and not (out / "sarathi").exists()
+
+
+def test_report_gantt_window_and_a_bad_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`report --window-s` cuts the Gantt chart (the full one is kept beside it); a directory with
+    nothing to plot is one line naming it, exit 2; the two window flags exclude each other."""
+    from tests.pp_runtime.test_report import records, summary, write_run
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["report", str(empty)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(empty) in err[0]
+    d = write_run(tmp_path / "r", summary("sarathi", 10, 1.0), records())
+    assert main(["report", str(d), "--window-s", "0.2"]) == 0
+    assert (d / "gantt.png").is_file() and (d / "gantt_full.png").is_file()
+    with pytest.raises(SystemExit) as e:
+        main(["report", str(d), "--window-s", "0.2", "--window-mbs", "3"])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

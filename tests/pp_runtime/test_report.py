@@ -12,7 +12,7 @@ import matplotlib.image
 import pytest
 
 from pp_runtime.figures import wants_log
-from pp_runtime.report import load_records, load_run, make_report, main
+from pp_runtime.report import load_records, load_run, make_report
 from pp_runtime.run_plots import cdf_points, gantt_window, request_bubble_times, throughput_series
 from pp_runtime.timing import TimingRecord
 
@@ -246,13 +246,3 @@ def test_empty_or_missing_dir_is_an_error_naming_it(tmp_path: Path) -> None:
         make_report([str(tmp_path / "nowhere")])
     with pytest.raises(ValueError):
         make_report([])
-
-
-def test_module_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert main([str(empty)]) == 2
-    assert "empty" in capsys.readouterr().err
-    d = write_run(tmp_path / "r", summary("sarathi", 10, 1.0), records())
-    assert main([str(d), "--window-s", "0.2"]) == 0
-    assert (d / "gantt.png").is_file() and (d / "gantt_full.png").is_file()
