@@ -204,7 +204,7 @@ def main() -> None:
                     help="medium: products of > 12 rows (prefill chunks, decode batches of 13+) on bf16 inputs "
                          "(AVX512-BF16)")
     ap.add_argument("--max-batch-size", type=int, default=32,
-                    help="sequences per micro-batch (the engine's default); pp=2 runs up to twice as many requests. "
+                    help="sequences per micro-batch, the same for both deployments (the engine's own default, ⌊B/pp⌋ capped at 64, would differ between them); pp=2 runs up to twice as many requests. "
                          "At P:D = 10 a 256-token chunk per micro-batch needs ~25 decodes beside it, ~51 running "
                          "requests at pp=2: 24 would cap it and bring decode-only micro-batches back mid-run")
     ap.add_argument("--schedulers", default="sarathi,orca")

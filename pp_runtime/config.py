@@ -258,7 +258,7 @@ class DeviceConfig:
     device: str = "cpu"
     dtype: str = "float32"
     attention: str = "auto"
-    threads: int = 0  # torch threads per worker; 0 leaves torch's default
+    threads: int = 0  # torch threads per worker; 0 leaves torch's default (a Ray actor: 1, its one reserved CPU)
     # GGUF Q4_0/Q4_1/Q8_0 matrices: "native" keeps the stored blocks (fp32 on CPU: the GEMM
     # dequantizes them on the fly, bit-identical weights, ~1/5 of the bytes); "dequantize" loads floats
     gguf_weights: str = "native"

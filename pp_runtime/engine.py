@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 from pp_runtime.batch import MicroBatch
 from pp_runtime.executor import Executor
@@ -95,19 +95,12 @@ class Engine:
         st.postprocess_s += time.perf_counter() - t2
         return finished
 
-    def run_until_done(self, on_finish: Callable[[Request], None] | None = None,
-                       arrivals: list[tuple[float, Request]] | None = None) -> None:
-        """Run until every request is finished. ``arrivals``: (seconds after start, request) pairs
-        that join the scheduler when their time comes (an empty pipeline sleeps until then)."""
-        for finished in self.iterate(arrivals):
-            for req in finished:
-                if on_finish:
-                    on_finish(req)
-
     def iterate(self, arrivals: list[tuple[float, Request]] | None = None) -> Iterator[list[Request]]:
-        """``run_until_done`` one step at a time: yields after every pipeline step (and whenever an
-        idle pipeline finished something) the requests finished since the last yield, rejected on
-        arrival and aborted ones included. Streams read the new tokens between yields."""
+        """Run until every request is finished, one step at a time. ``arrivals``: (seconds after
+        start, request) pairs that join the scheduler when their time comes (an empty pipeline
+        sleeps until then). Yields after every pipeline step (and whenever an idle pipeline
+        finished something) the requests finished since the last yield, rejected on arrival and
+        aborted ones included. Streams read the new tokens between yields."""
         pending = deque(sorted(arrivals or [], key=lambda x: x[0]))
         start = time.perf_counter()
         while pending or self.scheduler.has_unfinished() or self.in_flight:

@@ -42,10 +42,6 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be integers, got {list(stops)!r}")
         object.__setattr__(self, "stop_token_ids", stops)  # normalise lists to a hashable tuple
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)

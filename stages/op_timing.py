@@ -60,7 +60,7 @@ def instrument(model: torch.nn.Module, timer: OpTimer) -> Iterator[None]:
             handles.append(model.lm_head.register_forward_hook(lambda m, a, o: timer.stop("lm_head")))
         inner = backend.forward
 
-        def timed_forward(*args, **kwargs):
+        def timed_forward(*args: object, **kwargs: object) -> torch.Tensor:
             timer.start("attn")
             try:
                 return inner(*args, **kwargs)

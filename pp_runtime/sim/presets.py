@@ -147,11 +147,6 @@ class SimModel(HeadSizes):
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
-    @property
-    def total_params(self) -> int:
-        head = 0 if self.tie_word_embeddings else self.embedding_params
-        return self.num_layers * self.layer_weight_params + self.embedding_params + head + self.hidden_size
-
     def kv_bytes_per_token_per_layer(self, dtype_bytes: int, tp: int = 1) -> float:
         """K and V of one token in one layer on one TP rank (KV heads split over TP, replicated
         when there are fewer KV heads than ranks)."""

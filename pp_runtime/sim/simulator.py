@@ -1,7 +1,7 @@
 """The discrete-event simulation: R replicas, each a real Engine + Scheduler + BlockManager driving a
 SimExecutor on its own virtual clock.
 
-Per replica the driver does exactly what ``Engine.run_until_done`` does, in the same order —
+Per replica the driver does exactly what ``Engine.iterate`` does, in the same order —
 add the requests that have arrived, ``engine.schedule()`` (fill the pipeline up to pp
 micro-batches), ``engine.run()`` (collect the oldest; the virtual clock jumps to when it leaves
 the last stage), ``engine.postprocess()`` — only the waits are virtual: time comes from the
@@ -57,7 +57,7 @@ class DummyTokens(Sequence):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i: int | slice) -> int | list[int]:  # type: ignore[override]
         if isinstance(i, slice):
             return [self.token] * len(range(*i.indices(self.n)))
         if -self.n <= i < self.n:
@@ -174,10 +174,6 @@ class SimResult:
     postprocess_wall_s: float = 0.0
     microbatches: int = 0
     history: list[MicroBatch] = field(default_factory=list)  # replica 0's plans, with keep_history
-
-    @property
-    def completion_times(self) -> list[float]:
-        return sorted(r.finish_time for r in self.requests if r.finish_time is not None)
 
 
 def simulate(requests: list[Request], arrivals: Sequence[float] | None, sched_cfg: SchedulerConfig,
