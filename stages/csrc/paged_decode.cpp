@@ -3,9 +3,10 @@
 // int64; lens (B,) int64.
 // Each KV head's G = H / H_kv query heads share every K/V row read; two passes (scores and
 // softmax over a contiguous buffer, then the V sum), each row read once, block by block.
-// With AVX2 and a common head size / group (64 or 128; 1, 2, 3, 4 or 8), heads_tiled does
-// both passes from registers, one task per sequence walking its blocks' rows in memory order;
-// otherwise one_head's plain loops, one task per (sequence, KV head) (docs/BENCHMARKS.md).
+// With AVX2 and a common head size / group (64 or 128; 1, 2, 3, 4 or 8), heads_tiled (16 lanes
+// wide where the build has AVX-512: heads_tiled512) does both passes from registers, one task
+// per sequence walking its blocks' rows in memory order; otherwise one_head's plain loops, one
+// task per (sequence, KV head) (docs/BENCHMARKS.md).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -211,6 +212,128 @@ void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vecto
 }
 #endif
 
+#ifdef PP_AVX512
+// heads_tiled at 16 lanes, for cores with 512-bit FMA units (the 8-lane loops leave half of each
+// idle), plus a software prefetch of the next K block in pass 1. Same walk (rows in memory order,
+// every head of a row before the next rows) and math; pass 1 reduces four dot products per
+// shuffle tree, pass 2 holds a head's G × W output slice in registers across a whole block.
+// SmolLM2 shapes, 30 layers' caches, scattered 16-token blocks, 1 thread, B = 4 × 256 keys:
+// 0.66-0.71 of heads_tiled's time read cold, 0.67-0.70 hot (docs/BENCHMARKS.md).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// (a, b, c, d) -> their four horizontal sums, in order
+inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+}
+
+// into L1, a line at a time
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+}
+
+constexpr int rows_at_once512(int g) { return g <= 4 ? 4 : 2; }  // G·R ≤ 16 accumulators
+constexpr int slice_vectors512(int g, int dc) {  // G·CV ≤ 16 accumulators, CV | D / 16
+  const int most = g <= 2 ? 8 : (g <= 4 ? 4 : 2);
+  return most < dc / 16 ? most : dc / 16;
+}
+
+template <typename T, int DC, int GC, int R>
+inline void score_rows512(const float* qb, const T* kr, int64_t rs, float scale, float* p, int64_t len) {
+  __m512 acc[GC][R];
+  for (int g = 0; g < GC; ++g)
+    for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
+  for (int d = 0; d < DC; d += 16) {
+    __m512 qv[GC];
+    for (int g = 0; g < GC; ++g) qv[g] = _mm512_loadu_ps(qb + g * DC + d);
+    for (int r = 0; r < R; ++r) {
+      const __m512 kv = load16(kr + r * rs + d);
+      for (int g = 0; g < GC; ++g) acc[g][r] = _mm512_fmadd_ps(qv[g], kv, acc[g][r]);
+    }
+  }
+  for (int g = 0; g < GC; ++g) {
+    if constexpr (R == 4) {
+      _mm_storeu_ps(p + g * len, _mm_mul_ps(hsum4x16(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
+    } else {
+      for (int r = 0; r < R; ++r) p[g * len + r] = _mm512_reduce_add_ps(acc[g][r]) * scale;
+    }
+  }
+}
+
+template <typename T, int DC, int GC>
+void heads_tiled512(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& p,
+                    std::vector<float>& acc, std::vector<float>& inv) {
+  constexpr int R = rows_at_once512(GC), CV = slice_vectors512(GC, DC), W = 16 * CV;
+  static_assert(DC % W == 0, "head size must be a whole number of slices");
+  const int64_t len = a.lens[b], rs = a.Hkv * DC, nh = h1 - h0;
+  const int64_t* table = a.tables + b * a.NBT;
+  p.resize(nh * GC * len);
+  acc.resize(nh * GC * DC);
+  inv.resize(nh * GC);
+  for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {  // pass 1, as heads_tiled
+    const int64_t n = std::min(a.BS, len - start);
+    // the next block's K rows, the same rows of it as scored now: blocks are scattered, and the
+    // stream prefetcher starts over at every block (and page) the walk jumps to
+    const T* next = start + a.BS < len ? a.k + table[blk + 1] * a.BS * a.Hkv * DC : nullptr;
+    for (int64_t j = 0; j < n;) {
+      const bool full = j + R <= n;
+      if (next) prefetch_bytes(next + j * rs, (full ? R : 1) * rs * static_cast<int64_t>(sizeof(T)));
+      for (int64_t h = h0; h < h1; ++h) {
+        const float* qb = a.q + (b * a.H + h * GC) * DC;
+        const T* kr = a.k + (table[blk] * a.BS * a.Hkv + h) * DC + j * rs;
+        float* ph = p.data() + (h - h0) * GC * len + start + j;
+        if (full) score_rows512<T, DC, GC, R>(qb, kr, rs, a.scale, ph, len);
+        else score_rows512<T, DC, GC, 1>(qb, kr, rs, a.scale, ph, len);
+      }
+      j += full ? R : 1;
+    }
+  }
+  for (int64_t g = 0; g < nh * GC; ++g) {
+    float* s = p.data() + g * len;
+    inv[g] = 1.f / exp_row(s, len, 1.f, row_max(s, len));
+  }
+  std::fill(acc.begin(), acc.end(), 0.f);
+  for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {  // pass 2, a block per slice
+    const int64_t n = std::min(a.BS, len - start);
+    if (start + a.BS < len) ;
+    for (int64_t h = h0; h < h1; ++h) {
+      const T* vb = a.v + (table[blk] * a.BS * a.Hkv + h) * DC;
+      const float* ph = p.data() + (h - h0) * GC * len + start;
+      float* ah = acc.data() + (h - h0) * GC * DC;
+      for (int c0 = 0; c0 < DC; c0 += W) {
+        __m512 o[GC][CV];
+        for (int g = 0; g < GC; ++g)
+          for (int c = 0; c < CV; ++c) o[g][c] = _mm512_loadu_ps(ah + g * DC + c0 + 16 * c);
+        const T* vr = vb + c0;
+        for (int64_t j = 0; j < n; ++j, vr += rs) {
+          __m512 w[GC];
+          for (int g = 0; g < GC; ++g) w[g] = _mm512_set1_ps(ph[g * len + j]);
+          for (int c = 0; c < CV; ++c) {
+            const __m512 vv = load16(vr + 16 * c);
+            for (int g = 0; g < GC; ++g) o[g][c] = _mm512_fmadd_ps(w[g], vv, o[g][c]);
+          }
+        }
+        for (int g = 0; g < GC; ++g)
+          for (int c = 0; c < CV; ++c) _mm512_storeu_ps(ah + g * DC + c0 + 16 * c, o[g][c]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < nh * GC; ++g) {
+    float* out = a.out + (b * a.H + h0 * GC + g) * DC;
+    const __m512 s = _mm512_set1_ps(inv[g]);
+    for (int d = 0; d < DC; d += 16) _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + g * DC + d), s));
+  }
+}
+#endif
+
 template <typename T, int DC, int GC>
 void run(const Args<T>& a, int64_t B) {
 #ifdef PP_AVX2
@@ -222,7 +345,11 @@ void run(const Args<T>& a, int64_t B) {
       std::vector<float> p, acc, inv;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i * per / a.Hkv, h0 = i * per % a.Hkv;
+#ifdef PP_AVX512
+        heads_tiled512<T, DC, GC>(a, b, h0, h0 + per, p, acc, inv);
+#else
         heads_tiled<T, DC, GC>(a, b, h0, h0 + per, p, acc, inv);
+#endif
       }
     });
     return;
