@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pp_runtime.config import ModelConfig
+from pp_runtime.configs_dir import configs_dir
 from stages.gguf_file import GGUFFile
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
 DEFAULT_MODEL = "smollm2-135m"
 HF_ARCHS = ("llama", "mistral", "qwen2")
 GGUF_ARCHS = ("llama", "qwen2")
@@ -38,12 +38,12 @@ class ModelSource:
 
 
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    return sorted(p.stem for p in (configs_dir() / "models").glob("*.yaml"))
 
 
 def resolve_model(spec: str | None) -> ModelSource:
     spec = spec or DEFAULT_MODEL
-    preset = CONFIG_DIR / f"{spec}.yaml"
+    preset = configs_dir() / "models" / f"{spec}.yaml"
     if "/" not in spec and preset.exists():
         return _from_preset(spec, preset)
     path = Path(spec)

@@ -11,14 +11,13 @@ A spec given to ``resolve_*`` is a preset name, or a mapping with every field, o
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
 from pp_runtime.config import HeadSizes
+from pp_runtime.configs_dir import configs_dir
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "sim"
 EFFICIENCY_KEYS = ("matmul", "memory", "attention", "allreduce", "network")
 
 
@@ -166,7 +165,7 @@ class SimModel(HeadSizes):
 
 # ---- loading ---------------------------------------------------------------------------------
 def _presets(kind: str) -> dict[str, dict]:
-    path = PRESET_DIR / f"{kind}.yaml"
+    path = configs_dir() / "sim" / f"{kind}.yaml"
     try:
         data = yaml.safe_load(path.read_text())
     except OSError as exc:

@@ -1,0 +1,66 @@
+"""configs/ outside the checkout: a wheel installs it under <prefix>/share/pp-runtime/configs
+(setup.cfg data_files), and the model and simulator presets are found there."""
+from __future__ import annotations
+
+import configparser
+import glob
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from pp_runtime import configs_dir as cd
+from pp_runtime.sim import presets
+from stages import model_source
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def installed_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The package as a non-editable install sees it: no checkout configs/, the copy under the
+    interpreter's prefix (only the default model's preset and the simulator's presets in it)."""
+    share = tmp_path / "prefix" / cd.SHARE
+    (share / "models").mkdir(parents=True)
+    shutil.copy(ROOT / "configs" / "models" / "smollm2-135m.yaml", share / "models")
+    shutil.copytree(ROOT / "configs" / "sim", share / "sim")
+    monkeypatch.setattr(cd, "CHECKOUT", tmp_path / "no-checkout" / "configs")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "prefix"))
+    return share
+
+
+def test_checkout_comes_first() -> None:
+    assert cd.configs_dir() == ROOT / "configs"
+
+
+def test_installed_copy_is_found_without_a_checkout(installed_copy: Path) -> None:
+    assert cd.configs_dir() == installed_copy
+    assert model_source.preset_names() == ["smollm2-135m"]
+    assert model_source.resolve_model(None).kind == "gguf"  # the default model, from the installed preset
+    assert "cpu-2core" in presets.hardware_names()
+
+
+def test_missing_everywhere_names_the_checkout_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cd, "CHECKOUT", tmp_path / "gone" / "configs")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "empty-prefix"))
+    monkeypatch.setattr(cd.site, "getuserbase", lambda: str(tmp_path / "empty-user"))
+    assert cd.configs_dir() == tmp_path / "gone" / "configs"
+    with pytest.raises(model_source.ModelError, match="not found"):
+        model_source.resolve_model(None)
+    with pytest.raises(ValueError, match="cannot read hardware presets"):
+        presets.hardware_names()
+
+
+def test_setup_cfg_installs_every_config_file() -> None:
+    """Every YAML under configs/ is in a data_files entry that installs it where configs_dir looks."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    installed = {}
+    for target, pattern in cfg["options.data_files"].items():
+        for f in glob.glob(str(ROOT / pattern.strip())):
+            installed[Path(f).relative_to(ROOT / "configs")] = Path(target) / Path(f).name
+    shipped = {p.relative_to(ROOT / "configs") for p in (ROOT / "configs").rglob("*.yaml")}
+    assert shipped and set(installed) == shipped
+    for rel, dest in installed.items():
+        assert dest == cd.SHARE / rel
