@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     b = sub.add_parser("bench", help="run a workload under each scheduler of a configs/runs/*.yaml")
-    b.add_argument("--config", required=True, help="run config (configs/runs/*.yaml)")
+    b.add_argument("--config", required=True,
+                   help="run config: a YAML path, or a name from configs/runs/ (pp2_zipf)")
     b.add_argument("--out", default=None, help="output directory (default runs/<config name>)")
     b.add_argument("--schedulers", default=None, help="comma-separated subset/override of the config's list")
     add_engine_args(b, overrides=True)
@@ -126,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Gantt window: the first N stage-0 micro-batches (default 40)")
     window.add_argument("--window-s", type=_positive_float, default=None, help="Gantt window: the first S seconds")
     sm = sub.add_parser("simulate", help="cluster-scale simulation with the real scheduler (configs/sim/*.yaml)")
-    sm.add_argument("--config", required=True)
+    sm.add_argument("--config", required=True,
+                    help="simulation config: a YAML path, or a name from configs/sim/ (fig12)")
     sm.add_argument("--out", default=None, help="output directory (default runs/sim_<config name>)")
     sm.add_argument("--quiet", action="store_true")
     pr = sub.add_parser("profile", help="per-operation times of prefill, decode and mixed batches")

@@ -27,3 +27,15 @@ def configs_dir() -> Path:
     """The first of ``candidates()`` that exists; the checkout's path when none does (the error
     that follows then names where the files were expected)."""
     return next((p for p in candidates() if p.is_dir()), CHECKOUT)
+
+
+def find_config(spec: str | Path, kind: str) -> Path:
+    """A ``--config`` value: the file it names when there is one; else, for a bare name such as
+    ``pp2_zipf`` (no folder, ``.yaml`` optional), ``configs_dir() / kind / name.yaml`` when that
+    exists, so an installed copy's configs can be used from any folder; else the path as given,
+    for the reader's error to name."""
+    path = Path(spec)
+    if path.exists() or len(path.parts) != 1:
+        return path
+    shipped = configs_dir() / kind / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    return shipped if shipped.is_file() else path

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import yaml
 
 from pp_runtime.config import SCHEDULER_POLICIES, is_layer_count
+from pp_runtime.configs_dir import find_config
 from pp_runtime.field_checks import check_int, check_positive_number
 from pp_runtime.workload_config import WorkloadConfig
 
@@ -126,8 +127,9 @@ def load_run_config(path: str | Path) -> RunConfig:
     """Read a run YAML (configs/runs/*.yaml). Every key is optional except ``workload``; an
     unknown key raises ValueError naming it. A relative workload.trace_path is taken relative to
     the YAML's folder when the file is there, else as given (relative to the working directory).
-    A workload without its own seed uses the run's seed."""
-    path = Path(path)
+    A workload without its own seed uses the run's seed. A bare name (``pp2_zipf``) that is not
+    a file here is looked up in configs/runs/ (configs_dir.find_config)."""
+    path = find_config(path, "runs")
     data = read_yaml_mapping(path, "run config")
     for key in data:
         if key not in RUN_KEYS:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pp_runtime.config import DTYPE_BYTES
+from pp_runtime.configs_dir import find_config
 from pp_runtime.run_config import read_yaml_mapping, workload_section
 from pp_runtime.sim.presets import resolve_hardware, resolve_model
 from pp_runtime.sim.scenario import Scenario, SimConfig, checked_int, checked_number
@@ -227,8 +228,9 @@ def parse_sim_config(data: Mapping[str, Any], path: str | Path = "<config>") -> 
 
 
 def load_sim_config(path: str | Path) -> SimConfig:
-    """Read and validate a configs/sim/*.yaml; ValueError names the bad key or value."""
-    path = Path(path)
+    """Read and validate a configs/sim/*.yaml (a path, or a bare name looked up in configs/sim/);
+    ValueError names the bad key or value."""
+    path = find_config(path, "sim")
     data = read_yaml_mapping(path, "sim config")
     try:
         return parse_sim_config(data, path)

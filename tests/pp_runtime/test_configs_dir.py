@@ -64,3 +64,25 @@ def test_setup_cfg_installs_every_config_file() -> None:
     assert shipped and set(installed) == shipped
     for rel, dest in installed.items():
         assert dest == cd.SHARE / rel
+
+
+@pytest.mark.parametrize("spec", ["pp2_zipf", "pp2_zipf.yaml"])
+def test_bare_config_name_is_looked_up_in_configs(spec: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pp-runtime bench --config pp2_zipf` from any folder: a name that is not a file here."""
+    from pp_runtime.run_config import load_run_config
+    from pp_runtime.sim.config import load_sim_config
+    monkeypatch.chdir(tmp_path)
+    assert cd.find_config(spec, "runs") == ROOT / "configs" / "runs" / "pp2_zipf.yaml"
+    assert load_run_config(spec).workload == load_run_config(ROOT / "configs" / "runs" / "pp2_zipf.yaml").workload
+    assert load_sim_config("smoke").path == str(ROOT / "configs" / "sim" / "smoke.yaml")
+
+
+def test_config_path_wins_and_unknown_names_stay_as_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pp_runtime.run_config import load_run_config
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pp2_zipf.yaml").write_text("workload: {num_requests: 3, prompt_len: 8, output_len: 2}\n")
+    assert cd.find_config("pp2_zipf.yaml", "runs") == Path("pp2_zipf.yaml")  # the local file, not the shipped one
+    assert cd.find_config("nope", "runs") == Path("nope")
+    assert cd.find_config("sub/pp2_zipf", "runs") == Path("sub/pp2_zipf")  # a path with a folder is never looked up
+    with pytest.raises(ValueError, match="cannot read run config 'nope'"):
+        load_run_config("nope")
