@@ -214,11 +214,13 @@ void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vecto
 
 #ifdef PP_AVX512
 // heads_tiled at 16 lanes, for cores with 512-bit FMA units (the 8-lane loops leave half of each
-// idle), plus a software prefetch of the next K block in pass 1. Same walk (rows in memory order,
-// every head of a row before the next rows) and math; pass 1 reduces four dot products per
-// shuffle tree, pass 2 holds a head's G × W output slice in registers across a whole block.
+// idle), plus a software prefetch of the next K block in pass 1. Pass 1 walks as heads_tiled
+// does (rows in memory order, every head of a row before the next rows) and reduces four dot
+// products per shuffle tree. Pass 2 goes head by head through a block, holding the head's G × W
+// output slice in registers across the block's rows (heads_tiled's order, four rows then the
+// next head, measured the same cold and 10% slower hot here). Same math as heads_tiled.
 // SmolLM2 shapes, 30 layers' caches, scattered 16-token blocks, 1 thread, B = 4 × 256 keys:
-// 0.66-0.71 of heads_tiled's time read cold, 0.67-0.70 hot (docs/BENCHMARKS.md).
+// 0.63-0.71 of heads_tiled's time read cold, 0.67-0.70 hot (docs/BENCHMARKS.md).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -230,7 +232,9 @@ inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
   const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
                                  _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+  // the upper 256 bits through the f64 view: extractf32x8 would need AVX512DQ, this is AVX512F
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1));
+  const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u), hi);
   return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
 }
 
@@ -303,7 +307,6 @@ void heads_tiled512(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::ve
   std::fill(acc.begin(), acc.end(), 0.f);
   for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {  // pass 2, a block per slice
     const int64_t n = std::min(a.BS, len - start);
-    if (start + a.BS < len) ;
     for (int64_t h = h0; h < h1; ++h) {
       const T* vb = a.v + (table[blk] * a.BS * a.Hkv + h) * DC;
       const float* ph = p.data() + (h - h0) * GC * len + start;

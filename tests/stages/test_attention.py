@@ -63,11 +63,12 @@ def test_torch_backend_matches_dense(paged_kernel: bool, d: int, monkeypatch: py
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("b", [13, 1])
 @pytest.mark.parametrize("hkv,grp,d", [(3, 3, 64), (2, 5, 64), (2, 4, 128), (2, 3, 32), (4, 1, 64), (2, 2, 128),
-                                       (1, 8, 64)])
+                                       (1, 8, 64), (2, 3, 128), (1, 8, 128), (2, 1, 128), (2, 2, 64), (1, 4, 64)])
 def test_paged_kernel_matches_gather_sdpa_at_scale(threads: int, b: int, hkv: int, grp: int, d: int) -> None:
     """Real head shapes (SmolLM2: 9 query / 3 KV heads, D = 64), scattered blocks, ragged lengths;
     and shapes that take the kernel's other paths: the register-tiled one for each group size it
-    is built for (1, 2, 3, 4, 8: 4 / 2 / 1 rows at once), a task per sequence (b = 13) or per KV
+    is built for (1, 2, 3, 4, 8: 4 / 2 / 1 rows at once; at 16 lanes one or several output slices
+    per head, e.g. 3 x 128 and 8 x 128), a task per sequence (b = 13) or per KV
     head (b = 1 on 2 threads); the plain loops for head / group sizes not fixed at compile time
     (64 and 5, 32 and 3)."""
     if not cpu_kernels.available():
@@ -151,7 +152,8 @@ def test_xformers_kernel_matches_torch_on_cuda() -> None:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("hkv,grp,d", [(3, 3, 64), (2, 4, 128), (2, 5, 64), (1, 5, 48)])
+@pytest.mark.parametrize("hkv,grp,d", [(3, 3, 64), (2, 4, 128), (2, 5, 64), (1, 5, 48), (1, 8, 64), (2, 2, 128),
+                                       (2, 1, 64)])
 def test_kernels_read_float16_caches_as_their_float32_widening(threads: int, hkv: int, grp: int, d: int) -> None:
     """--kv-cache-dtype float16: both kernels widen each K/V element exactly as it is read, so the
     register-tiled decode path and the prefill kernel (which widens while packing) give bit for bit
