@@ -16,6 +16,7 @@ from pathlib import Path
 
 from launch.parser import engine_kwargs
 from pp_runtime.config import SCHEDULER_POLICIES
+from pp_runtime.configs_dir import find_config
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -115,9 +116,10 @@ def _write_run_dir(run_dir: str, llm: object, rows: list[dict] | None) -> None:
 def cmd_bench(a: argparse.Namespace) -> int:
     from pp_runtime.bench import format_table, run_bench
     from pp_runtime.run_config import load_run_config
-    if not Path(a.config).is_file():
-        raise ValueError(f"--config {a.config}: no such file")
-    cfg = load_run_config(a.config)
+    config = find_config(a.config, "runs")
+    if not config.is_file():
+        raise ValueError(f"--config {a.config}: no such file, nor a config of that name in configs/runs/")
+    cfg = load_run_config(config)
     given = {k: v for k, v in engine_kwargs(a).items() if v is not None and k not in ("scheduler", "verbose")}
     if given.get("launcher") == "torchrun":
         raise ValueError("bench runs with --launcher local or ray")
@@ -131,7 +133,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         cfg = replace(cfg, schedulers=names)
     if a.out and a.run_dir and Path(a.out) != Path(a.run_dir):
         raise ValueError(f"--out {a.out} and --run-dir {a.run_dir}: bench takes one output directory")
-    out = a.out or a.run_dir or str(Path("runs") / Path(a.config).stem)
+    out = a.out or a.run_dir or str(Path("runs") / config.stem)
     check_writable("--out", out, is_dir=True)
     from pp_runtime.run_outputs import RunInterrupted
     try:
@@ -160,11 +162,12 @@ def cmd_report(a: argparse.Namespace) -> int:
 
 def cmd_simulate(a: argparse.Namespace) -> int:
     from pp_runtime.sim import run_simulation
-    if not Path(a.config).is_file():
-        raise ValueError(f"--config {a.config}: no such file")
-    out = a.out or str(Path("runs") / f"sim_{Path(a.config).stem}")
+    config = find_config(a.config, "sim")
+    if not config.is_file():
+        raise ValueError(f"--config {a.config}: no such file, nor a config of that name in configs/sim/")
+    out = a.out or str(Path("runs") / f"sim_{config.stem}")
     check_writable("--out", out, is_dir=True)
-    run_simulation(a.config, out, progress=not a.quiet)
+    run_simulation(str(config), out, progress=not a.quiet)
     print(f"simulated run directories and comparison.json in {out}")
     return 0
 

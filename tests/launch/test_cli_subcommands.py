@@ -23,6 +23,18 @@ def test_simulate_then_report(tmp_path: Path) -> None:
     assert (out / "bubble_cdf.png").stat().st_size > 0 and (out / "sarathi" / "gantt.png").exists()
 
 
+def test_simulate_and_bench_take_a_bare_config_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    """--config smoke from a folder without such a file: configs/sim/smoke.yaml, and the default
+    --out is named after it; an unknown name is one line naming both places looked at."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["simulate", "--config", "smoke", "--quiet"]) == 0
+    assert (tmp_path / "runs" / "sim_smoke" / "comparison.json").is_file()
+    assert main(["bench", "--config", "no_such_workload"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no_such_workload" in err[0] and "configs/runs/" in err[0]
+
+
 def test_profile_quick(tmp_path: Path) -> None:
     assert main(["profile", "--model", "llama-tiny", "--grid", "quick", "--out", str(tmp_path), "--quiet"]) == 0
     assert (tmp_path / "profile.csv").read_text().startswith("kind,prefill_tokens,decode_tokens,context_len")

@@ -25,8 +25,11 @@ def installed_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (share / "models").mkdir(parents=True)
     shutil.copy(ROOT / "configs" / "models" / "smollm2-135m.yaml", share / "models")
     shutil.copytree(ROOT / "configs" / "sim", share / "sim")
-    monkeypatch.setattr(cd, "CHECKOUT", tmp_path / "no-checkout" / "configs")
-    monkeypatch.setattr(sys, "prefix", str(tmp_path / "prefix"))
+    shutil.copytree(ROOT / "configs" / "runs", share / "runs")
+    monkeypatch.setattr(cd, "ROOT", tmp_path / "site-packages")  # no setup.cfg beside the package
+    monkeypatch.setattr(cd, "CHECKOUT", tmp_path / "site-packages" / "configs")
+    monkeypatch.setattr(cd, "_data_paths", lambda: [tmp_path / "empty-user", tmp_path / "prefix"])
+    monkeypatch.chdir(tmp_path)
     return share
 
 
@@ -41,10 +44,24 @@ def test_installed_copy_is_found_without_a_checkout(installed_copy: Path) -> Non
     assert "cpu-2core" in presets.hardware_names()
 
 
+def test_another_packages_configs_folder_is_not_taken_for_ours(installed_copy: Path, tmp_path: Path) -> None:
+    """Outside a checkout, a top-level configs/ in site-packages (some other distribution's) is not ours."""
+    (tmp_path / "site-packages" / "configs" / "models").mkdir(parents=True)
+    assert cd.configs_dir() == installed_copy
+
+
+def test_data_paths_cover_the_install_schemes() -> None:
+    """Where pip puts a wheel's data_files: the default scheme's data path (a venv, or /usr/local
+    for a Debian system pip, whose sys.prefix is /usr), the user scheme's, and sys.prefix."""
+    import sysconfig
+    paths = cd._data_paths()
+    assert Path(sysconfig.get_path("data")) in paths and Path(sys.prefix) in paths
+    assert len(paths) == len(set(paths))
+
+
 def test_missing_everywhere_names_the_checkout_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cd, "CHECKOUT", tmp_path / "gone" / "configs")
-    monkeypatch.setattr(sys, "prefix", str(tmp_path / "empty-prefix"))
-    monkeypatch.setattr(cd.site, "getuserbase", lambda: str(tmp_path / "empty-user"))
+    monkeypatch.setattr(cd, "_data_paths", lambda: [tmp_path / "empty-prefix"])
     assert cd.configs_dir() == tmp_path / "gone" / "configs"
     with pytest.raises(model_source.ModelError, match="not found"):
         model_source.resolve_model(None)
@@ -75,6 +92,23 @@ def test_bare_config_name_is_looked_up_in_configs(spec: str, tmp_path: Path, mon
     assert cd.find_config(spec, "runs") == ROOT / "configs" / "runs" / "pp2_zipf.yaml"
     assert load_run_config(spec).workload == load_run_config(ROOT / "configs" / "runs" / "pp2_zipf.yaml").workload
     assert load_sim_config("smoke").path == str(ROOT / "configs" / "sim" / "smoke.yaml")
+
+
+def test_bare_names_find_the_installed_copy(installed_copy: Path) -> None:
+    from pp_runtime.run_config import load_run_config
+    assert cd.find_config("pp2_zipf", "runs") == installed_copy / "runs" / "pp2_zipf.yaml"
+    assert cd.find_config("smoke.yml", "sim") == Path("smoke.yml")  # no smoke.yml.yaml: .yml is a suffix too
+    assert cd.find_config("fig12", "sim") == installed_copy / "sim" / "fig12.yaml"
+    assert load_run_config("pp2_zipf").workload.num_requests > 0
+
+
+def test_edge_cases_of_a_bare_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fig12").mkdir()  # e.g. left by `simulate --config fig12 --out fig12`
+    assert cd.find_config("fig12", "sim") == ROOT / "configs" / "sim" / "fig12.yaml"
+    assert cd.find_config("./smoke", "sim") == Path("smoke")  # written as a path: not looked up
+    assert cd.find_config("hardware", "sim") == Path("hardware")  # a preset file, not a config
+    assert cd.find_config("models", "sim") == Path("models")
 
 
 def test_config_path_wins_and_unknown_names_stay_as_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
