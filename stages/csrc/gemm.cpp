@@ -703,6 +703,39 @@ void tile_bf16(const uint32_t* a, const uint32_t* b0, const uint32_t* b1, int64_
   }
 }
 
+// Two full row tiles (12 rows) x two panels (32 columns) at once: 24 accumulators share each
+// pair of W loads, where tile_bf16's 12 accumulators per 2 loads + 6 broadcasts leave the two
+// dot-product pipes waiting on their latency. bf16_product takes it for every two consecutive
+// full tiles of a panel pair; each output still sums its k pairs in order, so results are the
+// same as tile_bf16's. 256 x 576 x 960, 1 thread: 470 -> 500 GFLOP/s (torch's bf16 matmul 511-532).
+void tile_bf16_x2(const uint32_t* a0, const uint32_t* a1, const uint32_t* b0, const uint32_t* b1, int64_t kp,
+                  float* c, int64_t ldc, bool acc, const float* bias) {
+  __m512 s[2 * MR][2];
+#pragma GCC unroll 12
+  for (int i = 0; i < 2 * MR; ++i) s[i][0] = s[i][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp; ++p) {
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b0 + p * NR));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b1 + p * NR));
+#pragma GCC unroll 12
+    for (int i = 0; i < 2 * MR; ++i) {
+      const uint32_t* a = i < MR ? a0 + p * MR + i : a1 + p * MR + (i - MR);
+      const __m512bh x = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(*a)));
+      s[i][0] = _mm512_dpbf16_ps(s[i][0], x, w0);
+      s[i][1] = _mm512_dpbf16_ps(s[i][1], x, w1);
+    }
+  }
+#pragma GCC unroll 12
+  for (int i = 0; i < 2 * MR; ++i) {
+    float* ci = c + i * ldc;
+    for (int h = 0; h < 2; ++h) {
+      __m512 v = s[i][h];
+      if (acc) v = _mm512_add_ps(v, _mm512_loadu_ps(ci + h * NR));
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + h * NR));
+      _mm512_storeu_ps(ci + h * NR, v);
+    }
+  }
+}
+
 using BfFn = void (*)(const uint32_t*, const uint32_t*, const uint32_t*, int64_t, float*, int64_t, bool, const float*);
 constexpr BfFn kBf[2][MR + 1] = {
   {nullptr, tile_bf16<1, false>, tile_bf16<2, false>, tile_bf16<3, false>, tile_bf16<4, false>, tile_bf16<5, false>, tile_bf16<6, false>},
@@ -752,6 +785,12 @@ void bf16_product(const torch::Tensor& x, int64_t NP, float* c, const float* bia
           if (two) slab(j + 1, pc, kc, b1);
           for (int64_t t = tb; t < te; ++t) {
             const int m = rt.mt[t];
+            if (two && m == MR && t + 1 < te && rt.mt[t + 1] == MR) {  // rows r0[t] .. r0[t] + 11
+              tile_bf16_x2(ap + rt.r0[t] * K / 2 + pc / 2 * MR, ap + rt.r0[t + 1] * K / 2 + pc / 2 * MR, buf, b1,
+                           kc / 2, c + rt.r0[t] * N + j * NR, N, pc > 0, last && bias ? bias + j * NR : nullptr);
+              ++t;
+              continue;
+            }
             kBf[two][m](ap + rt.r0[t] * K / 2 + pc / 2 * m, buf, b1, kc / 2, c + rt.r0[t] * N + j * NR, N, pc > 0,
                         last && bias ? bias + j * NR : nullptr);
           }

@@ -71,6 +71,20 @@ def test_medium_computes_as_highest_without_avx512_bf16(monkeypatch: pytest.Monk
 
 
 @bf16_only
+@pytest.mark.parametrize("n", [32, 48])
+def test_bf16_row_results_do_not_depend_on_the_tile_they_fall_in(n: int) -> None:
+    """Rows that a big product runs in 12-row tiles (two full row tiles at once) and a 13-row
+    product runs in smaller tiles come out bit for bit the same: every output sums its k pairs
+    in order whatever the tile (n = 48: a panel pair and a single panel)."""
+    g = torch.Generator().manual_seed(n)
+    w, x = torch.randn(n, 1200, generator=g), torch.randn(300, 1200, generator=g)
+    packed = cpu_kernels.pack_weight(w)
+    big = cpu_kernels.packed_linear(x, packed, bf16=True)
+    for r0 in (0, 7, 287):
+        assert torch.equal(big[r0:r0 + 13], cpu_kernels.packed_linear(x[r0:r0 + 13], packed, bf16=True))
+
+
+@bf16_only
 def test_bf16_products_take_row_strided_x() -> None:
     w, x = torch.randn(32, 24), torch.randn(40, 50)
     packed = cpu_kernels.pack_weight(w)
