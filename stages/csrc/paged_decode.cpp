@@ -3,8 +3,8 @@
 // int64; lens (B,) int64.
 // Each KV head's G = H / H_kv query heads share every K/V row read; two passes (scores and
 // softmax over a contiguous buffer, then the V sum), each row read once, block by block.
-// With AVX2 and a common head size / group (64 or 128; 1, 2, 3, 4 or 8), heads_tiled (16 lanes
-// wide where the build has AVX-512: heads_tiled512) does both passes from registers, one task
+// With AVX2 and a common head size / group (64 or 128; 1, 2, 3, 4 or 8), heads_tiled (8 lanes
+// wide, 16 where the build has AVX-512) does both passes from registers, one task
 // per sequence walking its blocks' rows in memory order; otherwise one_head's plain loops, one
 // task per (sequence, KV head) (docs/BENCHMARKS.md).
 #include <torch/extension.h>
@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "vec.h"
@@ -104,10 +105,12 @@ void one_head(const Args<T>& a, int64_t b, int64_t h, std::vector<float>& p, std
 // horizontal sum: a chain of dependent FMAs and shuffles per row, which left the kernel at
 // ~8 GB/s of K/V against ~38 GB/s the core streams. Here pass 1 takes R rows at once (G·R
 // independent accumulators, reduced four rows per shuffle tree) and pass 2 keeps a CV-vector
-// slice of the G output rows in registers across a whole block. Same math; pass 2 adds the
+// slice of the G output rows in registers across RV rows of a block. Same math; pass 2 adds the
 // rows in the same order as before, pass 1's dot products reassociate (like -ffast-math did).
-constexpr int rows_at_once(int g) { return g <= 3 ? 4 : (g <= 6 ? 2 : 1); }
-constexpr int slice_vectors(int g) { return g <= 3 ? 4 : (g <= 6 ? 2 : 1); }
+//
+// One walk, two vector widths (a struct of the vector ops and the tile sizes each width wants):
+// Lanes8 (AVX2) and, where the build has AVX-512, Lanes16. At 8 lanes half of a 512-bit FMA
+// unit idles and a G = 3 tile (12 accumulators + q + k) does not fit the 16 ymm registers.
 
 // (a, b, c, d) -> their four horizontal sums, in order
 inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -115,117 +118,25 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-// scores of the G query heads (qb: (G, D)) against R rows from kr (stride rs): p[g·len + j] = q_g·k_j·scale
-template <typename T, int DC, int GC, int R>
-inline void score_rows(const float* qb, const T* kr, int64_t rs, float scale, float* p, int64_t len) {
-  __m256 acc[GC][R];
-  for (int g = 0; g < GC; ++g)
-    for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_ps();
-  for (int d = 0; d < DC; d += 8) {
-    __m256 qv[GC];
-    for (int g = 0; g < GC; ++g) qv[g] = _mm256_loadu_ps(qb + g * DC + d);
-    for (int r = 0; r < R; ++r) {
-      const __m256 kv = load8(kr + r * rs + d);
-      for (int g = 0; g < GC; ++g) acc[g][r] = _mm256_fmadd_ps(qv[g], kv, acc[g][r]);
-    }
-  }
-  for (int g = 0; g < GC; ++g) {
-    if constexpr (R == 4) {
-      _mm_storeu_ps(p + g * len, _mm_mul_ps(hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
-    } else {
-      for (int r = 0; r < R; ++r) p[g * len + r] = hsum256(acc[g][r]) * scale;
-    }
-  }
-}
-
-// KV heads [h0, h1) of sequence b. The kernel is bound by reading K/V from memory, and how fast
-// that goes depends on the order: a task per KV head reads a third of every 768-byte row of a
-// block and jumps, 8.4 GB/s on scattered 16-token blocks (SmolLM2 shapes, 12 sequences × 900
-// keys, 15 layers' caches, 1 thread); all heads of a row before the next row keeps the walk
-// sequential within a block: 10.5 GB/s scattered, 20 GB/s when the blocks are in order, 35 GB/s
-// hot in cache (compute is not the limit). Software prefetch of the next block did not help.
-template <typename T, int DC, int GC>
-void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& p, std::vector<float>& acc,
-                 std::vector<float>& inv) {
-  constexpr int R = rows_at_once(GC), CV = slice_vectors(GC), W = 8 * CV, RV = 4;
-  static_assert(DC % W == 0, "head size must be a whole number of slices");
-  const int64_t len = a.lens[b], rs = a.Hkv * DC, nh = h1 - h0;
-  const int64_t* table = a.tables + b * a.NBT;
-  p.resize(nh * GC * len);
-  acc.resize(nh * GC * DC);
-  inv.resize(nh * GC);
-  // pass 1: scores, R rows of a block at a time (a block's rows are rs apart); p is (nh·G, len)
-  for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {
-    const int64_t n = std::min(a.BS, len - start);
-    // rows in order, every head of a row before the next rows: the walk through the block stays
-    // sequential, which the stream prefetcher follows (a head-by-head walk is strided)
-    for (int64_t j = 0; j < n;) {
-      const bool full = j + R <= n;
-      for (int64_t h = h0; h < h1; ++h) {
-        const float* qb = a.q + (b * a.H + h * GC) * DC;
-        const T* kr = a.k + (table[blk] * a.BS * a.Hkv + h) * DC + j * rs;
-        float* ph = p.data() + (h - h0) * GC * len + start + j;
-        if (full) score_rows<T, DC, GC, R>(qb, kr, rs, a.scale, ph, len);
-        else score_rows<T, DC, GC, 1>(qb, kr, rs, a.scale, ph, len);
-      }
-      j += full ? R : 1;
-    }
-  }
-  for (int64_t g = 0; g < nh * GC; ++g) {
-    float* s = p.data() + g * len;
-    inv[g] = 1.f / exp_row(s, len, 1.f, row_max(s, len));
-  }
-  // pass 2: out_g = Σ_j p[g, j] · v_j, a W-wide slice of a head's G rows in registers per block
-  std::fill(acc.begin(), acc.end(), 0.f);
-  for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {
-    const int64_t n = std::min(a.BS, len - start);
-    for (int64_t j0 = 0; j0 < n; j0 += RV) {  // RV rows in order, as in pass 1
-      const int64_t nr = std::min<int64_t>(RV, n - j0);
-      for (int64_t h = h0; h < h1; ++h) {
-        const T* vb = a.v + (table[blk] * a.BS * a.Hkv + h) * DC + j0 * rs;
-        const float* ph = p.data() + (h - h0) * GC * len + start + j0;
-        float* ah = acc.data() + (h - h0) * GC * DC;
-        for (int c0 = 0; c0 < DC; c0 += W) {
-          __m256 o[GC][CV];
-          for (int g = 0; g < GC; ++g)
-            for (int c = 0; c < CV; ++c) o[g][c] = _mm256_loadu_ps(ah + g * DC + c0 + 8 * c);
-          const T* vr = vb + c0;
-          for (int64_t j = 0; j < nr; ++j, vr += rs) {
-            __m256 w[GC];
-            for (int g = 0; g < GC; ++g) w[g] = _mm256_broadcast_ss(ph + g * len + j);
-            for (int c = 0; c < CV; ++c) {
-              const __m256 vv = load8(vr + 8 * c);
-              for (int g = 0; g < GC; ++g) o[g][c] = _mm256_fmadd_ps(w[g], vv, o[g][c]);
-            }
-          }
-          for (int g = 0; g < GC; ++g)
-            for (int c = 0; c < CV; ++c) _mm256_storeu_ps(ah + g * DC + c0 + 8 * c, o[g][c]);
-        }
-      }
-    }
-  }
-  for (int64_t g = 0; g < nh * GC; ++g) {
-    float* out = a.out + (b * a.H + h0 * GC + g) * DC;
-    const __m256 s = _mm256_set1_ps(inv[g]);
-    for (int d = 0; d < DC; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_loadu_ps(acc.data() + g * DC + d), s));
-  }
-}
-#endif
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int N = 8;
+  static constexpr int rows_at_once(int g) { return g <= 3 ? 4 : (g <= 6 ? 2 : 1); }
+  static constexpr int slice_vectors(int g, int) { return g <= 3 ? 4 : (g <= 6 ? 2 : 1); }
+  static constexpr int64_t RV = 4;        // pass 2: rows per slice load / store, in order as in pass 1
+  static constexpr bool kPrefetch = false;  // software prefetch of the next block did not help here
+  static V zero() { return _mm256_setzero_ps(); }
+  static V loadf(const float* p) { return _mm256_loadu_ps(p); }
+  template <typename T> static V load(const T* p) { return load8(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static __m128 sum4(V a, V b, V c, V d) { return hsum4(a, b, c, d); }
+  static float sum(V v) { return hsum256(v); }
+};
 
 #ifdef PP_AVX512
-// heads_tiled at 16 lanes, for cores with 512-bit FMA units (the 8-lane loops leave half of each
-// idle), plus a software prefetch of the next K block in pass 1. Pass 1 walks as heads_tiled
-// does (rows in memory order, every head of a row before the next rows) and reduces four dot
-// products per shuffle tree. Pass 2 goes head by head through a block, holding the head's G × W
-// output slice in registers across the block's rows (heads_tiled's order, four rows then the
-// next head, measured the same cold and 10% slower hot here). Same math as heads_tiled.
-// SmolLM2 shapes, 30 layers' caches, scattered 16-token blocks, 1 thread, B = 4 × 256 keys:
-// 0.63-0.71 of heads_tiled's time read cold, 0.67-0.70 hot (docs/BENCHMARKS.md).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // (a, b, c, d) -> their four horizontal sums, in order
 inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
@@ -238,55 +149,92 @@ inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
 }
 
+// 16 lanes, and the next K block prefetched in pass 1: blocks are scattered, and the stream
+// prefetcher starts over at every block (and page) the walk jumps to. Pass 2 goes head by head
+// through a whole block, a head's G × W slice in registers across the block's rows (Lanes8's
+// order, four rows then the next head, measured the same cold and 10% slower hot here).
+// SmolLM2 shapes, 30 layers' caches, scattered 16-token blocks, 1 thread, B = 4 × 256 keys:
+// 0.63-0.71 of the 8-lane walk's time read cold, 0.67-0.70 hot (docs/BENCHMARKS.md).
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int N = 16;
+  static constexpr int rows_at_once(int g) { return g <= 4 ? 4 : 2; }  // G·R ≤ 16 accumulators
+  static constexpr int slice_vectors(int g, int dc) {  // G·CV ≤ 16 accumulators, CV | D / 16
+    const int most = g <= 2 ? 8 : (g <= 4 ? 4 : 2);
+    return most < dc / 16 ? most : dc / 16;
+  }
+  static constexpr int64_t RV = std::numeric_limits<int64_t>::max();  // a whole block
+  static constexpr bool kPrefetch = true;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const c10::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static __m128 sum4(V a, V b, V c, V d) { return hsum4x16(a, b, c, d); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+using Lanes = Lanes16;
+#else
+using Lanes = Lanes8;
+#endif
+
 // into L1, a line at a time
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
 }
 
-constexpr int rows_at_once512(int g) { return g <= 4 ? 4 : 2; }  // G·R ≤ 16 accumulators
-constexpr int slice_vectors512(int g, int dc) {  // G·CV ≤ 16 accumulators, CV | D / 16
-  const int most = g <= 2 ? 8 : (g <= 4 ? 4 : 2);
-  return most < dc / 16 ? most : dc / 16;
-}
-
-template <typename T, int DC, int GC, int R>
-inline void score_rows512(const float* qb, const T* kr, int64_t rs, float scale, float* p, int64_t len) {
-  __m512 acc[GC][R];
+// scores of the G query heads (qb: (G, D)) against R rows from kr (stride rs): p[g·len + j] = q_g·k_j·scale
+template <typename L, typename T, int DC, int GC, int R>
+inline void score_rows(const float* qb, const T* kr, int64_t rs, float scale, float* p, int64_t len) {
+  typename L::V acc[GC][R];
   for (int g = 0; g < GC; ++g)
-    for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
-  for (int d = 0; d < DC; d += 16) {
-    __m512 qv[GC];
-    for (int g = 0; g < GC; ++g) qv[g] = _mm512_loadu_ps(qb + g * DC + d);
+    for (int r = 0; r < R; ++r) acc[g][r] = L::zero();
+  for (int d = 0; d < DC; d += L::N) {
+    typename L::V qv[GC];
+    for (int g = 0; g < GC; ++g) qv[g] = L::loadf(qb + g * DC + d);
     for (int r = 0; r < R; ++r) {
-      const __m512 kv = load16(kr + r * rs + d);
-      for (int g = 0; g < GC; ++g) acc[g][r] = _mm512_fmadd_ps(qv[g], kv, acc[g][r]);
+      const typename L::V kv = L::load(kr + r * rs + d);
+      for (int g = 0; g < GC; ++g) acc[g][r] = L::fma(qv[g], kv, acc[g][r]);
     }
   }
   for (int g = 0; g < GC; ++g) {
     if constexpr (R == 4) {
-      _mm_storeu_ps(p + g * len, _mm_mul_ps(hsum4x16(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
+      _mm_storeu_ps(p + g * len, _mm_mul_ps(L::sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
     } else {
-      for (int r = 0; r < R; ++r) p[g * len + r] = _mm512_reduce_add_ps(acc[g][r]) * scale;
+      for (int r = 0; r < R; ++r) p[g * len + r] = L::sum(acc[g][r]) * scale;
     }
   }
 }
 
-template <typename T, int DC, int GC>
-void heads_tiled512(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& p,
-                    std::vector<float>& acc, std::vector<float>& inv) {
-  constexpr int R = rows_at_once512(GC), CV = slice_vectors512(GC, DC), W = 16 * CV;
+// KV heads [h0, h1) of sequence b. The kernel is bound by reading K/V from memory, and how fast
+// that goes depends on the order: a task per KV head reads a third of every 768-byte row of a
+// block and jumps, 8.4 GB/s on scattered 16-token blocks (SmolLM2 shapes, 12 sequences × 900
+// keys, 15 layers' caches, 1 thread, 8 lanes); all heads of a row before the next row keeps the
+// walk sequential within a block: 10.5 GB/s scattered, 20 GB/s when the blocks are in order,
+// 35 GB/s hot in cache.
+template <typename L, typename T, int DC, int GC>
+void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& p, std::vector<float>& acc,
+                 std::vector<float>& inv) {
+  constexpr int R = L::rows_at_once(GC), CV = L::slice_vectors(GC, DC), W = L::N * CV;
   static_assert(DC % W == 0, "head size must be a whole number of slices");
   const int64_t len = a.lens[b], rs = a.Hkv * DC, nh = h1 - h0;
   const int64_t* table = a.tables + b * a.NBT;
   p.resize(nh * GC * len);
   acc.resize(nh * GC * DC);
   inv.resize(nh * GC);
-  for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {  // pass 1, as heads_tiled
+  // pass 1: scores, R rows of a block at a time (a block's rows are rs apart); p is (nh·G, len)
+  for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {
     const int64_t n = std::min(a.BS, len - start);
-    // the next block's K rows, the same rows of it as scored now: blocks are scattered, and the
-    // stream prefetcher starts over at every block (and page) the walk jumps to
-    const T* next = start + a.BS < len ? a.k + table[blk + 1] * a.BS * a.Hkv * DC : nullptr;
+    // the next block's K rows, the same rows of it as scored now (with L::kPrefetch)
+    const T* next = L::kPrefetch && start + a.BS < len ? a.k + table[blk + 1] * a.BS * a.Hkv * DC : nullptr;
+    // rows in order, every head of a row before the next rows: the walk through the block stays
+    // sequential, which the stream prefetcher follows (a head-by-head walk is strided)
     for (int64_t j = 0; j < n;) {
       const bool full = j + R <= n;
       if (next) prefetch_bytes(next + j * rs, (full ? R : 1) * rs * static_cast<int64_t>(sizeof(T)));
@@ -294,8 +242,8 @@ void heads_tiled512(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::ve
         const float* qb = a.q + (b * a.H + h * GC) * DC;
         const T* kr = a.k + (table[blk] * a.BS * a.Hkv + h) * DC + j * rs;
         float* ph = p.data() + (h - h0) * GC * len + start + j;
-        if (full) score_rows512<T, DC, GC, R>(qb, kr, rs, a.scale, ph, len);
-        else score_rows512<T, DC, GC, 1>(qb, kr, rs, a.scale, ph, len);
+        if (full) score_rows<L, T, DC, GC, R>(qb, kr, rs, a.scale, ph, len);
+        else score_rows<L, T, DC, GC, 1>(qb, kr, rs, a.scale, ph, len);
       }
       j += full ? R : 1;
     }
@@ -304,35 +252,39 @@ void heads_tiled512(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::ve
     float* s = p.data() + g * len;
     inv[g] = 1.f / exp_row(s, len, 1.f, row_max(s, len));
   }
+  // pass 2: out_g = Σ_j p[g, j] · v_j, a W-wide slice of a head's G rows in registers for RV rows
   std::fill(acc.begin(), acc.end(), 0.f);
-  for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {  // pass 2, a block per slice
+  for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {
     const int64_t n = std::min(a.BS, len - start);
-    for (int64_t h = h0; h < h1; ++h) {
-      const T* vb = a.v + (table[blk] * a.BS * a.Hkv + h) * DC;
-      const float* ph = p.data() + (h - h0) * GC * len + start;
-      float* ah = acc.data() + (h - h0) * GC * DC;
-      for (int c0 = 0; c0 < DC; c0 += W) {
-        __m512 o[GC][CV];
-        for (int g = 0; g < GC; ++g)
-          for (int c = 0; c < CV; ++c) o[g][c] = _mm512_loadu_ps(ah + g * DC + c0 + 16 * c);
-        const T* vr = vb + c0;
-        for (int64_t j = 0; j < n; ++j, vr += rs) {
-          __m512 w[GC];
-          for (int g = 0; g < GC; ++g) w[g] = _mm512_set1_ps(ph[g * len + j]);
-          for (int c = 0; c < CV; ++c) {
-            const __m512 vv = load16(vr + 16 * c);
-            for (int g = 0; g < GC; ++g) o[g][c] = _mm512_fmadd_ps(w[g], vv, o[g][c]);
+    for (int64_t j0 = 0, nr; j0 < n; j0 += nr) {
+      nr = std::min<int64_t>(L::RV, n - j0);
+      for (int64_t h = h0; h < h1; ++h) {
+        const T* vb = a.v + (table[blk] * a.BS * a.Hkv + h) * DC + j0 * rs;
+        const float* ph = p.data() + (h - h0) * GC * len + start + j0;
+        float* ah = acc.data() + (h - h0) * GC * DC;
+        for (int c0 = 0; c0 < DC; c0 += W) {
+          typename L::V o[GC][CV];
+          for (int g = 0; g < GC; ++g)
+            for (int c = 0; c < CV; ++c) o[g][c] = L::loadf(ah + g * DC + c0 + L::N * c);
+          const T* vr = vb + c0;
+          for (int64_t j = 0; j < nr; ++j, vr += rs) {
+            typename L::V w[GC];
+            for (int g = 0; g < GC; ++g) w[g] = L::set1(ph[g * len + j]);
+            for (int c = 0; c < CV; ++c) {
+              const typename L::V vv = L::load(vr + L::N * c);
+              for (int g = 0; g < GC; ++g) o[g][c] = L::fma(w[g], vv, o[g][c]);
+            }
           }
+          for (int g = 0; g < GC; ++g)
+            for (int c = 0; c < CV; ++c) L::store(ah + g * DC + c0 + L::N * c, o[g][c]);
         }
-        for (int g = 0; g < GC; ++g)
-          for (int c = 0; c < CV; ++c) _mm512_storeu_ps(ah + g * DC + c0 + 16 * c, o[g][c]);
       }
     }
   }
   for (int64_t g = 0; g < nh * GC; ++g) {
     float* out = a.out + (b * a.H + h0 * GC + g) * DC;
-    const __m512 s = _mm512_set1_ps(inv[g]);
-    for (int d = 0; d < DC; d += 16) _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + g * DC + d), s));
+    const typename L::V s = L::set1(inv[g]);
+    for (int d = 0; d < DC; d += L::N) L::store(out + d, L::mul(L::loadf(acc.data() + g * DC + d), s));
   }
 }
 #endif
@@ -348,11 +300,7 @@ void run(const Args<T>& a, int64_t B) {
       std::vector<float> p, acc, inv;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i * per / a.Hkv, h0 = i * per % a.Hkv;
-#ifdef PP_AVX512
-        heads_tiled512<T, DC, GC>(a, b, h0, h0 + per, p, acc, inv);
-#else
-        heads_tiled<T, DC, GC>(a, b, h0, h0 + per, p, acc, inv);
-#endif
+        heads_tiled<Lanes, T, DC, GC>(a, b, h0, h0 + per, p, acc, inv);
       }
     });
     return;
