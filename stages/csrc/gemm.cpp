@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -487,63 +488,105 @@ void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, 
 #ifdef PP_AVX512
 
 // Up to two row tiles (M rows of x into c, then M1 rows of x1 into cs: all of a few-row product)
-// against one quantized panel over the whole K, each weight row from codes to a 16-lane register
-// and straight into the FMAs: with 32 registers the M + M1 <= 12 accumulators, the weight row and
-// the block's scales all fit, so unlike the 8-lane path (REG_ROWS, SECOND) every few-row product
-// goes this way and the panel is dequantized once. One panel at a time: two panels' code streams
-// read side by side ran 1.5x slower for 1-2 rows (isolated, 30 layers' weights, 1 thread). Same
-// weights, same k order: bit-identical.
-#define PQ_ROW(i)                                                       \
-  if constexpr (M > i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(a[k * M + i]), w, c##i);      \
-  if constexpr (M1 > i) e##i = _mm512_fmadd_ps(_mm512_set1_ps(a1[k * M1 + i]), w, e##i);
-#define PQ_OUT(i)                                                       \
-  if constexpr (M > i) _mm512_store_ps(t[i], c##i);                     \
-  if constexpr (M1 > i) _mm512_store_ps(t[MR + i], e##i);
-template <int M, int M1, bool U4>
-void qtile_zmm(const float* x, const float* x1, const uint8_t* panel, int64_t K, float* c, float* cs, int64_t ldc,
-               const float* bias) {
+// against P adjacent quantized panels over the whole K, each weight row from codes to a 16-lane
+// register and straight into the FMAs. Each output sums its k terms in one chain of dependent
+// FMAs, k after k, as every other path does (bit-identical), so a panel at a time with 1-4 rows
+// waited on the FMA's latency, ~4 cycles per k step: ~14 GB/s of codes. P panels keep
+// P · (M + M1) chains in flight (up to 16 accumulators beside the blocks' scales in the 32
+// registers). The codes stream, a panel after the next, and the blocks PF_BLOCKS ahead are asked
+// for in the same walk, across into the next P panels: the hardware prefetcher alone left 1-4-row
+// products at 17-20 GB/s of codes. 30 layers' four shapes + a Q8_0 LM head, from memory, 1
+// thread: M = 1 7.9 -> 4.2 ms (docs/BENCHMARKS.md).
+constexpr int64_t PF_BLOCKS = 6;
+
+constexpr int panels_at_once(int rows) { return rows <= 4 ? 4 : (rows <= 8 ? 2 : 1); }
+
+// row r of one u4 block -> its 16 codes as fp32: the row's 8 bytes twice over, byte j into lanes
+// j and j + 8, lanes 8-15 shifted right by 4 (their high nibbles); vpermps from {0, 1, ..., 15}
+// reads only the low 4 bits of each lane, so it masks and converts in one instruction
+inline __m512 codes_u4(const uint8_t* codes, int64_t r, __m512 levels, __m512i shifts) {
+  int64_t row;
+  std::memcpy(&row, codes + r * 8, sizeof(row));
+  return _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_set1_epi64x(row)), shifts), levels);
+}
+
+template <int P, int M, int M1, bool U4>
+void qtile_zmm(const float* x, const float* x1, const uint8_t* panel, int64_t pbytes, int64_t K, float* c, float* cs,
+               int64_t ldc, const float* bias) {
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
-  __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
-  __m512 e0 = c0, e1 = c0, e2 = c0, e3 = c0, e4 = c0, e5 = c0;
-  for (int64_t kb = 0; kb < K / QK; ++kb) {
+  constexpr int R = M + M1;
+  const int64_t nb = K / QK;
+  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i shifts = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc[P][R];
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) acc[p][i] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < nb; ++kb) {
     const float* a = x + kb * QK * M;
     const float* a1 = x1 + kb * QK * M1;
-    const uint8_t* blk = panel + kb * QB;
-    const float* dm = reinterpret_cast<const float*>(blk);
-    const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + NR);
+    __m512 d[P], m[P];
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* blk = panel + p * pbytes + kb * QB;
+      d[p] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
+      m[p] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk) + NR);
+      // a prefetch never faults: past the last panel it asks for lines nobody reads, no harm
+      const uint8_t* ahead = kb + PF_BLOCKS < nb ? blk + PF_BLOCKS * QB : panel + (P + p) * pbytes + (kb + PF_BLOCKS - nb) * QB;
+      for (int64_t o = 0; o < QB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
+    }
 #pragma GCC unroll 4
     for (int64_t k = 0; k < QK; ++k) {
-      const __m512 w = dequant_zmm<U4>(blk + 128, k, d, m);
-      PQ_ROW(0) PQ_ROW(1) PQ_ROW(2) PQ_ROW(3) PQ_ROW(4) PQ_ROW(5)
+#pragma GCC unroll 16
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* codes = panel + p * pbytes + kb * QB + 128;
+        const __m512 w = U4 ? _mm512_fmadd_ps(codes_u4(codes, k, levels, shifts), d[p], m[p])
+                            : dequant_zmm<false>(codes, k, d[p], m[p]);
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i)
+          acc[p][i] = _mm512_fmadd_ps(_mm512_set1_ps(i < M ? a[k * M + i] : a1[k * M1 + i - M]), w, acc[p][i]);
+      }
     }
   }
-  alignas(64) float t[2 * MR][NR];
-  PQ_OUT(0) PQ_OUT(1) PQ_OUT(2) PQ_OUT(3) PQ_OUT(4) PQ_OUT(5)
-  const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-  for (int i = 0; i < M; ++i) _mm512_storeu_ps(c + i * ldc, _mm512_add_ps(_mm512_load_ps(t[i]), bv));
-  for (int i = 0; i < M1; ++i) _mm512_storeu_ps(cs + i * ldc, _mm512_add_ps(_mm512_load_ps(t[MR + i]), bv));
+#pragma GCC unroll 16
+  for (int p = 0; p < P; ++p) {
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + p * NR) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i)
+      _mm512_storeu_ps((i < M ? c + i * ldc : cs + (i - M) * ldc) + p * NR, _mm512_add_ps(acc[p][i], bv));
+  }
 }
-#undef PQ_ROW
-#undef PQ_OUT
 
-using QZFn = void (*)(const float*, const float*, const uint8_t*, int64_t, float*, float*, int64_t, const float*);
+using QZFn = void (*)(const float*, const float*, const uint8_t*, int64_t, int64_t, float*, float*, int64_t,
+                      const float*);
+struct QZ {
+  QZFn wide;  // P panels at once
+  int P;
+  QZFn one;   // one panel: what is left of a thread's panels past a multiple of P
+};
+template <int M, int M1, bool U4>
+constexpr QZ qz_entry() {
+  constexpr int P = panels_at_once(M + M1);
+  return {qtile_zmm<P, M, M1, U4>, P, qtile_zmm<1, M, M1, U4>};
+}
 // by the rows of the first tile and of the second (0: none), as tile_rows splits 1-12 rows
 template <bool U4>
-QZFn qz_for(int m, int m1) {
+QZ qz_for(int m, int m1) {
   switch (m * 10 + m1) {
-    case 10: return qtile_zmm<1, 0, U4>;
-    case 20: return qtile_zmm<2, 0, U4>;
-    case 30: return qtile_zmm<3, 0, U4>;
-    case 40: return qtile_zmm<4, 0, U4>;
-    case 50: return qtile_zmm<5, 0, U4>;
-    case 60: return qtile_zmm<6, 0, U4>;
-    case 34: return qtile_zmm<3, 4, U4>;
-    case 44: return qtile_zmm<4, 4, U4>;
-    case 54: return qtile_zmm<5, 4, U4>;
-    case 64: return qtile_zmm<6, 4, U4>;
-    case 65: return qtile_zmm<6, 5, U4>;
-    case 66: return qtile_zmm<6, 6, U4>;
-    default: return nullptr;
+    case 10: return qz_entry<1, 0, U4>();
+    case 20: return qz_entry<2, 0, U4>();
+    case 30: return qz_entry<3, 0, U4>();
+    case 40: return qz_entry<4, 0, U4>();
+    case 50: return qz_entry<5, 0, U4>();
+    case 60: return qz_entry<6, 0, U4>();
+    case 34: return qz_entry<3, 4, U4>();
+    case 44: return qz_entry<4, 4, U4>();
+    case 54: return qz_entry<5, 4, U4>();
+    case 64: return qz_entry<6, 4, U4>();
+    case 65: return qz_entry<6, 5, U4>();
+    case 66: return qz_entry<6, 6, U4>();
+    default: return {nullptr, 0, nullptr};
   }
 }
 #endif
@@ -571,13 +614,16 @@ void quant_product(const RowTiles& rt, const uint8_t* q, int64_t NP, int64_t K, 
 #ifdef PP_AVX512
   if (T <= WHOLE_K_TILES) {
     const int m = rt.mt[0], m1 = T > 1 ? rt.mt[1] : 0;
-    const QZFn fn = qz_for<U4>(m, m1);
-    TORCH_CHECK(fn != nullptr, "quant_linear: no few-row tile for ", m, " + ", m1, " rows");
+    const QZ qz = qz_for<U4>(m, m1);
+    TORCH_CHECK(qz.wide != nullptr, "quant_linear: no few-row tile for ", m, " + ", m1, " rows");
     const float* x1 = T > 1 ? rt.ap + rt.r0[1] * K : rt.ap;
+    const int64_t cs = T > 1 ? rt.r0[1] * N : 0;  // the second tile's rows of c
     for_panel_chunks(NP, 0, [&](int64_t j0, int64_t j1, float*) {
-      for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t j = j0; j < j1;) {
+        const int64_t n = j + qz.P <= j1 ? qz.P : 1;
         float* cj = c + j * NR;
-        fn(rt.ap, x1, q + j * pbytes, K, cj, T > 1 ? cj + rt.r0[1] * N : cj, N, bias ? bias + j * NR : nullptr);
+        (n > 1 ? qz.wide : qz.one)(rt.ap, x1, q + j * pbytes, pbytes, K, cj, cj + cs, N, bias ? bias + j * NR : nullptr);
+        j += n;
       }
     });
     return;
