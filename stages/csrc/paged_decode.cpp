@@ -218,9 +218,16 @@ inline void score_rows(const float* qb, const T* kr, int64_t rs, float scale, fl
 // keys, 15 layers' caches, 1 thread, 8 lanes); all heads of a row before the next row keeps the
 // walk sequential within a block: 10.5 GB/s scattered, 20 GB/s when the blocks are in order,
 // 35 GB/s hot in cache.
+//
+// With L::kPrefetch the walk asks for what it reads next one block ahead, across the seams too:
+// the next K block in pass 1 (and V's first during K's last), the next V block in pass 2, and
+// during V's last block the next sequence's first K block (next_seq: this task's next sequence,
+// its first row, or -1). The V and seam prefetches gave 0.78-0.91 of the K-only walk's time
+// (SmolLM2 shapes, 30 layers' caches, scattered blocks, 1-2 threads, fp16 and fp32, B = 4-32,
+// 256-1024 keys; docs/BENCHMARKS.md).
 template <typename L, typename T, int DC, int GC>
 void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& p, std::vector<float>& acc,
-                 std::vector<float>& inv) {
+                 std::vector<float>& inv, int64_t next_seq) {
   constexpr int R = L::rows_at_once(GC), CV = L::slice_vectors(GC, DC), W = L::N * CV;
   static_assert(DC % W == 0, "head size must be a whole number of slices");
   const int64_t len = a.lens[b], rs = a.Hkv * DC, nh = h1 - h0;
@@ -231,8 +238,9 @@ void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vecto
   // pass 1: scores, R rows of a block at a time (a block's rows are rs apart); p is (nh·G, len)
   for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {
     const int64_t n = std::min(a.BS, len - start);
-    // the next block's K rows, the same rows of it as scored now (with L::kPrefetch)
-    const T* next = L::kPrefetch && start + a.BS < len ? a.k + table[blk + 1] * a.BS * a.Hkv * DC : nullptr;
+    // the next block's K rows (V's first block's after the last), the same rows as scored now
+    const T* next = !L::kPrefetch ? nullptr
+                    : (start + a.BS < len ? a.k + table[blk + 1] * a.BS * a.Hkv * DC : a.v + table[0] * a.BS * a.Hkv * DC);
     // rows in order, every head of a row before the next rows: the walk through the block stays
     // sequential, which the stream prefetcher follows (a head-by-head walk is strided)
     for (int64_t j = 0; j < n;) {
@@ -256,6 +264,11 @@ void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vecto
   std::fill(acc.begin(), acc.end(), 0.f);
   for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {
     const int64_t n = std::min(a.BS, len - start);
+    if (L::kPrefetch && start + a.BS < len) {  // the next V block, then the next sequence's first K block
+      prefetch_bytes(a.v + table[blk + 1] * a.BS * a.Hkv * DC, n * rs * static_cast<int64_t>(sizeof(T)));
+    } else if (L::kPrefetch && next_seq >= 0) {
+      prefetch_bytes(a.k + a.tables[next_seq * a.NBT] * a.BS * a.Hkv * DC, a.BS * rs * static_cast<int64_t>(sizeof(T)));
+    }
     for (int64_t j0 = 0, nr; j0 < n; j0 += nr) {
       nr = std::min<int64_t>(L::RV, n - j0);
       for (int64_t h = h0; h < h1; ++h) {
@@ -300,7 +313,7 @@ void run(const Args<T>& a, int64_t B) {
       std::vector<float> p, acc, inv;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i * per / a.Hkv, h0 = i * per % a.Hkv;
-        heads_tiled<Lanes, T, DC, GC>(a, b, h0, h0 + per, p, acc, inv);
+        heads_tiled<Lanes, T, DC, GC>(a, b, h0, h0 + per, p, acc, inv, per_seq && i + 1 < end ? b + 1 : -1);
       }
     });
     return;
