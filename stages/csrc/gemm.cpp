@@ -35,7 +35,15 @@ constexpr int MR = 6;         // rows per register tile
 constexpr int NR = 16;        // output columns per panel (two 8-lane vectors)
 constexpr int64_t KC = 256;   // deepest K slab: a panel's slab (<= 16 KB) stays in L1 over a row block
 constexpr int64_t MC = 72;    // rows per block: their K slab (72 KB) stays in L2
-constexpr int64_t WHOLE_K_TILES = 2;  // up to this many row tiles: K in one slab (see packed_linear)
+constexpr int64_t WHOLE_K_TILES = 2;  // up to this many row tiles: the 8-lane few-row paths (see packed_linear)
+// up to this many row tiles K is one slab (slab_depth), and with AVX-512 a quantized product runs
+// from codes to registers, <= 2 tiles at a time (quant_product): 13-36 rows 0.61-0.87 of the slab
+// path's time (docs/BENCHMARKS.md)
+#ifdef PP_AVX512
+constexpr int64_t FEW_ROW_TILES = 6;
+#else
+constexpr int64_t FEW_ROW_TILES = WHOLE_K_TILES;
+#endif
 constexpr int64_t CHUNKS_PER_THREAD = 8;  // panel chunks handed out per thread (see packed_linear)
 constexpr int64_t MAX_CHUNK = 16;  // panels per chunk at most: 16 x 36 KB of W stays in L2 over row blocks
 
@@ -248,13 +256,13 @@ RowTiles pack_rows(const torch::Tensor& x) {
 }
 
 // K in slabs of about equal depth (576 -> 3 x 192, not 256 + 256 + 64): a tile reloads and
-// stores its 12 accumulators once per slab, which a shallow last slab pays for in full. With one
-// or two row tiles (<= 12 rows: decode steps) a slab is read once or twice and L1 residency buys
+// stores its 12 accumulators once per slab, which a shallow last slab pays for in full. With a
+// few row tiles (FEW_ROW_TILES: decode steps) a slab is read a few times and L1 residency buys
 // little, while slabs turn W's stream into 12 KB runs with 24 KB gaps: K whole reads each chunk's
 // panels as one sequential stream (isolated, 2 threads, 1-12 rows: 5-9% faster). Both weight
 // formats use this rule, so a product sums in the same order whichever holds W.
 int64_t slab_depth(int64_t K, int64_t tiles) {
-  const int64_t nslab = tiles <= WHOLE_K_TILES ? 1 : (K + KC - 1) / KC;
+  const int64_t nslab = tiles <= FEW_ROW_TILES ? 1 : (K + KC - 1) / KC;
   return ((K + nslab - 1) / nslab + 7) / 8 * 8;
 }
 
@@ -610,20 +618,34 @@ template <bool U4>
 void quant_product(const RowTiles& rt, const uint8_t* q, int64_t NP, int64_t K, float* c, const float* bias) {
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
   const int64_t N = NP * NR, T = rt.size(), pbytes = K / QK * QB;
-  static_assert(WHOLE_K_TILES == 2, "the few-row path below runs one or two tiles");
 #ifdef PP_AVX512
-  if (T <= WHOLE_K_TILES) {
-    const int m = rt.mt[0], m1 = T > 1 ? rt.mt[1] : 0;
-    const QZ qz = qz_for<U4>(m, m1);
-    TORCH_CHECK(qz.wide != nullptr, "quant_linear: no few-row tile for ", m, " + ", m1, " rows");
-    const float* x1 = T > 1 ? rt.ap + rt.r0[1] * K : rt.ap;
-    const int64_t cs = T > 1 ? rt.r0[1] * N : 0;  // the second tile's rows of c
+  if (T <= FEW_ROW_TILES) {
+    // row tiles in groups of one or two (an odd count: the first alone), each group one qtile_zmm
+    // walk; every group runs over the same 4 panels before the next 4, whose codes (28-74 KB)
+    // are then still in L1/L2 for the groups after the first
+    struct Group { QZ qz; const float* x; const float* x1; int64_t c0, cs; };
+    std::vector<Group> groups;
+    for (int64_t t = 0; t < T;) {
+      const bool pair = (T - t) % 2 == 0;
+      const int m = rt.mt[t], m1 = pair ? rt.mt[t + 1] : 0;
+      const QZ qz = qz_for<U4>(m, m1);
+      TORCH_CHECK(qz.wide != nullptr, "quant_linear: no few-row tile for ", m, " + ", m1, " rows");
+      const int64_t t1 = pair ? t + 1 : t;
+      groups.push_back({qz, rt.ap + rt.r0[t] * K, rt.ap + rt.r0[t1] * K, rt.r0[t] * N, (rt.r0[t1] - rt.r0[t]) * N});
+      t += pair ? 2 : 1;
+    }
     for_panel_chunks(NP, 0, [&](int64_t j0, int64_t j1, float*) {
-      for (int64_t j = j0; j < j1;) {
-        const int64_t n = j + qz.P <= j1 ? qz.P : 1;
-        float* cj = c + j * NR;
-        (n > 1 ? qz.wide : qz.one)(rt.ap, x1, q + j * pbytes, pbytes, K, cj, cj + cs, N, bias ? bias + j * NR : nullptr);
-        j += n;
+      for (int64_t j = j0; j < j1; j += 4) {  // 4: a multiple of every group's P
+        const int64_t je = std::min(j + 4, j1);
+        for (const Group& g : groups) {
+          for (int64_t i = j; i < je;) {
+            const int64_t n = i + g.qz.P <= je ? g.qz.P : 1;
+            float* ci = c + g.c0 + i * NR;
+            (n > 1 ? g.qz.wide : g.qz.one)(g.x, g.x1, q + i * pbytes, pbytes, K, ci, ci + g.cs, N,
+                                           bias ? bias + i * NR : nullptr);
+            i += n;
+          }
+        }
       }
     });
     return;

@@ -55,7 +55,7 @@ def test_to_panels_names_what_it_cannot_take() -> None:
 # rows: none, the one- and two-tile few-row path (K whole) and its tile splits, the slab path;
 # K: one block, 288 (slabs of 144 start inside a block), several slabs; N: chunks of 16 panels
 @pytest.mark.parametrize("qtype", [quant.Q4_1, quant.Q8_0], ids=["u4", "s8"])
-@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 32, 300])
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 19, 24, 32, 36, 37, 300])
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 288), (4112, 64), (32, 608)])
 def test_quant_linear_is_packed_linear_bit_for_bit(threads: int, qtype: int, m: int, n: int, k: int) -> None:
     raw, w = quantized(n, k, qtype, seed=m + n + k)
