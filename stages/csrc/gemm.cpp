@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -541,8 +542,7 @@ void qtile_zmm(const float* x, const float* x1, const uint8_t* panel, int64_t pb
       d[p] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
       m[p] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk) + NR);
       // a prefetch never faults: past the last panel it asks for lines nobody reads, no harm
-      const uint8_t* ahead = kb + PF_BLOCKS < nb ? blk + PF_BLOCKS * QB : panel + (P + p) * pbytes + (kb + PF_BLOCKS - nb) * QB;
-      for (int64_t o = 0; o < QB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T0);
+      prefetch_bytes(kb + PF_BLOCKS < nb ? blk + PF_BLOCKS * QB : panel + (P + p) * pbytes + (kb + PF_BLOCKS - nb) * QB, QB);
     }
 #pragma GCC unroll 4
     for (int64_t k = 0; k < QK; ++k) {
@@ -578,7 +578,8 @@ constexpr QZ qz_entry() {
   constexpr int P = panels_at_once(M + M1);
   return {qtile_zmm<P, M, M1, U4>, P, qtile_zmm<1, M, M1, U4>};
 }
-// by the rows of the first tile and of the second (0: none), as tile_rows splits 1-12 rows
+// by the rows of the first tile and of the second (0: none) of a group: one or two of the tiles
+// tile_rows cuts 1-36 rows into
 template <bool U4>
 QZ qz_for(int m, int m1) {
   switch (m * 10 + m1) {
@@ -609,7 +610,8 @@ constexpr int64_t MCQ = 288;  // rows per block over one dequantized slab (their
 // Ask for bytes [p, p + n) of a panel's codes ahead of their use (into L2, as the fp32 tiles'
 // prefetch): without it the quantized products ran 7% slower than fp32 in decode steps of 32
 // rows in the model, though not in a loop of GEMMs alone. Not in the few-row path: the next
-// whole panel asked for there made 1-4 rows at 1 thread 15-23% slower.
+// whole panel asked for there made 1-4 rows at 1 thread 15-23% slower; qtile_zmm asks for its
+// blocks one at a time, PF_BLOCKS ahead, instead.
 inline void prefetch_panel(const uint8_t* p, int64_t n) {
   for (int64_t b = 0; b < n; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + b), PF_HINT);
 }
@@ -624,20 +626,22 @@ void quant_product(const RowTiles& rt, const uint8_t* q, int64_t NP, int64_t K, 
     // walk; every group runs over the same 4 panels before the next 4, whose codes (28-74 KB)
     // are then still in L1/L2 for the groups after the first
     struct Group { QZ qz; const float* x; const float* x1; int64_t c0, cs; };
-    std::vector<Group> groups;
+    std::array<Group, (FEW_ROW_TILES + 1) / 2> groups;  // a fixed array: no allocation per product
+    int ng = 0;
     for (int64_t t = 0; t < T;) {
       const bool pair = (T - t) % 2 == 0;
       const int m = rt.mt[t], m1 = pair ? rt.mt[t + 1] : 0;
       const QZ qz = qz_for<U4>(m, m1);
       TORCH_CHECK(qz.wide != nullptr, "quant_linear: no few-row tile for ", m, " + ", m1, " rows");
       const int64_t t1 = pair ? t + 1 : t;
-      groups.push_back({qz, rt.ap + rt.r0[t] * K, rt.ap + rt.r0[t1] * K, rt.r0[t] * N, (rt.r0[t1] - rt.r0[t]) * N});
+      groups[ng++] = {qz, rt.ap + rt.r0[t] * K, rt.ap + rt.r0[t1] * K, rt.r0[t] * N, (rt.r0[t1] - rt.r0[t]) * N};
       t += pair ? 2 : 1;
     }
     for_panel_chunks(NP, 0, [&](int64_t j0, int64_t j1, float*) {
       for (int64_t j = j0; j < j1; j += 4) {  // 4: a multiple of every group's P
         const int64_t je = std::min(j + 4, j1);
-        for (const Group& g : groups) {
+        for (int gi = 0; gi < ng; ++gi) {
+          const Group& g = groups[gi];
           for (int64_t i = j; i < je;) {
             const int64_t n = i + g.qz.P <= je ? g.qz.P : 1;
             float* ci = c + g.c0 + i * NR;

@@ -149,8 +149,8 @@ inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
 }
 
-// 16 lanes, and the next K block prefetched in pass 1: blocks are scattered, and the stream
-// prefetcher starts over at every block (and page) the walk jumps to. Pass 2 goes head by head
+// 16 lanes, and software prefetch of the next blocks (what heads_tiled asks for): blocks are
+// scattered, and the stream prefetcher starts over at every block (and page) the walk jumps to. Pass 2 goes head by head
 // through a whole block, a head's G × W slice in registers across the block's rows (Lanes8's
 // order, four rows then the next head, measured the same cold and 10% slower hot here).
 // SmolLM2 shapes, 30 layers' caches, scattered 16-token blocks, 1 thread, B = 4 × 256 keys:
@@ -182,12 +182,6 @@ using Lanes = Lanes16;
 #else
 using Lanes = Lanes8;
 #endif
-
-// into L1, a line at a time
-inline void prefetch_bytes(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
-}
 
 // scores of the G query heads (qb: (G, D)) against R rows from kr (stride rs): p[g·len + j] = q_g·k_j·scale
 template <typename L, typename T, int DC, int GC, int R>
@@ -232,6 +226,9 @@ void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vecto
   static_assert(DC % W == 0, "head size must be a whole number of slices");
   const int64_t len = a.lens[b], rs = a.Hkv * DC, nh = h1 - h0;
   const int64_t* table = a.tables + b * a.NBT;
+  // block id's first row (all KV heads) in a cache; bytes of n rows
+  auto block = [&a, rs](const T* cache, int64_t id) { return cache + id * a.BS * rs; };
+  auto row_bytes = [rs](int64_t n) { return n * rs * static_cast<int64_t>(sizeof(T)); };
   p.resize(nh * GC * len);
   acc.resize(nh * GC * DC);
   inv.resize(nh * GC);
@@ -239,13 +236,12 @@ void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vecto
   for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {
     const int64_t n = std::min(a.BS, len - start);
     // the next block's K rows (V's first block's after the last), the same rows as scored now
-    const T* next = !L::kPrefetch ? nullptr
-                    : (start + a.BS < len ? a.k + table[blk + 1] * a.BS * a.Hkv * DC : a.v + table[0] * a.BS * a.Hkv * DC);
+    const T* next = !L::kPrefetch ? nullptr : (start + a.BS < len ? block(a.k, table[blk + 1]) : block(a.v, table[0]));
     // rows in order, every head of a row before the next rows: the walk through the block stays
     // sequential, which the stream prefetcher follows (a head-by-head walk is strided)
     for (int64_t j = 0; j < n;) {
       const bool full = j + R <= n;
-      if (next) prefetch_bytes(next + j * rs, (full ? R : 1) * rs * static_cast<int64_t>(sizeof(T)));
+      if (next) prefetch_bytes(next + j * rs, row_bytes(full ? R : 1));
       for (int64_t h = h0; h < h1; ++h) {
         const float* qb = a.q + (b * a.H + h * GC) * DC;
         const T* kr = a.k + (table[blk] * a.BS * a.Hkv + h) * DC + j * rs;
@@ -265,9 +261,9 @@ void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vecto
   for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {
     const int64_t n = std::min(a.BS, len - start);
     if (L::kPrefetch && start + a.BS < len) {  // the next V block, then the next sequence's first K block
-      prefetch_bytes(a.v + table[blk + 1] * a.BS * a.Hkv * DC, n * rs * static_cast<int64_t>(sizeof(T)));
+      prefetch_bytes(block(a.v, table[blk + 1]), row_bytes(n));
     } else if (L::kPrefetch && next_seq >= 0) {
-      prefetch_bytes(a.k + a.tables[next_seq * a.NBT] * a.BS * a.Hkv * DC, a.BS * rs * static_cast<int64_t>(sizeof(T)));
+      prefetch_bytes(block(a.k, a.tables[next_seq * a.NBT]), row_bytes(a.BS));
     }
     for (int64_t j0 = 0, nr; j0 < n; j0 += nr) {
       nr = std::min<int64_t>(L::RV, n - j0);

@@ -71,6 +71,13 @@ inline float hsum256(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+
+// bytes [p, p + bytes) into L1, a line at a time (the decode attention's next blocks, the few-row
+// GEMM's next quantized blocks)
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+}
 #endif
 
 // max of s[0..n), n >= 1
