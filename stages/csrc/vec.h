@@ -72,11 +72,13 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// bytes [p, p + bytes) into L1, a line at a time (the decode attention's next blocks, the few-row
-// GEMM's next quantized blocks)
+// bytes [p, p + bytes) into L2, a line at a time (the decode attention's next blocks, the few-row
+// GEMM's next quantized blocks). L2, not L1: these lines are used a block or a panel later, and
+// pulling them into the 32 KiB L1 early evicts the lines the current block is still reading (on
+// Zen 4, 2 threads, medium + fp16, ctx 256: decode B = 1/4/32 0.91/0.92/0.96 of the T0 time)
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
 }
 #endif
 
