@@ -46,8 +46,8 @@ def ours(model: str | None, prompts: list[list[int]], max_tokens: int, **engine:
     return dt
 
 
-def hf_model(model: str | None) -> object:
-    """The same checkpoint in transformers (fp32, eval); a random preset has no HF form."""
+def hf_model(model: str | None, dtype: torch.dtype = torch.float32) -> object:
+    """The same checkpoint in transformers (fp32 unless ``dtype``, eval); a random preset has no HF form."""
     import transformers
     from stages.model_source import resolve_model
     src = resolve_model(model)
@@ -56,7 +56,7 @@ def hf_model(model: str | None) -> object:
     path = __import__("pathlib").Path(src.path)
     kw = {"gguf_file": path.name} if src.kind == "gguf" else {}
     folder = path.parent if src.kind == "gguf" else path
-    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kw).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, **kw).eval()
 
 
 @torch.inference_mode()

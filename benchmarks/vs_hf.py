@@ -13,7 +13,11 @@ ratio printed is the median of each round's ours / HF: on this box either side s
 between runs minutes apart (HF alone has ranged 148-206 tok/s), more than most changes measured.
 Every HF run is a fresh process, as a user would run it: our workers change the process's
 allocator (stages/worker.py: tune_cpu_allocator), and one more HF run with that setting shows
-that part of the gap. Once each after the rounds: ours with fp32 weights, ours at pp=2.
+that part of the gap. Once each after the rounds: ours with fp32 weights, ours at pp=2, and the
+reduced-precision pair: HF with its weights in bf16 (its fastest CPU setting we found: torch's
+bf16 matmuls, bf16 activations) against ours at --matmul-precision medium --kv-cache-dtype float16
+(bf16 products of > 12 rows with fp32 sums, fp32 activations, fp16 K/V). The target compares the
+fp32 runs; the bf16 pair shows what each side gains from the core's bf16 dot products.
 """
 from __future__ import annotations
 
@@ -31,8 +35,8 @@ from core_throughput import hf_model, ours  # same directory: run as a script
 from pairing import alternating, ratios
 
 
-def hf_generate(model_spec: str | None, prompts: list[list[int]], new_tokens: int) -> float:
-    m = hf_model(model_spec)
+def hf_generate(model_spec: str | None, prompts: list[list[int]], new_tokens: int, dtype: str = "float32") -> float:
+    m = hf_model(model_spec, getattr(torch, dtype))
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -46,11 +50,14 @@ def hf_generate(model_spec: str | None, prompts: list[list[int]], new_tokens: in
     return dt
 
 
-def hf_in_fresh_process(model_spec: str | None, prompts: list[list[int]], new_tokens: int, tuned: bool) -> float:
-    """hf_generate's seconds, measured in a new Python process (2 threads; tuned: our allocator setting)."""
+def hf_in_fresh_process(model_spec: str | None, prompts: list[list[int]], new_tokens: int, tuned: bool,
+                        dtype: str = "float32") -> float:
+    """hf_generate's seconds, measured in a new Python process (2 threads; tuned: our allocator setting;
+    dtype: the HF model's weights and activations)."""
     with tempfile.TemporaryDirectory() as d:
         spec = Path(d) / "hf.json"
-        spec.write_text(json.dumps({"model": model_spec, "prompts": prompts, "new_tokens": new_tokens, "tuned": tuned}))
+        spec.write_text(json.dumps({"model": model_spec, "prompts": prompts, "new_tokens": new_tokens, "tuned": tuned,
+                                    "dtype": dtype}))
         subprocess.run([sys.executable, __file__, "--hf-child", str(spec)], check=True)
         return json.loads(spec.read_text())["seconds"]
 
@@ -61,7 +68,7 @@ def hf_child(spec_path: str) -> None:
     if spec["tuned"]:
         from stages.worker import tune_cpu_allocator
         tune_cpu_allocator()
-    spec["seconds"] = hf_generate(spec["model"], spec["prompts"], spec["new_tokens"])
+    spec["seconds"] = hf_generate(spec["model"], spec["prompts"], spec["new_tokens"], spec["dtype"])
     Path(spec_path).write_text(json.dumps(spec))
 
 
@@ -109,7 +116,10 @@ def main() -> None:
                                 gguf_weights="dequantize")
     r["ours_pp2_s"] = ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk, max_batch_size=a.num + 1, pp=2,
                            launcher="ray", threads=1)
-    for k in ("hf", "hf_tuned", "ours_pp1", "ours_pp1_fp32", "ours_pp2"):
+    r["hf_bf16_s"] = hf_in_fresh_process(a.model, prompts, a.new_tokens, tuned=False, dtype="bfloat16")
+    r["ours_pp1_medium_s"] = ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk, max_batch_size=a.num + 1,
+                                  matmul_precision="medium", kv_cache_dtype="float16")
+    for k in ("hf", "hf_tuned", "ours_pp1", "ours_pp1_fp32", "ours_pp2", "hf_bf16", "ours_pp1_medium"):
         r[f"{k}_tok_s"] = total / r[f"{k}_s"]
     print(f"{a.num} prompts ({sum(lens)} tokens, lengths {a.min_len}-{a.max_len}) × {a.new_tokens} new tokens, "
           f"2 threads in all")
@@ -122,6 +132,9 @@ def main() -> None:
           f"({r['ours_pp1_fp32_tok_s'] / r['hf_tok_s']:.2f}x HF)")
     print(f"  pp_runtime pp=2, 1 thread/stage: {r['ours_pp2_tok_s']:8.1f} tok/s  "
           f"({r['ours_pp2_tok_s'] / r['hf_tok_s']:.2f}x HF)")
+    print(f"  HF, bf16 weights:                {r['hf_bf16_tok_s']:8.1f} tok/s")
+    print(f"  pp_runtime pp=1, medium + fp16 KV: {r['ours_pp1_medium_tok_s']:6.1f} tok/s  "
+          f"({r['ours_pp1_medium_tok_s'] / r['hf_bf16_tok_s']:.2f}x HF bf16)")
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=1))
 

@@ -23,6 +23,7 @@ def run(args: list[str], tmp: Path) -> dict:
 def test_vs_hf_smoke(hf_models: dict, tmp_path: Path) -> None:
     r = run(["benchmarks/vs_hf.py", "--smoke", "--model", str(hf_models["llama"])], tmp_path)
     assert r["hf_tok_s"] > 0 and r["ours_pp1_tok_s"] > 0 and r["ours_pp2_tok_s"] > 0
+    assert r["hf_bf16_tok_s"] > 0 and r["ours_pp1_medium_tok_s"] > 0
 
 
 def test_pipeline_smoke(tmp_path: Path) -> None:
