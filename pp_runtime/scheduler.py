@@ -19,12 +19,12 @@ later recomputed from its tokens.
 """
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from typing import Callable
 
 from pp_runtime.batch import MicroBatch, SampleSpec, SeqChunk
+from pp_runtime.chunk_budget import chunk_cost, fit_chunk
 from pp_runtime.config import SchedulerConfig
 from pp_runtime.kv_cache import BlockManager, blocks_for
 from pp_runtime.request import Phase, Request
@@ -36,27 +36,6 @@ def sample_seed(base: int, position: int) -> int:
     """Seed of the token sampled at ``position``: depends on nothing but the request and position,
     so a seeded request samples the same tokens however it was batched, chunked or preempted."""
     return (base * _SEED_MIX + position * 0x2545F4914F6CDD1D) % (1 << 62)
-
-
-def chunk_cost(start: int, n: int, key_cost: float) -> float:
-    """Cost of prompt tokens start .. start + n − 1 in tokens: each costs 1 for its linear layers
-    plus key_cost per key it attends to (position p attends to p + 1 keys, itself included)."""
-    return n + key_cost * (n * start + n * (n + 1) / 2)
-
-
-def fit_chunk(start: int, remaining: int, budget: float, key_cost: float) -> int:
-    """The most tokens (≤ remaining) from position ``start`` whose chunk_cost fits in budget."""
-    if key_cost <= 0:
-        return max(0, min(remaining, int(budget)))
-    # chunk_cost(n) = budget is (k/2)·n² + (1 + k(start + ½))·n − budget = 0: its positive root,
-    # then a step either way for float rounding
-    b = 1 + key_cost * (start + 0.5)
-    n = max(0, min(remaining, int((math.sqrt(b * b + 2 * key_cost * budget) - b) / key_cost)))
-    while n > 0 and chunk_cost(start, n, key_cost) > budget:
-        n -= 1
-    while n < remaining and chunk_cost(start, n + 1, key_cost) <= budget:
-        n += 1
-    return n
 
 
 class Scheduler:

@@ -24,7 +24,8 @@ from pp_runtime.batch import MicroBatch, SeqChunk
 from pp_runtime.config import SchedulerConfig
 from pp_runtime.kv_cache import BlockManager, blocks_for
 from pp_runtime.request import Request, SamplingParams
-from pp_runtime.scheduler import Scheduler, chunk_cost, fit_chunk
+from pp_runtime.chunk_budget import chunk_cost
+from pp_runtime.scheduler import Scheduler
 
 VOCAB = 61
 EOS = 0
@@ -623,23 +624,6 @@ def test_scheduler_depth_must_be_positive() -> None:
 
 
 # ---- sarathi's "flops" chunk budget ------------------------------------------------------------
-@given(start=st.integers(0, 5000), remaining=st.integers(1, 600), budget=st.floats(0.0, 2000.0),
-       key_cost=st.sampled_from([0.0, 4e-5, 3.26e-4, 0.02, 1.0]))
-@settings(max_examples=300, deadline=None)
-def test_fit_chunk_is_the_largest_chunk_within_the_budget(start: int, remaining: int, budget: float,
-                                                         key_cost: float) -> None:
-    n = fit_chunk(start, remaining, budget, key_cost)
-    assert 0 <= n <= remaining
-    assert n == 0 or chunk_cost(start, n, key_cost) <= budget
-    assert n == remaining or chunk_cost(start, n + 1, key_cost) > budget
-
-
-def test_chunk_cost_counts_each_tokens_keys() -> None:
-    # positions 3, 4, 5 attend to 4, 5, 6 keys
-    assert chunk_cost(3, 3, 0.5) == pytest.approx(3 + 0.5 * (4 + 5 + 6))
-    assert chunk_cost(100, 7, 0.0) == 7
-
-
 def test_flops_budget_gives_deeper_chunks_fewer_tokens_of_equal_cost() -> None:
     pipe = run_workload("sarathi", 1, 64, make_requests([400], 2), key_cost=KEY_COST)
     chunks = [c for m in pipe.history for c in m.chunks if c.is_prefill]

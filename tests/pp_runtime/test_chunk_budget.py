@@ -1,0 +1,32 @@
+"""The FLOPs chunk budget's arithmetic (pp_runtime/chunk_budget.py): plain Python."""
+from __future__ import annotations
+
+import doctest
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pp_runtime import chunk_budget
+from pp_runtime.chunk_budget import chunk_cost, fit_chunk
+
+
+@given(start=st.integers(0, 5000), remaining=st.integers(1, 600), budget=st.floats(0.0, 2000.0),
+       key_cost=st.sampled_from([0.0, 4e-5, 3.26e-4, 0.02, 1.0]))
+@settings(max_examples=300, deadline=None)
+def test_fit_chunk_is_the_largest_chunk_within_the_budget(start: int, remaining: int, budget: float,
+                                                         key_cost: float) -> None:
+    n = fit_chunk(start, remaining, budget, key_cost)
+    assert 0 <= n <= remaining
+    assert n == 0 or chunk_cost(start, n, key_cost) <= budget
+    assert n == remaining or chunk_cost(start, n + 1, key_cost) > budget
+
+
+def test_chunk_cost_counts_each_tokens_keys() -> None:
+    # positions 3, 4, 5 attend to 4, 5, 6 keys
+    assert chunk_cost(3, 3, 0.5) == pytest.approx(3 + 0.5 * (4 + 5 + 6))
+    assert chunk_cost(100, 7, 0.0) == 7
+
+
+def test_module_examples() -> None:
+    assert doctest.testmod(chunk_budget).failed == 0
