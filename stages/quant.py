@@ -65,8 +65,8 @@ def to_panels(raw: np.ndarray, qtype: int) -> torch.Tensor:
     q = by_panel(codes)  # (NP, kb, 32, 16): row k of a block holds its 16 columns
     if qtype == Q8_0:
         qbytes = np.ascontiguousarray(q).view(np.uint8).reshape(np_, kb, QK * PANEL)
-    else:  # byte i of row k: column i in the low nibble, column i + 8 in the high
-        qbytes = (q[..., :8] | (q[..., 8:] << 4)).astype(np.uint8).reshape(np_, kb, QK * PANEL // 2)
+    else:  # rows 2i and 2i + 1 in 16 bytes: byte j holds column j of row 2i (low nibble), of 2i + 1 (high)
+        qbytes = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).astype(np.uint8).reshape(np_, kb, QK * PANEL // 2)
     out = np.concatenate([np.ascontiguousarray(scales).view(np.uint8), qbytes], axis=-1)
     return torch.from_numpy(np.ascontiguousarray(out))
 
@@ -92,7 +92,7 @@ def panel_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     if w.shape[2] == QB_S8:
         q = blk[..., 128:].reshape(t, kb, QK, PANEL)[ar, :, :, c].view(torch.int8)  # (T, kb, 32)
     else:
-        byte = blk[..., 128:].reshape(t, kb, QK, PANEL // 2)[ar, :, :, c % 8]
-        q = (byte >> (4 * (c // 8)).to(torch.uint8).view(t, 1, 1)) & 0x0F
+        byte = blk[..., 128:].reshape(t, kb, QK // 2, PANEL)[ar, :, :, c]  # (T, kb, 16): row pairs
+        q = torch.stack([byte & 0x0F, byte >> 4], dim=-1).reshape(t, kb, QK)
     # two ops, not addcmul: d·q (exact) then one rounding for + m, as the gguf package does
     return (q.float() * d.unsqueeze(-1)).add_(m.unsqueeze(-1)).reshape(t, kb * QK)

@@ -344,14 +344,21 @@ void blocked_product(const RowTiles& rt, int64_t NP, int64_t K, int64_t tpb, boo
 
 // ---- block-quantized panels (GGUF Q4_0 / Q4_1 / Q8_0 weights kept as stored) ----------------
 // A panel's K is cut into blocks of QK = 32; block b of panel p is QB bytes: scale d[16] and
-// offset m[16] (fp32, one per output column), then the 32 x 16 codes: u4 — row k in 8 bytes, byte
-// i holding column i (low nibble) and column i + 8 (high) — or s8, row k in 16 bytes. The weight
+// offset m[16] (fp32, one per output column), then the 32 x 16 codes: u4 — rows 2i and 2i + 1 in
+// 16 bytes, byte j holding column j of row 2i (low nibble) and of row 2i + 1 (high), so one byte
+// load widened to 16 lanes gives two rows' columns in order — or s8, row k in 16 bytes. The weight
 // is w = d·q + m, computed as one FMA: d·q is exact in fp32 (an fp16 scale times a 4- or 8-bit
 // code), so it rounds once, as the gguf package's (d * q) + m does: the same fp32 weights.
 constexpr int64_t QK = 32;
 constexpr int64_t QB_U4 = 128 + QK * NR / 2, QB_S8 = 128 + QK * NR;
 
 #ifdef PP_AVX2
+// row r of one u4 block -> its 16 codes, one byte per column in order
+inline __m128i u4_row(const uint8_t* codes, int64_t r) {
+  const __m128i pair = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r / 2 * 16));
+  return _mm_and_si128(_mm_srl_epi16(pair, _mm_cvtsi32_si128(4 * static_cast<int>(r & 1))), _mm_set1_epi8(0x0F));
+}
+
 // row r of one block -> its 16 fp32 weights in w0 (columns 0-7), w1 (8-15); d, m: the block's
 // scales, loaded by the caller
 template <bool U4>
@@ -359,10 +366,9 @@ inline void dequant_regs(const uint8_t* codes, int64_t r, __m256 d0, __m256 d1, 
                          __m256& w1) {
   __m256 f0, f1;
   if constexpr (U4) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + r * 8));
-    const __m128i lo4 = _mm_set1_epi8(0x0F);
-    f0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, lo4)));
-    f1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), lo4)));
+    const __m128i q = u4_row(codes, r);
+    f0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+    f1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
   } else {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * 16));
     f0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
@@ -386,14 +392,10 @@ inline void dequant_row(const uint8_t* codes, int64_t r, __m256 d0, __m256 d1, _
 // dequant_regs)
 template <bool U4>
 inline __m512 dequant_zmm(const uint8_t* codes, int64_t r, __m512 d, __m512 m) {
-  __m128i q;
   if constexpr (U4) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + r * 8));
-    const __m128i lo4 = _mm_set1_epi8(0x0F);
-    q = _mm_unpacklo_epi64(_mm_and_si128(b, lo4), _mm_and_si128(_mm_srli_epi16(b, 4), lo4));  // columns 0-7, 8-15
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), d, m);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(u4_row(codes, r))), d, m);
   } else {
-    q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * 16));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * 16));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d, m);
   }
 }
@@ -431,8 +433,8 @@ void dequant(const uint8_t* panel, int64_t k0, int64_t kc, float* buf) {
       for (int j = 0; j < NR; ++j) {
         float q;
         if constexpr (U4) {
-          const uint8_t byte = blk[128 + r * 8 + j % 8];
-          q = static_cast<float>(j < 8 ? byte & 0x0F : byte >> 4);
+          const uint8_t byte = blk[128 + r / 2 * 16 + j];
+          q = static_cast<float>(r % 2 ? byte >> 4 : byte & 0x0F);
         } else {
           q = static_cast<float>(static_cast<int8_t>(blk[128 + r * 16 + j]));
         }
@@ -510,13 +512,16 @@ constexpr int64_t PF_BLOCKS = 6;
 
 constexpr int panels_at_once(int rows) { return rows <= 4 ? 4 : (rows <= 8 ? 2 : 1); }
 
-// row r of one u4 block -> its 16 codes as fp32: the row's 8 bytes twice over, byte j into lanes
-// j and j + 8, lanes 8-15 shifted right by 4 (their high nibbles); vpermps from {0, 1, ..., 15}
-// reads only the low 4 bits of each lane, so it masks and converts in one instruction
-inline __m512 codes_u4(const uint8_t* codes, int64_t r, __m512 levels, __m512i shifts) {
-  int64_t row;
-  std::memcpy(&row, codes + r * 8, sizeof(row));
-  return _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_set1_epi64x(row)), shifts), levels);
+// rows 2i and 2i + 1 of one u4 block -> their 16 codes each as fp32 (lo, hi): the pair's 16 bytes
+// widened to 16 lanes once; vpermps from {0, 1, ..., 15} reads only the low 4 bits of each lane,
+// so it masks and converts row 2i in one instruction, and row 2i + 1 after a shift by 4. Two rows
+// in four instructions: the row-at-a-time layout took four per row (broadcast, widen, shift,
+// permute), and at 1-4 rows those, not the FMAs, bound the product on a core with one 512-bit
+// FMA per cycle (Zen 4: decode steps of 1 / 4 rows 0.90 / 0.94 of the time, docs/BENCHMARKS.md)
+inline void codes_u4_pair(const uint8_t* codes, int64_t i, __m512 levels, __m512& lo, __m512& hi) {
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i * 16)));
+  lo = _mm512_permutexvar_ps(q, levels);
+  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), levels);
 }
 
 template <int P, int M, int M1, bool U4>
@@ -526,7 +531,6 @@ void qtile_zmm(const float* x, const float* x1, const uint8_t* panel, int64_t pb
   constexpr int R = M + M1;
   const int64_t nb = K / QK;
   const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i shifts = _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
   __m512 acc[P][R];
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
@@ -544,16 +548,26 @@ void qtile_zmm(const float* x, const float* x1, const uint8_t* panel, int64_t pb
       // a prefetch never faults: past the last panel it asks for lines nobody reads, no harm
       prefetch_bytes(kb + PF_BLOCKS < nb ? blk + PF_BLOCKS * QB : panel + (P + p) * pbytes + (kb + PF_BLOCKS - nb) * QB, QB);
     }
-#pragma GCC unroll 4
-    for (int64_t k = 0; k < QK; ++k) {
+    // w's row k into every row's sum, k after k as everywhere else
+    auto step = [&](int p, int64_t k, __m512 w) {
+#pragma GCC unroll 16
+      for (int i = 0; i < R; ++i)
+        acc[p][i] = _mm512_fmadd_ps(_mm512_set1_ps(i < M ? a[k * M + i] : a1[k * M1 + i - M]), w, acc[p][i]);
+    };
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < QK; k += 2) {
 #pragma GCC unroll 16
       for (int p = 0; p < P; ++p) {
         const uint8_t* codes = panel + p * pbytes + kb * QB + 128;
-        const __m512 w = U4 ? _mm512_fmadd_ps(codes_u4(codes, k, levels, shifts), d[p], m[p])
-                            : dequant_zmm<false>(codes, k, d[p], m[p]);
-#pragma GCC unroll 16
-        for (int i = 0; i < R; ++i)
-          acc[p][i] = _mm512_fmadd_ps(_mm512_set1_ps(i < M ? a[k * M + i] : a1[k * M1 + i - M]), w, acc[p][i]);
+        if constexpr (U4) {
+          __m512 lo, hi;
+          codes_u4_pair(codes, k / 2, levels, lo, hi);
+          step(p, k, _mm512_fmadd_ps(lo, d[p], m[p]));
+          step(p, k + 1, _mm512_fmadd_ps(hi, d[p], m[p]));
+        } else {
+          step(p, k, dequant_zmm<false>(codes, k, d[p], m[p]));
+          step(p, k + 1, dequant_zmm<false>(codes, k + 1, d[p], m[p]));
+        }
       }
     }
   }
