@@ -19,7 +19,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cstring>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -524,13 +523,31 @@ inline void codes_u4_pair(const uint8_t* codes, int64_t i, __m512 levels, __m512
   hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), levels);
 }
 
+// rows 2i and 2i + 1 of one block -> their 16 fp32 weights each (the same FMA per weight as
+// dequant_zmm); levels: {0, 1, ..., 15}, for codes_u4_pair
+template <bool U4>
+inline void dequant_pair_zmm(const uint8_t* codes, int64_t i, __m512 d, __m512 m, __m512 levels, __m512& w0,
+                             __m512& w1) {
+  if constexpr (U4) {
+    __m512 lo, hi;
+    codes_u4_pair(codes, i, levels, lo, hi);
+    w0 = _mm512_fmadd_ps(lo, d, m);
+    w1 = _mm512_fmadd_ps(hi, d, m);
+  } else {
+    w0 = dequant_zmm<false>(codes, 2 * i, d, m);
+    w1 = dequant_zmm<false>(codes, 2 * i + 1, d, m);
+  }
+}
+
+inline __m512 u4_levels() { return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+
 template <int P, int M, int M1, bool U4>
 void qtile_zmm(const float* x, const float* x1, const uint8_t* panel, int64_t pbytes, int64_t K, float* c, float* cs,
                int64_t ldc, const float* bias) {
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
   constexpr int R = M + M1;
   const int64_t nb = K / QK;
-  const __m512 levels = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 levels = u4_levels();
   __m512 acc[P][R];
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
@@ -558,16 +575,10 @@ void qtile_zmm(const float* x, const float* x1, const uint8_t* panel, int64_t pb
     for (int64_t k = 0; k < QK; k += 2) {
 #pragma GCC unroll 16
       for (int p = 0; p < P; ++p) {
-        const uint8_t* codes = panel + p * pbytes + kb * QB + 128;
-        if constexpr (U4) {
-          __m512 lo, hi;
-          codes_u4_pair(codes, k / 2, levels, lo, hi);
-          step(p, k, _mm512_fmadd_ps(lo, d[p], m[p]));
-          step(p, k + 1, _mm512_fmadd_ps(hi, d[p], m[p]));
-        } else {
-          step(p, k, dequant_zmm<false>(codes, k, d[p], m[p]));
-          step(p, k + 1, dequant_zmm<false>(codes, k + 1, d[p], m[p]));
-        }
+        __m512 w0, w1;
+        dequant_pair_zmm<U4>(panel + p * pbytes + kb * QB + 128, k / 2, d[p], m[p], levels, w0, w1);
+        step(p, k, w0);
+        step(p, k + 1, w1);
       }
     }
   }
@@ -838,11 +849,13 @@ template <bool U4>
 void dequant_bf16(const uint8_t* panel, int64_t k0, int64_t kc, uint32_t* buf) {
   for_blocks<U4>(panel, k0, kc, [buf](const uint8_t* blk, int64_t r0, int64_t r1, int64_t at) {
     const float* dm = reinterpret_cast<const float*>(blk);
-    const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + NR);
+    const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + NR), levels = u4_levels();
     uint32_t* o = buf + at / 2 * NR;
-    for (int64_t r = r0; r < r1; r += 2)
-      _mm512_storeu_si512(o + r / 2 * NR, pair_rows(dequant_zmm<U4>(blk + 128, r, d, m),
-                                                    dequant_zmm<U4>(blk + 128, r + 1, d, m)));
+    for (int64_t r = r0; r < r1; r += 2) {  // r0 even: k0 is
+      __m512 w0, w1;
+      dequant_pair_zmm<U4>(blk + 128, r / 2, d, m, levels, w0, w1);
+      _mm512_storeu_si512(o + r / 2 * NR, pair_rows(w0, w1));
+    }
   });
 }
 
