@@ -37,6 +37,8 @@ takes its torch path.
 """
 from __future__ import annotations
 
+import hashlib
+import platform
 import sys
 import threading
 import time
@@ -48,7 +50,24 @@ _SOURCES = [str(Path(__file__).with_name("csrc") / f)
             for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp")]
 TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a multiple of it
 PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a multiple of it
-_NAME = "pp_runtime_cpu_kernels"
+
+
+def _host_tag(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """8 hex digits naming this CPU (model and feature flags).
+
+    torch's build cache keys a build on its sources and flags, and "-march=native" reads the
+    same on every host: with a home directory shared across nodes, a node without AVX-512 would
+    load another node's AVX-512 build and die of SIGILL. One build per kind of CPU instead."""
+    try:
+        with open(cpuinfo) as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+    except OSError:
+        lines = []
+    key = "".join(dict.fromkeys(lines)) or f"{platform.machine()} {platform.processor()}"
+    return hashlib.sha1(key.encode()).hexdigest()[:8]
+
+
+_NAME = f"pp_runtime_cpu_kernels_{_host_tag()}"
 STALE_LOCK_S = 600.0  # a build takes ~1-2 min here; a lock older than this outlived a killed build
 _lock = threading.Lock()
 _module: object | None = None
@@ -62,26 +81,37 @@ def _load() -> object | None:
     with _lock:
         if _module is None and _failed is None:
             try:
-                from torch.utils.cpp_extension import load
-                _clear_stale_lock()
-                # -fopenmp: at::parallel_for is header code that splits work only under OpenMP
-                _module = load(_NAME, sources=_SOURCES,
-                               extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                               extra_ldflags=["-fopenmp"], verbose=False)
+                _module = _build(_NAME, "native")
             except Exception as exc:  # no compiler, no ninja, an odd CPU: the torch paths still work
                 _failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 print(f"pp_runtime: CPU kernels unavailable ({_failed}); using the torch paths", file=sys.stderr)
     return _module
 
 
-def _clear_stale_lock() -> None:
+def _build(name: str, march: str) -> object:
+    """Compiles (or takes from torch's cache) the kernels for ``-march=<march>`` as module ``name``."""
+    from torch.utils.cpp_extension import load
+    _clear_stale_lock(name)
+    # -fopenmp: at::parallel_for is header code that splits work only under OpenMP
+    return load(name, sources=_SOURCES, extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def build(march: str) -> object:
+    """The kernels built for another x86-64 target: "x86-64-v3" takes the AVX2 paths, "x86-64"
+    the plain loops (a ~90 s compile, cached). The tests run these on a CPU with AVX-512 so that
+    the paths of CPUs without it are tested too; the runtime uses the host's build only."""
+    return _build(f"{_NAME}_{march.replace('-', '_')}", march)
+
+
+def _clear_stale_lock(name: str) -> None:
     """Remove a build lock that a killed build left behind.
 
     torch's FileBaton waits forever on the lock file of a build that died mid-way (Ctrl-C, OOM, a
     killed CI job), so every later start would hang. A live build renews nothing, so age is the
     only sign: one older than STALE_LOCK_S cannot belong to a build still running."""
     from torch.utils.cpp_extension import _get_build_directory
-    lock = Path(_get_build_directory(_NAME, verbose=False)) / "lock"
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
@@ -96,8 +126,8 @@ def available() -> bool:
 
 
 def status() -> str:
-    """'ready' or why not (scripts/setup.sh prints it after building)."""
-    return "ready" if available() else f"not built ({_failed})"
+    """'ready (<isa()>)' or why not (scripts/setup.sh prints it after building)."""
+    return f"ready ({isa()})" if available() else f"not built ({_failed})"
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -172,3 +202,8 @@ def bf16_products() -> bool:
     """Whether the GEMM was built with AVX512-BF16 dot products (matmul precision "medium" uses
     them; without, it computes as "highest")."""
     return available() and _load().bf16_products()
+
+
+def isa() -> str:
+    """The vector instructions the built kernels use: "avx512+bf16", "avx512", "avx2" or "scalar"."""
+    return _load().isa()

@@ -14,6 +14,7 @@ torch::Tensor pack_weight(torch::Tensor w);  // gemm.cpp
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torch::Tensor> bias, bool bf16);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias, bool bf16);
 bool bf16_products();
+std::string isa();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (fp32 q, fp32 or fp16 K/V caches, CPU)");
@@ -28,5 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &quant_linear, "x wᵀ (+ bias) over block-quantized (GGUF Q4/Q8) panels (bf16 as packed_linear, CPU)",
         py::arg("x"), py::arg("q"), py::arg("bias") = py::none(), py::arg("bf16") = false);
   m.def("bf16_products", &bf16_products, "whether packed_linear / quant_linear can take bf16 dot products (AVX512-BF16)");
+  m.def("isa", &isa, "the vector instructions this build's kernels use: avx512+bf16, avx512, avx2 or scalar");
   m.def("transpose", &transpose, "contiguous transpose of a contiguous (R, C) matrix (fp32, CPU)");
 }

@@ -102,7 +102,8 @@ torch::Tensor silu_mul(torch::Tensor gu) {
         _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, inv), _mm256_loadu_ps(u + i)));
       }
 #endif
-      for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      // e^-g capped as above: -ffast-math assumes no infinities, and g / (1 + inf) came out NaN
+      for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(std::min(-g[i], 88.f))) * u[i];
     }
   });
   return out;

@@ -20,6 +20,7 @@
 #include <array>
 #include <atomic>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -976,5 +977,15 @@ bool bf16_products() {
   return true;
 #else
   return false;
+#endif
+}
+
+std::string isa() {  // which instance of the kernels this build runs (vec.h picks it from the target)
+#if defined(PP_AVX512)
+  return bf16_products() ? "avx512+bf16" : "avx512";
+#elif defined(PP_AVX2)
+  return "avx2";
+#else
+  return "scalar";
 #endif
 }

@@ -1,6 +1,7 @@
 """Fixtures of the stage tests."""
 from __future__ import annotations
 
+import platform
 from typing import Iterator
 
 import pytest
@@ -14,3 +15,38 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
     torch.set_num_threads(request.param)
     yield request.param
     torch.set_num_threads(old)
+
+
+# The kernels' instances below the host's: (-march target, CPU flags it needs to run here).
+ISAS = {"avx2": ("x86-64-v3", {"avx2", "fma", "f16c", "bmi2", "movbe"}), "scalar": ("x86-64", set())}
+_builds: dict[str, object] = {}
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo has none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((ln.split(":", 1)[1] for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+@pytest.fixture(params=["native", *ISAS])
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs the test on each instance of the CPU kernels: the host's build (AVX-512 where the CPU
+    has it) and builds for AVX2 and for no vector extensions, each compiled once per session
+    (~90 s). CPUs without AVX-512 take those paths; here they are tested on one that has it.
+
+    A build that fails to compile fails the test: the host's build worked, so the compiler is
+    there and the fault is in the code of that instance."""
+    from stages import cpu_kernels
+    if not cpu_kernels.available():
+        pytest.skip("CPU kernels could not be built here")
+    if request.param != "native":
+        march, needs = ISAS[request.param]
+        if platform.machine() not in ("x86_64", "AMD64") or not needs <= cpu_flags():
+            pytest.skip(f"this CPU cannot run a -march={march} build")
+        if request.param not in _builds:
+            _builds[request.param] = cpu_kernels.build(march)
+        monkeypatch.setattr(cpu_kernels, "_module", _builds[request.param])
+    return request.param

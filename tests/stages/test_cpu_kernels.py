@@ -11,12 +11,13 @@ import torch.nn.functional as F
 
 from stages import cpu_kernels
 from stages.layers import RMSNorm, RotaryEmbedding, linear
+from tests.stages.conftest import cpu_flags
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")
 
 
 @pytest.mark.parametrize("t,h", [(256, 576), (3, 20), (1, 7), (33, 4096)])
-def test_rms_norm_and_add_rms_norm_match_torch(threads: int, t: int, h: int) -> None:
+def test_rms_norm_and_add_rms_norm_match_torch(isa: str, threads: int, t: int, h: int) -> None:
     g = torch.Generator().manual_seed(t + h)
     x, a, w = torch.randn(t, h, generator=g) * 4, torch.randn(t, h, generator=g), torch.randn(h, generator=g)
     torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (h,), w, 1e-5), rtol=1e-5, atol=1e-5)
@@ -27,7 +28,7 @@ def test_rms_norm_and_add_rms_norm_match_torch(threads: int, t: int, h: int) -> 
 
 
 @pytest.mark.parametrize("t,i", [(256, 1536), (5, 13), (1, 8)])
-def test_silu_mul_matches_torch(threads: int, t: int, i: int) -> None:
+def test_silu_mul_matches_torch(isa: str, threads: int, t: int, i: int) -> None:
     g = torch.Generator().manual_seed(t * i)
     gu = torch.randn(t, 2 * i, generator=g) * 5
     gu[0, :4] = torch.tensor([-200.0, -88.5, 90.0, 0.0])[:min(4, i)]  # past exp's range both ways
@@ -35,7 +36,7 @@ def test_silu_mul_matches_torch(threads: int, t: int, i: int) -> None:
     torch.testing.assert_close(cpu_kernels.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
-def test_rms_norm_module_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rms_norm_module_paths_agree(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """RMSNorm.forward / add_forward on the kernels and on torch give the same values, and
     add_forward's sum is h + x either way."""
     norm = RMSNorm(64, 1e-5)
@@ -53,7 +54,7 @@ def test_rms_norm_module_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("heads,d", [(12, 64), (3, 128), (2, 10)])
-def test_rope_in_place_matches_torch_path(threads: int, heads: int, d: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rope_in_place_matches_torch_path(isa: str, threads: int, heads: int, d: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rotating q's and k's heads in place inside a fused QKV row (row stride > heads · D)
     gives the torch path's values and leaves the V part alone; bad positions are refused."""
     rope = RotaryEmbedding(d, 300, 10000.0)
@@ -74,13 +75,13 @@ def test_rope_in_place_matches_torch_path(threads: int, heads: int, d: int, monk
 
 
 @pytest.mark.parametrize("r,c", [(960, 32), (7, 5), (17, 24), (8, 8), (3, 1), (4100, 13)])
-def test_transpose_matches_torch(threads: int, r: int, c: int) -> None:
+def test_transpose_matches_torch(isa: str, threads: int, r: int, c: int) -> None:
     """Whole 8 x 8 register blocks and the ragged edges of both dimensions."""
     x = torch.randn(r, c, generator=torch.Generator().manual_seed(r * c))
     assert torch.equal(cpu_kernels.transpose(x), x.t().contiguous())
 
 
-def test_skinny_linear_matches_f_linear(threads: int) -> None:
+def test_skinny_linear_matches_f_linear(isa: str, threads: int) -> None:
     """The skinny path ((W Xᵀ) transposed back by the kernel) gives F.linear's values, contiguous."""
     w, x = torch.randn(300, 64), torch.randn(4, 64)
     y = linear(x, w)
@@ -96,10 +97,36 @@ def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch:
     assert _get_build_directory(cpu_kernels._NAME, verbose=False) == str(lock.parent)
     lock.parent.mkdir(parents=True, exist_ok=True)
     lock.touch()
-    cpu_kernels._clear_stale_lock()
+    cpu_kernels._clear_stale_lock(cpu_kernels._NAME)
     assert lock.exists()  # a build may be running right now
     old = time.time() - cpu_kernels.STALE_LOCK_S - 5
     os.utime(lock, (old, old))
-    cpu_kernels._clear_stale_lock()
+    cpu_kernels._clear_stale_lock(cpu_kernels._NAME)
     assert not lock.exists()
-    cpu_kernels._clear_stale_lock()  # no lock: nothing to do
+    cpu_kernels._clear_stale_lock(cpu_kernels._NAME)  # no lock: nothing to do
+
+
+def test_each_kind_of_cpu_gets_its_own_build(tmp_path) -> None:
+    """A home directory shared by nodes with different CPUs must not hand one node's -march=native
+    build to another (SIGILL where an instruction is missing): the build's name carries the CPU."""
+    def tag(model: str, flags: str) -> str:
+        f = tmp_path / "cpuinfo"
+        # two logical CPUs of one kind: the repeated lines do not change the tag
+        f.write_text(2 * f"processor\t: 0\nmodel name\t: {model}\nflags\t\t: {flags}\ncpu MHz\t\t: 2400\n")
+        return cpu_kernels._host_tag(str(f))
+    zen4 = tag("AMD EPYC", "fpu sse avx2 fma avx512f avx512_bf16")
+    assert zen4 == tag("AMD EPYC", "fpu sse avx2 fma avx512f avx512_bf16")
+    assert len({zen4, tag("AMD EPYC", "fpu sse avx2 fma"), tag("Intel Xeon", "fpu sse avx2 fma avx512f avx512_bf16")}) == 3
+    assert cpu_kernels._NAME.endswith(cpu_kernels._host_tag())
+    assert cpu_kernels._host_tag(str(tmp_path / "missing")) == cpu_kernels._host_tag(str(tmp_path / "absent"))
+
+
+def test_each_build_takes_its_own_paths(isa: str) -> None:
+    """The isa fixture's builds really are the AVX2 and plain-loop instances, and the host's build
+    uses what this CPU has (setup.sh prints it)."""
+    flags = cpu_flags()
+    native = ("avx512+bf16" if "avx512_bf16" in flags else "avx512") if "avx512f" in flags \
+        else "avx2" if {"avx2", "fma", "f16c"} <= flags else "scalar"
+    expected = {"avx2": "avx2", "scalar": "scalar", "native": native}[isa]
+    assert cpu_kernels.isa() == expected
+    assert cpu_kernels.status() == f"ready ({cpu_kernels.isa()})"

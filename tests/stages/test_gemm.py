@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels
 # chunks of one panel, chunks of the largest size (16 panels) with a ragged last one
 @pytest.mark.parametrize("m", [0, 1, 2, 5, 6, 7, 8, 9, 13, 32, 73, 300])
 @pytest.mark.parametrize("n,k", [(16, 40), (96, 256), (48, 600), (4112, 24)])
-def test_packed_linear_matches_f_linear(threads: int, m: int, n: int, k: int) -> None:
+def test_packed_linear_matches_f_linear(isa: str, threads: int, m: int, n: int, k: int) -> None:
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w, x, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
     packed = cpu_kernels.pack_weight(w)
@@ -37,19 +37,19 @@ def test_packed_linear_matches_f_linear(threads: int, m: int, n: int, k: int) ->
 bf16_only = pytest.mark.skipif(not cpu_kernels.bf16_products(), reason="no AVX512-BF16 in this build")
 
 
-@bf16_only
 @pytest.mark.parametrize("m", [12, 13, 19, 73, 300])
 @pytest.mark.parametrize("n,k", [(16, 40), (96, 256), (48, 600), (4112, 24), (80, 34), (32, 1200), (48, 35)])
-def test_bf16_products_are_fp32_sums_of_bf16_rounded_inputs(threads: int, m: int, n: int, k: int) -> None:
+def test_bf16_products_are_fp32_sums_of_bf16_rounded_inputs(isa: str, threads: int, m: int, n: int, k: int) -> None:
     """Matmul precision "medium": past two row tiles (12 rows) x and W are rounded to bf16 (nearest
     even, as torch's .bfloat16()) and their products summed in fp32; up to 12 rows, or an odd K
-    (no whole k-pairs), the fp32 path runs unchanged. K: under one 32-float conversion step, ragged
-    tails of 2 and 24, one, two and three slabs (576 deep at most: 256; 600 = 2 x 304; 1200 = 3 x 400)."""
+    (no whole k-pairs), the fp32 path runs unchanged, and so does every product of a build without
+    AVX512-BF16. K: under one 32-float conversion step, ragged tails of 2 and 24, one, two and
+    three slabs (576 deep at most: 256; 600 = 2 x 304; 1200 = 3 x 400)."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     w, x, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
     packed = cpu_kernels.pack_weight(w)
     y = cpu_kernels.packed_linear(x, packed, b, bf16=True)
-    if m <= 12 or k % 2:
+    if m <= 12 or k % 2 or not cpu_kernels.bf16_products():
         assert torch.equal(y, cpu_kernels.packed_linear(x, packed, b))
         return
     exact = x.bfloat16().double() @ w.bfloat16().double().T + b.double()  # bf16 products are exact in fp32
@@ -91,7 +91,7 @@ def test_bf16_products_take_row_strided_x() -> None:
     assert torch.equal(linear(x[:, 3:27], packed, bf16=True), linear(x[:, 3:27].contiguous(), packed, bf16=True))
 
 
-def test_packed_linear_takes_row_strided_x_and_rejects_bad_shapes() -> None:
+def test_packed_linear_takes_row_strided_x_and_rejects_bad_shapes(isa: str) -> None:
     w, x = torch.randn(32, 24), torch.randn(10, 50)
     packed = cpu_kernels.pack_weight(w)
     torch.testing.assert_close(linear(x[:, 3:27], packed), F.linear(x[:, 3:27], w), rtol=1e-5, atol=1e-5)
@@ -103,7 +103,7 @@ def test_packed_linear_takes_row_strided_x_and_rejects_bad_shapes() -> None:
         cpu_kernels.packed_linear(torch.randn(3, 25), packed)
 
 
-def test_embedding_rows_of_a_packed_table() -> None:
+def test_embedding_rows_of_a_packed_table(isa: str) -> None:
     w = torch.randn(64, 12)
     ids = torch.tensor([0, 15, 16, 17, 63, 5, 5])
     assert torch.equal(embedding_rows(cpu_kernels.pack_weight(w), ids), w[ids])

@@ -52,7 +52,7 @@ def test_chunked_prefill_logits_equal_one_shot(hf_models: dict, arch: str, chunk
     assert rel <= 1e-5, f"max relative difference {rel:.2e}"
 
 
-def test_logits_match_transformers(hf_models: dict) -> None:
+def test_logits_match_transformers(isa: str, hf_models: dict) -> None:
     import transformers
     path = hf_models["qwen2"]
     prompt = mixed_prompts(lengths=(40,))[0]
@@ -122,7 +122,7 @@ def test_kv_cache_starts_zeroed(hf_models: dict, dtype: str) -> None:
         assert k.dtype == getattr(torch, dtype) and not k.any() and not v.any()
 
 
-def test_float16_kv_cache_halves_the_bytes_and_tracks_float32(hf_models: dict) -> None:
+def test_float16_kv_cache_halves_the_bytes_and_tracks_float32(isa: str, hf_models: dict) -> None:
     """--kv-cache-dtype float16 on an fp32 model: half the KV bytes per token (twice the blocks in
     a budget), logits over a prompt fed in chunks (cached K/V read back) within fp16 rounding."""
     path = str(hf_models["llama"])
