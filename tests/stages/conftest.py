@@ -18,7 +18,9 @@ def threads(request: pytest.FixtureRequest) -> Iterator[int]:
 
 
 # The kernels' instances below the host's: (-march target, CPU flags it needs to run here).
-ISAS = {"avx2": ("x86-64-v3", {"avx2", "fma", "f16c", "bmi2", "movbe"}), "scalar": ("x86-64", set())}
+_V3 = {"avx2", "fma", "f16c", "bmi2", "movbe"}
+ISAS = {"avx512": ("x86-64-v4", _V3 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}),  # no BF16
+        "avx2": ("x86-64-v3", _V3), "scalar": ("x86-64", set())}
 _builds: dict[str, object] = {}
 
 
@@ -33,9 +35,10 @@ def cpu_flags() -> set[str]:
 
 @pytest.fixture(params=["native", *ISAS])
 def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs the test on each instance of the CPU kernels: the host's build (AVX-512 where the CPU
-    has it) and builds for AVX2 and for no vector extensions, each compiled once per session
-    (~90 s). CPUs without AVX-512 take those paths; here they are tested on one that has it.
+    """Runs the test on each instance of the CPU kernels: the host's build (AVX-512 with BF16 on
+    this box) and builds for AVX-512 without BF16 (most Xeons before Sapphire Rapids), AVX2, and
+    no vector extensions, each compiled once per session (~90 s): the paths of other CPUs,
+    tested on one that can run them all.
 
     A build that fails to compile fails the test: the host's build worked, so the compiler is
     there and the fault is in the code of that instance."""
