@@ -98,9 +98,10 @@ def _build(name: str, march: str) -> object:
 
 
 def build(march: str) -> object:
-    """The kernels built for another x86-64 target: "x86-64-v3" takes the AVX2 paths, "x86-64"
-    the plain loops (a ~90 s compile, cached). The tests run these on a CPU with AVX-512 so that
-    the paths of CPUs without it are tested too; the runtime uses the host's build only."""
+    """The kernels built for another x86-64 target: "x86-64-v4" takes the AVX-512 paths without
+    BF16, "x86-64-v3" the AVX2 ones, "x86-64" the plain loops (a ~90 s compile, cached). The tests
+    run them on a CPU that has everything, so that other CPUs' paths are tested too; the runtime
+    uses the host's build only."""
     return _build(f"{_NAME}_{march.replace('-', '_')}", march)
 
 
