@@ -47,7 +47,8 @@ from pathlib import Path
 import torch
 
 _SOURCES = [str(Path(__file__).with_name("csrc") / f)
-            for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp")]
+            for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp",
+                      "greedy.cpp")]
 TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a multiple of it
 PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a multiple of it
 
@@ -197,6 +198,15 @@ def quant_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     (stages.quant.to_panels): (M, N), summed in the same order as packed_linear; bf16 as there
     (each dequantized weight rounded to bf16)."""
     return _load().quant_linear(x, panels, bias, bf16)
+
+
+def greedy_candidates(approx: torch.Tensor, xnorm: torch.Tensor, wnorm: torch.Tensor, c: float,
+                      floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """approx (M, V) logits within c·xnorm[r]·wnorm[v] + floor of the exact ones -> (ids (U,) int64, the
+    ascending union of every row's candidates; member (M, U) bool): row r's exact argmax is among
+    the ids its member row marks (stages/greedy.py)."""
+    ids, member = _load().greedy_candidates(approx, xnorm, wnorm, c, floor)
+    return ids, member
 
 
 def bf16_products() -> bool:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from stages import cpu_kernels, quant
+from stages import cpu_kernels, greedy, quant
 
 
 @dataclass(frozen=True)
@@ -213,9 +213,25 @@ class ParallelLMHead(nn.Module):
         self.ctx = ctx
         self.bf16 = False  # set_matmul_precision
         self.weight = nn.Parameter(torch.empty(hi - lo, hidden, dtype=dtype), requires_grad=False)
+        self.row_norms: torch.Tensor | None = None  # prepare_argmax: |E_v| (V,) for greedy.argmax_tokens
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:  # (S, H) -> (S, V)
-        return self.ctx.all_gather_last_dim(linear(h, self.weight, bf16=self.bf16))
+    def prepare_argmax(self) -> bool:
+        """Make ``forward(h, argmax_only=True)`` take greedy.argmax_tokens (bf16 products, the fp32
+        argmax exactly) where it can: one rank, fp32 products asked for, the weight in the GEMM's
+        panels, kernels with bf16 dot products. Call once the weight is final; returns whether."""
+        self.row_norms = None
+        if self.ctx.size == 1 and not self.bf16 and self.weight.dim() == 3 and self.weight.device.type == "cpu" \
+                and cpu_kernels.bf16_products():
+            self.row_norms = greedy.row_norms(self.weight)
+        return self.row_norms is not None
+
+    def forward(self, h: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
+        """(S, H) -> (S, V) logits, or with ``argmax_only`` the (S,) int64 argmax of their float32
+        values (the same ids, computed without the full fp32 product where prepare_argmax said so)."""
+        if argmax_only and self.row_norms is not None and cpu_kernels.usable(h):
+            return greedy.argmax_tokens(h, self.weight, self.row_norms)
+        logits = self.ctx.all_gather_last_dim(linear(h, self.weight, bf16=self.bf16))
+        return logits.float().argmax(dim=-1) if argmax_only else logits
 
 
 LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)  # the modules whose products go through linear()

@@ -131,3 +131,8 @@ class StageModel(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(S, H) hidden at sampling positions -> (S, V) float32 logits over the full vocabulary."""
         return self.lm_head(self.norm(h)).float()
+
+    def argmax_tokens(self, h: torch.Tensor) -> torch.Tensor:
+        """(S, H) -> (S,) int64: ``logits(h).argmax(-1)``, the same ids, without the full fp32
+        logits where the LM head can (ParallelLMHead.prepare_argmax): greedy rows need no more."""
+        return self.lm_head(self.norm(h), argmax_only=True)

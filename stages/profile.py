@@ -7,8 +7,8 @@ One stage worker (pp = tp = 1) runs forward passes of three batch kinds over a g
 - ``decode``: B decodes, each after ``context_len`` cached tokens (one new token each);
 - ``mixed`` (decode-maximal): one fresh chunk of P tokens plus B decodes, as SARATHI builds them.
 
-Each forward is ``worker.model(ids, meta, kv)`` plus ``model.logits`` on the sampled rows only,
-as ``StageWorker.execute`` does (sampling itself is left out). Time goes to six buckets:
+Each forward is ``worker.model(ids, meta, kv)`` plus the LM head on the sampled rows only, as
+``StageWorker.execute`` runs it for greedy rows (``model.argmax_tokens``). Time goes to six buckets:
 
     preproj   self_attn.qkv_proj          postproj  self_attn.o_proj
     attn      the attention backend call  ffn_ln1   mlp.gate_up_proj
@@ -65,11 +65,12 @@ def build_worker(model: str | None, device: str = "cpu", dtype: str = "float32",
 
 def forward_step(model: torch.nn.Module, ids: torch.Tensor, meta: object,
                  kv_caches: list) -> torch.Tensor | None:
-    """What the last (= only) stage computes for one micro-batch: layers, then logits of the
-    sampled rows only."""
+    """What the last (= only) stage computes for one micro-batch of greedy rows (the profile's
+    plans are): layers, then the sampled rows' tokens as the worker gets them (sample_hidden:
+    the LM head's argmax only)."""
     h = model(ids, meta, kv_caches)
     if model.is_last and meta.sample_idx.numel():
-        return model.logits(h[meta.sample_idx])
+        return model.argmax_tokens(h[meta.sample_idx])
     return h
 
 

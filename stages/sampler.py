@@ -10,6 +10,20 @@ import torch
 from pp_runtime.batch import SampleSpec
 
 
+def is_greedy(s: SampleSpec) -> bool:
+    """Whether ``sample`` takes this row's argmax."""
+    return not (s.temperature > 0 and s.top_k != 1)
+
+
+def sample_hidden(model: torch.nn.Module, h: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
+    """The tokens of the sampled rows' hidden states h (S, H) (the last stage's model): with every
+    row greedy only their argmax (``model.argmax_tokens``: the same ids, less work), else
+    ``sample`` over the logits. Every TP rank calls it (the LM head gathers across them)."""
+    if all(is_greedy(s) for s in specs):
+        return model.argmax_tokens(h).tolist()
+    return sample(model.logits(h), specs)
+
+
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
     """logits (S, V), one spec per row -> S token ids."""
     if logits.shape[0] != len(specs):
@@ -17,7 +31,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
     logits = logits.float()  # half-precision logits would make the softmax below coarse
     out = logits.argmax(dim=-1).tolist()
     for i, s in enumerate(specs):
-        if s.temperature > 0 and s.top_k != 1:
+        if not is_greedy(s):
             out[i] = _sample_row(logits[i], s)
     return out
 

@@ -24,7 +24,7 @@ from stages.layers import TPContext, pack_linears, set_matmul_precision
 from stages.model import StageModel
 from stages.model_source import ModelSource
 from stages.op_timing import OpTimer, instrument
-from stages.sampler import sample
+from stages.sampler import sample_hidden
 from stages.weights import load_weights
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,6 +105,8 @@ class StageWorker:
         self.weight_bytes = load_weights(self.model, spec.source, tp, native=native)
         pack_linears(self.model)  # CPU fp32: the GEMM kernel's layout, packed once here, not per call
         self.bf16_linears = set_matmul_precision(self.model, spec.device.matmul_precision)
+        if self.model.lm_head is not None:
+            self.model.lm_head.prepare_argmax()  # greedy rows: bf16 products, the fp32 argmax exactly
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = spec.cache.block_size
         self.timings: list[tuple[int, float, float, float]] = []  # (mb, t_ready, t_start, t_end)
@@ -168,10 +170,8 @@ class StageWorker:
         tokens = None
         if not self.is_last:
             self.link.send_forward(h)
-        elif meta.sample_idx.numel():
-            logits = self.model.logits(h[meta.sample_idx])  # (S, V): only sampled rows reach the LM head
-            if self.tp.rank == 0:  # every TP rank holds the gathered logits; one samples
-                tokens = sample(logits, [c.sample for c in mb.chunks if c.sample is not None])
+        elif meta.sample_idx.numel():  # only sampled rows reach the LM head (every TP rank's part of it)
+            tokens = sample_hidden(self.model, h[meta.sample_idx], [c.sample for c in mb.chunks if c.sample is not None])
         else:
             tokens = []
         self._sync()

@@ -15,6 +15,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torc
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias, bool bf16);
 bool bf16_products();
 std::string isa();
+std::vector<torch::Tensor> greedy_candidates(torch::Tensor approx, torch::Tensor xn, torch::Tensor wn,
+                                             double c, double floor);  // greedy.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (fp32 q, fp32 or fp16 K/V caches, CPU)");
@@ -30,5 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("q"), py::arg("bias") = py::none(), py::arg("bf16") = false);
   m.def("bf16_products", &bf16_products, "whether packed_linear / quant_linear can take bf16 dot products (AVX512-BF16)");
   m.def("isa", &isa, "the vector instructions this build's kernels use: avx512+bf16, avx512, avx2 or scalar");
+  m.def("greedy_candidates", &greedy_candidates,
+        "vocab ids whose logit can still be a row's maximum given approximate logits and their error bound c·|x|·|w_v|");
   m.def("transpose", &transpose, "contiguous transpose of a contiguous (R, C) matrix (fp32, CPU)");
 }
