@@ -10,7 +10,8 @@
   register-blocked products over K/V packed in 16-wide panels, a vectorised exp.
 * ``rms_norm``, ``add_rms_norm_``, ``silu_mul``, ``rope_`` (elementwise.cpp): one pass each
   where torch runs RMSNorm as five kernels, SiLU on a strided half of the gate/up output and
-  RoPE as four strided kernels; ``transpose`` (elementwise.cpp) for the skinny linear's
+  RoPE as four strided kernels; ``write_kv_``: a step's K and V rows into the paged caches in
+  one call (two ``index_copy_`` per layer in torch); ``transpose`` (elementwise.cpp) for the skinny linear's
   transposed product, 3x torch's strided copy.
 * ``pack_weight``, ``packed_linear`` (gemm.cpp): the linear layers over weights packed once
   into 16-column panels; 6 x 16 register tiles, each thread streaming its own panels once per
@@ -172,6 +173,14 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     """Rotate-half RoPE of x (T, heads, D) in place; its (heads, D) rows contiguous, any row
     stride (q's and k's heads of the fused QKV output). cos/sin: (P, D/2) tables by position."""
     _load().rope_(x, positions, cos, sin)
+
+
+def write_kv_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slots: torch.Tensor) -> None:
+    """k, v (T, H_kv, D) fp32 (contiguous (H_kv, D) rows, any row stride) into the caches (NB, BS,
+    H_kv, D) at flat slots (T,) int64, as ``index_copy_`` on their (NB·BS, H_kv, D) views would
+    (an fp16 cache: clamped to ±65504, rounded to nearest even)."""
+    _load().write_kv_(k, v, k_cache, v_cache, slots)
 
 
 def transpose(x: torch.Tensor) -> torch.Tensor:

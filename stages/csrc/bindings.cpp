@@ -10,6 +10,7 @@ torch::Tensor add_rms_norm_(torch::Tensor h, torch::Tensor x, torch::Tensor w, d
 torch::Tensor silu_mul(torch::Tensor gu);
 void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor transpose(torch::Tensor x);
+void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 torch::Tensor pack_weight(torch::Tensor w);  // gemm.cpp
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torch::Tensor> bias, bool bf16);
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias, bool bf16);
@@ -34,5 +35,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the vector instructions this build's kernels use: avx512+bf16, avx512, avx2 or scalar");
   m.def("greedy_candidates", &greedy_candidates,
         "vocab ids whose logit can still be a row's maximum given approximate logits and their error bound c·|x|·|w_v|");
+  m.def("write_kv_", &write_kv_, "new tokens' K/V rows into the paged caches at their slots (fp32 or fp16 caches, CPU)");
   m.def("transpose", &transpose, "contiguous transpose of a contiguous (R, C) matrix (fp32, CPU)");
 }

@@ -81,6 +81,28 @@ def test_transpose_matches_torch(isa: str, threads: int, r: int, c: int) -> None
     assert torch.equal(cpu_kernels.transpose(x), x.t().contiguous())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("t", [1, 5, 200])
+def test_write_kv_matches_index_copy(isa: str, threads: int, dtype: torch.dtype, t: int) -> None:
+    """K and V as the fused QKV output's strided views, into the caches at scattered slots: the bits
+    index_copy_ of the (clamped) rows writes, into an fp16 cache too (±inf keys become ±65504)."""
+    h, hkv, d = 6, 2, 16
+    g = torch.Generator().manual_seed(t)
+    qkv = 100 * torch.randn(t, (h + 2 * hkv) * d, generator=g)
+    qkv[0, h * d] = float("inf")
+    qkv[-1, (h + hkv) * d + 3] = -float("inf")
+    k, v = qkv[:, h * d:(h + hkv) * d].view(t, hkv, d), qkv[:, (h + hkv) * d:].view(t, hkv, d)
+    slots = torch.randperm(64 * 4, generator=g)[:t]
+    caches = [torch.zeros(64, 4, hkv, d, dtype=dtype) for _ in range(4)]
+    cpu_kernels.write_kv_(k, v, caches[0], caches[1], slots)
+    for src, cache in ((k, caches[2]), (v, caches[3])):
+        cache.view(-1, hkv, d).index_copy_(0, slots, src.clamp(-65504, 65504).to(dtype) if dtype == torch.float16
+                                           else src)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.write_kv_(k, v, caches[0], caches[1], slots + 64 * 4)
+
+
 def test_skinny_linear_matches_f_linear(isa: str, threads: int) -> None:
     """The skinny path ((W Xᵀ) transposed back by the kernel) gives F.linear's values, contiguous."""
     w, x = torch.randn(300, 64), torch.randn(4, 64)
