@@ -1,9 +1,9 @@
 """Greedy tokens from the LM head in bf16 products, exactly the tokens of its fp32 logits.
 
 A greedy row needs only the argmax of its logits, not the logits. On a CPU with AVX512-BF16 the
-LM head's bf16 products cost ~2/3 of its fp32 ones at 32 rows (49152 × 576, 2 threads), and an
-LM head is ~1/5 of a decode step's FLOPs. Each bf16 logit l̃ differs from the fp32 one l by at
-most c·|x|·|w_v|:
+LM head's bf16 products cost ~2/3 of its fp32 ones at 32 rows (49152 × 576, 2 threads), and on
+SmolLM2-135M the LM head is ~1/5 of a decode's FLOPs. Each bf16 logit l̃ differs from the fp32
+one l by at most c·|x|·|w_v| (plus ``floor_term`` for subnormals):
 
     |l̃ − l| ≤ (2u_bf16 + u_bf16² + 4K·u_fp32) · Σ_k |x_k w_vk| ≤ c · |x|₂ · |w_v|₂
 
@@ -26,13 +26,20 @@ from stages import cpu_kernels, quant
 U_BF16, U_FP32 = 2.0 ** -8, 2.0 ** -24
 MIN_ROWS = 13  # the GEMM takes bf16 products from 3 row tiles (13 rows); fewer run fp32 anyway
 MAX_SHARE = 8  # more candidates than 1/8 of the vocabulary: the full fp32 product is cheaper
-FLOOR = 1e-30  # covers bf16's flush of subnormal inputs and sums (each < 2⁻¹²⁶) in any row
+TINY = 2.0 ** -126  # the smallest normal float: bf16 products flush what is below it to zero
 
 
 def bound_constant(k: int) -> float:
     """c of the bound c·|x|·|w_v| for a K-term bf16 product against its fp32 one (module doc),
     with 2⁻²⁰ more for the norms' and c·|x|'s own rounding."""
     return (2 * U_BF16 + U_BF16 ** 2 + 4 * k * U_FP32) * (1 + 2.0 ** -20)
+
+
+def floor_term(k: int, xmax: float, wmax: float) -> float:
+    """The bound's absolute part: bf16 dot products treat subnormal inputs as zero and flush
+    subnormal sums, each time an error under 2⁻¹²⁶ · max(|x|, |w|, 1) (|x|₂ and |w_v|₂ bound
+    every element), at most 2K + 2 times in a K-term product."""
+    return (2 * k + 2) * TINY * (1 + xmax) * (1 + wmax)
 
 
 def _round_up(x: torch.Tensor) -> torch.Tensor:
@@ -80,12 +87,14 @@ def argmax_tokens(x: torch.Tensor, w: torch.Tensor, wnorm: torch.Tensor) -> torc
     fp32 logits' argmax, bit for bit), through bf16 products where the kernels have them."""
     x = x.contiguous()
     m, k = x.shape
+    if m < MIN_ROWS or not cpu_kernels.bf16_products():  # few rows run fp32 products anyway
+        return _product(x, w).argmax(dim=-1)
     xnorm = _round_up(x.double().norm(dim=1))
-    if m < MIN_ROWS or not cpu_kernels.bf16_products() or not torch.isfinite(xnorm).all() \
-            or float(xnorm.max()) * float(wnorm.max()) > 1e30:  # few rows, no bf16, or sums that could overflow
+    xmax, wmax = float(xnorm.max()), float(wnorm.max())
+    if not torch.isfinite(xnorm).all() or xmax * wmax > 1e30:  # sums that could overflow
         return _product(x, w).argmax(dim=-1)
     approx = _product(x, w, bf16=True)  # (M, V)
-    ids, member = cpu_kernels.greedy_candidates(approx, xnorm, wnorm, bound_constant(k), FLOOR)
+    ids, member = cpu_kernels.greedy_candidates(approx, xnorm, wnorm, bound_constant(k), floor_term(k, xmax, wmax))
     if ids.numel() * MAX_SHARE > approx.shape[1]:
         return _product(x, w).argmax(dim=-1)
     exact = _product(x, gather_columns(w, ids))[:, :ids.numel()]  # (M, U): the full product's values there
