@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from stages import quant
+
 _SOURCES = [str(Path(__file__).with_name("csrc") / f)
             for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp",
                       "greedy.cpp")]
@@ -207,6 +209,13 @@ def quant_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     (stages.quant.to_panels): (M, N), summed in the same order as packed_linear; bf16 as there
     (each dequantized weight rounded to bf16)."""
     return _load().quant_linear(x, panels, bias, bf16)
+
+
+def panel_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                 bf16: bool = False) -> torch.Tensor:
+    """x (M, K) times a weight held in either of the GEMM's panel formats: ``quant_linear`` for
+    block-quantized panels (uint8), ``packed_linear`` for fp32 ones."""
+    return (quant_linear if quant.is_panels(w) else packed_linear)(x, w, bias, bf16)
 
 
 def greedy_candidates(approx: torch.Tensor, xnorm: torch.Tensor, wnorm: torch.Tensor, c: float,

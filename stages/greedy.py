@@ -77,25 +77,20 @@ def gather_columns(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([head, codes], dim=-1).contiguous()
 
 
-def _product(x: torch.Tensor, w: torch.Tensor, bf16: bool = False) -> torch.Tensor:
-    """x wᵀ for w in either panel format (stages.layers.linear's kernel paths)."""
-    return (cpu_kernels.quant_linear if quant.is_panels(w) else cpu_kernels.packed_linear)(x, w, None, bf16)
-
-
 def argmax_tokens(x: torch.Tensor, w: torch.Tensor, wnorm: torch.Tensor) -> torch.Tensor:
     """linear(x, w).argmax(-1) for x (M, K) fp32 and an LM head weight w held as panels (the GEMM's
     fp32 logits' argmax, bit for bit), through bf16 products where the kernels have them."""
     x = x.contiguous()
     m, k = x.shape
     if m < MIN_ROWS or not cpu_kernels.bf16_products():  # few rows run fp32 products anyway
-        return _product(x, w).argmax(dim=-1)
+        return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
     xnorm = _round_up(x.double().norm(dim=1))
     xmax, wmax = float(xnorm.max()), float(wnorm.max())
     if not torch.isfinite(xnorm).all() or xmax * wmax > 1e30:  # sums that could overflow
-        return _product(x, w).argmax(dim=-1)
-    approx = _product(x, w, bf16=True)  # (M, V)
+        return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
+    approx = cpu_kernels.panel_linear(x, w, bf16=True)  # (M, V)
     ids, member = cpu_kernels.greedy_candidates(approx, xnorm, wnorm, bound_constant(k), floor_term(k, xmax, wmax))
     if ids.numel() * MAX_SHARE > approx.shape[1]:
-        return _product(x, w).argmax(dim=-1)
-    exact = _product(x, gather_columns(w, ids))[:, :ids.numel()]  # (M, U): the full product's values there
+        return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
+    exact = cpu_kernels.panel_linear(x, gather_columns(w, ids))[:, :ids.numel()]  # (M, U): the full product's values there
     return ids[exact.masked_fill_(~member, float("-inf")).argmax(dim=-1)]

@@ -123,8 +123,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, b
     panels (stages.quant) -> (T, out), contiguous. bf16: the GEMM kernel may round x and w to bf16
     (matmul precision "medium", see cpu_kernels.packed_linear)."""
     if w.dim() == 3:  # the GEMM kernel's layouts: rows of x must be contiguous
-        product = cpu_kernels.quant_linear if quant.is_panels(w) else cpu_kernels.packed_linear
-        return product(x if x.stride(-1) == 1 else x.contiguous(), w, bias, bf16)
+        return cpu_kernels.panel_linear(x if x.stride(-1) == 1 else x.contiguous(), w, bias, bf16)
     if x.device.type == "cpu" and x.dim() == 2 and skinny(x.shape[0]):
         y = torch.mm(w, x.t())  # (out, T)
         y = cpu_kernels.transpose(y) if cpu_kernels.usable(y) else y.t().contiguous()  # (T, out)

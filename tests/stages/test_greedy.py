@@ -49,17 +49,13 @@ def rows(m: int, w: torch.Tensor, seed: int) -> torch.Tensor:
     return x
 
 
-def product(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    return (cpu_kernels.quant_linear if quant.is_panels(p) else cpu_kernels.packed_linear)(x, p)
-
-
 # rows: below the bf16 products, the few-row path (<= 36 rows), the slab path
 @pytest.mark.parametrize("kind", ["s8", "u4", "fp32"])
 @pytest.mark.parametrize("m", [1, 13, 32, 37, 70])
 def test_argmax_tokens_are_the_fp32_argmax(isa: str, threads: int, kind: str, m: int) -> None:
     p, w = weight(kind)
     x = rows(m, w, seed=m)
-    expect = product(x, p).argmax(dim=-1)
+    expect = cpu_kernels.panel_linear(x, p).argmax(dim=-1)
     got = greedy.argmax_tokens(x, p, greedy.row_norms(p))
     assert got.dtype == torch.int64 and torch.equal(got, expect)
     assert (expect[::3] == TIES[0]).all()  # the tie went to the lowest id, as torch.argmax's does
@@ -81,7 +77,7 @@ def test_gathered_columns_give_the_full_products_bits(kind: str, m: int) -> None
     ids = torch.tensor([0, 3, 5, 17, 700, 1000, 2000, 2063])  # 8: padded to a panel
     sub = greedy.gather_columns(p, ids)
     assert sub.dtype == p.dtype and sub.shape[0] == 1 and sub.shape[1:] == p.shape[1:]
-    assert torch.equal(product(x, sub)[:, :ids.numel()], product(x, p)[:, ids])
+    assert torch.equal(cpu_kernels.panel_linear(x, sub)[:, :ids.numel()], cpu_kernels.panel_linear(x, p)[:, ids])
 
 
 def test_candidates_keep_every_value_within_the_bound(isa: str) -> None:
