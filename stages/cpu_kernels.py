@@ -51,7 +51,7 @@ from stages import quant
 
 _SOURCES = [str(Path(__file__).with_name("csrc") / f)
             for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp",
-                      "greedy.cpp")]
+                      "greedy.cpp", "stack.cpp")]
 TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a multiple of it
 PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a multiple of it
 
@@ -225,6 +225,20 @@ def greedy_candidates(approx: torch.Tensor, xnorm: torch.Tensor, wnorm: torch.Te
     the ids its member row marks (stages/greedy.py)."""
     ids, member = _load().greedy_candidates(approx, xnorm, wnorm, c, floor)
     return ids, member
+
+
+def layer_stack(weights: list[torch.Tensor], heads: int, kv_heads: int, head_dim: int, scale: float, eps: float,
+                bf16: bool, cos: torch.Tensor, sin: torch.Tensor) -> object:
+    """stack.cpp's LayerStack over 7 tensors a layer (stages/layer_loop.py): ``.forward(h, caches,
+    step_meta(...))`` runs them all in one call."""
+    return _load().LayerStack(weights, heads, kv_heads, head_dim, scale, eps, bf16, cos, sin)
+
+
+def step_meta(positions: torch.Tensor, slots: torch.Tensor, q_lens: list[int], ctx_lens: list[int],
+              prefill_tables: list[torch.Tensor], decode_tables: torch.Tensor | None,
+              decode_lens: torch.Tensor | None) -> object:
+    """A step's attention metadata as LayerStack.forward takes it (prefill chunks' lists only)."""
+    return _load().StepMeta(positions, slots, q_lens, ctx_lens, prefill_tables, decode_tables, decode_lens)
 
 
 def bf16_products() -> bool:

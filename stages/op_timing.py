@@ -47,6 +47,7 @@ def instrument(model: torch.nn.Module, timer: OpTimer) -> Iterator[None]:
     backend = model.backend
     had_own = "forward" in vars(backend)
     saved = vars(backend).get("forward")
+    loop, model.layer_loop = model.layer_loop, None  # the C++ layer loop has no hooks: the Python one times
     try:
         for layer in model.layers:
             for op, path in _LINEARS.items():
@@ -70,6 +71,7 @@ def instrument(model: torch.nn.Module, timer: OpTimer) -> Iterator[None]:
         backend.forward = timed_forward
         yield
     finally:
+        model.layer_loop = loop
         for h in handles:
             h.remove()
         if had_own:

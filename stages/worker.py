@@ -107,6 +107,7 @@ class StageWorker:
         self.bf16_linears = set_matmul_precision(self.model, spec.device.matmul_precision)
         if self.model.lm_head is not None:
             self.model.lm_head.prepare_argmax()  # greedy rows: bf16 products, the fp32 argmax exactly
+        self.model.prepare_layer_loop()  # CPU kernels: the layers as one C++ call
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = spec.cache.block_size
         self.timings: list[tuple[int, float, float, float]] = []  # (mb, t_ready, t_start, t_end)

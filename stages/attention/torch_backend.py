@@ -50,7 +50,7 @@ def causal_offset_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.
     return torch.arange(ctx_len, device=device).unsqueeze(0) <= q_pos
 
 
-def _decode_lens(meta: AttentionMetadata) -> torch.Tensor:
+def decode_lens(meta: AttentionMetadata) -> torch.Tensor:
     """(D,) int64 context length of every decode, built once per step."""
     if "decode_lens" not in meta.backend_cache:
         meta.backend_cache["decode_lens"] = torch.tensor(meta.ctx_lens[meta.num_prefills:], dtype=torch.long)
@@ -99,7 +99,7 @@ class TorchAttention:
             row += n
         if meta.num_decodes and kernels:  # K/V read in place, no gather
             out[row:] = cpu_kernels.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables,
-                                               _decode_lens(meta), self.scale)
+                                               decode_lens(meta), self.scale)
         elif meta.num_decodes:
             b = meta.num_decodes
             idx = meta.decode_tables.reshape(-1)

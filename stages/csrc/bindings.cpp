@@ -18,6 +18,7 @@ bool bf16_products();
 std::string isa();
 std::vector<torch::Tensor> greedy_candidates(torch::Tensor approx, torch::Tensor xn, torch::Tensor wn,
                                              double c, double floor);  // greedy.cpp
+void bind_layer_stack(pybind11::module& m);  // stack.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (fp32 q, fp32 or fp16 K/V caches, CPU)");
@@ -37,4 +38,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "vocab ids whose logit can still be a row's maximum given approximate logits and their error bound c·|x|·|w_v|");
   m.def("write_kv_", &write_kv_, "new tokens' K/V rows into the paged caches at their slots (fp32 or fp16 caches, CPU)");
   m.def("transpose", &transpose, "contiguous transpose of a contiguous (R, C) matrix (fp32, CPU)");
+  bind_layer_stack(m);
 }

@@ -1,0 +1,136 @@
+// A stage's decoder layers as one call from Python (stages/layer_loop.py says when it applies).
+//
+//   stack = LayerStack(weights, heads, kv_heads, head_dim, scale, eps, bf16, cos, sin)
+//   h = stack.forward(h, caches, positions, slots, q_lens, ctx_lens, prefill_tables, decode_tables, decode_lens)
+//
+// Why: driven from Python, the same kernels pay ~0.1 ms of interpreter and nn.Module dispatch a
+// layer (a 1-row decode step at 1 thread: ~3 of 12 ms), and at 2 threads the other core spins
+// through it. The ops, their order and their arguments are those of the CPU path of
+// stages/model.py and stages/attention/torch_backend.py, so a step gives the same bits.
+#include <torch/extension.h>
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                           torch::Tensor lens, double scale);
+void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
+                   int64_t ctx, double scale, torch::Tensor out);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor add_rms_norm_(torch::Tensor h, torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor silu_mul(torch::Tensor gu);
+void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
+void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torch::Tensor> bias, bool bf16);
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias, bool bf16);
+
+namespace {
+
+// A layer's slots in the weight list; an empty tensor where the layer has no such part (no QKV
+// bias; the half of a layer that a stage boundary gives to the other stage).
+enum Slot { IN_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, PER_LAYER };
+
+// x wᵀ (+ bias) over either panel format, as cpu_kernels.panel_linear chooses
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, bool bf16) {
+  c10::optional<torch::Tensor> b;
+  if (bias.numel()) b = bias;
+  return w.scalar_type() == torch::kUInt8 ? quant_linear(x, w, b, bf16) : packed_linear(x, w, b, bf16);
+}
+
+}  // namespace
+
+// What a step's attention needs beyond the layer: stages/attention/metadata.py's fields.
+struct StepMeta {
+  torch::Tensor positions, slots;        // (T,) int64
+  std::vector<int64_t> q_lens, ctx_lens;  // per prefill chunk
+  std::vector<torch::Tensor> prefill_tables;
+  c10::optional<torch::Tensor> decode_tables, decode_lens;  // (D, nb), (D,) int64; none without decodes
+};
+
+class LayerStack {
+ public:
+  LayerStack(std::vector<torch::Tensor> weights, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
+             double eps, bool bf16, torch::Tensor cos, torch::Tensor sin)
+      : w_(std::move(weights)), h_(heads), hkv_(kv_heads), d_(head_dim), scale_(scale), eps_(eps), bf16_(bf16),
+        cos_(std::move(cos)), sin_(std::move(sin)) {
+    TORCH_CHECK(!w_.empty() && w_.size() % PER_LAYER == 0, "LayerStack: ", int(PER_LAYER), " weights a layer");
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(w_.size()) / PER_LAYER; }
+
+  // h (T, H) contiguous fp32 -> (T, H). caches: K, V of each layer with attention, in order.
+  torch::Tensor forward(torch::Tensor h, const std::vector<torch::Tensor>& caches, const StepMeta& m) const {
+    size_t c = 0;
+    for (int64_t l = 0; l < num_layers(); ++l) {
+      const torch::Tensor* w = w_.data() + l * PER_LAYER;
+      const bool attn = w[QKV].numel() > 0, mlp = w[GATE_UP].numel() > 0;
+      if (attn) {
+        TORCH_CHECK(c + 2 <= caches.size(), "LayerStack: fewer KV caches than attention layers");
+        torch::Tensor a = attention(rms_norm(h, w[IN_NORM], eps_), w, caches[c], caches[c + 1], m);  // (T, H)
+        c += 2;
+        if (!mlp) {
+          h = a.add_(h);
+          continue;
+        }
+        torch::Tensor hn = add_rms_norm_(a, h, w[POST_NORM], eps_);  // a += h: the residual stream
+        h = ffn(hn, w).add_(a);
+      } else {
+        h = ffn(rms_norm(h, w[POST_NORM], eps_), w).add_(h);
+      }
+    }
+    return h;
+  }
+
+ private:
+  // o_proj(attention(rope(qkv_proj(x)))): x (T, H) normed -> (T, H), model.Attention's steps
+  torch::Tensor attention(const torch::Tensor& x, const torch::Tensor* w, const torch::Tensor& kc,
+                          const torch::Tensor& vc, const StepMeta& m) const {
+    const int64_t t = x.size(0), h = h_, hkv = hkv_, d = d_;
+    torch::Tensor qkv = linear(x, w[QKV], w[QKV_BIAS], bf16_);  // (T, (H + 2 Hkv) D)
+    torch::Tensor qk = qkv.narrow(1, 0, (h + hkv) * d).view({t, h + hkv, d});
+    rope_(qk, m.positions, cos_, sin_);
+    torch::Tensor q = qk.narrow(1, 0, h), k = qk.narrow(1, h, hkv);  // (T, H, D), (T, Hkv, D)
+    torch::Tensor v = qkv.narrow(1, (h + hkv) * d, hkv * d).view({t, hkv, d});
+    write_kv_(k, v, kc, vc, m.slots);
+    int64_t row = 0;
+    torch::Tensor out;
+    if (m.q_lens.empty() && m.decode_tables) {  // decodes only: their output is the step's
+      out = paged_decode(q.contiguous(), kc, vc, *m.decode_tables, *m.decode_lens, scale_);
+    } else {
+      out = torch::empty({t, h, d}, x.options());
+      for (size_t i = 0; i < m.q_lens.size(); ++i) {
+        const int64_t n = m.q_lens[i];
+        paged_prefill(q.narrow(0, row, n), kc, vc, m.prefill_tables[i], m.ctx_lens[i], scale_, out.narrow(0, row, n));
+        row += n;
+      }
+      if (m.decode_tables)
+        out.narrow(0, row, t - row)
+            .copy_(paged_decode(q.narrow(0, row, t - row).contiguous(), kc, vc, *m.decode_tables, *m.decode_lens,
+                                scale_));
+    }
+    return linear(out.view({t, h * d}), w[O], torch::Tensor(), bf16_);
+  }
+
+  // down(silu(gate(x)) · up(x)), model.MLP's steps
+  torch::Tensor ffn(const torch::Tensor& x, const torch::Tensor* w) const {
+    return linear(silu_mul(linear(x, w[GATE_UP], torch::Tensor(), bf16_)), w[DOWN], torch::Tensor(), bf16_);
+  }
+
+  std::vector<torch::Tensor> w_;
+  int64_t h_, hkv_, d_;
+  double scale_, eps_;
+  bool bf16_;
+  torch::Tensor cos_, sin_;
+};
+
+void bind_layer_stack(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<StepMeta>(m, "StepMeta", py::module_local())  // local: one build per ISA in a process
+      .def(py::init([](torch::Tensor positions, torch::Tensor slots, std::vector<int64_t> q_lens,
+                       std::vector<int64_t> ctx_lens, std::vector<torch::Tensor> tables,
+                       c10::optional<torch::Tensor> decode_tables, c10::optional<torch::Tensor> decode_lens) {
+        return StepMeta{positions, slots, q_lens, ctx_lens, tables, decode_tables, decode_lens};
+      }));
+  py::class_<LayerStack>(m, "LayerStack", py::module_local())
+      .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, bool, torch::Tensor,
+                    torch::Tensor>())
+      .def("forward", &LayerStack::forward, py::call_guard<py::gil_scoped_release>(),
+           "the stage's decoder layers over h (T, H), as stages/model.py runs them on CPU");
+}

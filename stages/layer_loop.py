@@ -1,0 +1,79 @@
+"""A stage's decoder layers as one C++ call on CPU (stages/csrc/stack.cpp), in place of the
+Python loop over them.
+
+Per layer, stages/model.py makes ~10 nn.Module calls and ~10 kernel calls from Python: ~0.1 ms
+of interpreter a layer, a quarter of a 1-row decode step at 1 thread, during which the other
+OpenMP thread spins. LayerStack runs the same kernels in the same order with the same arguments,
+so a step's hidden states come out bit for bit as the Python loop's; it applies where every op
+of that loop would take its CPU kernel anyway.
+
+    loop = LayerLoop.build(model)            # None where the layers do not fit it
+    if loop is not None and loop.takes(h, kv_caches):
+        h = loop.forward(h, meta, kv_caches)  # (T, H)
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from stages import cpu_kernels
+from stages.attention import AttentionMetadata
+from stages.attention.torch_backend import TorchAttention, decode_lens
+
+_NONE = torch.empty(0)  # a slot the layer does not have (stack.cpp: numel 0)
+
+
+class LayerLoop:
+    def __init__(self, stack: object) -> None:
+        self.stack = stack
+
+    @staticmethod
+    def build(model: nn.Module) -> LayerLoop | None:
+        """The C++ stack over ``model``'s layers (a StageModel whose weights are final: packed or
+        block-quantized, precision set), or None where its Python loop would not run every op on a
+        CPU kernel: no kernels, another attention backend or head size, tensor parallelism (the
+        all-reduces stay in Python), weights torch multiplies, a bias after a row-parallel linear."""
+        cfg, layers = model.cfg, list(model.layers)
+        if not (layers and cpu_kernels.available() and type(model.backend) is TorchAttention
+                and cfg.head_size % cpu_kernels.TILE == 0):
+            return None
+        weights, linears = [], []
+        for layer in layers:
+            attn = layer.self_attn if layer.has_attn else None
+            mlp = layer.mlp if layer.has_mlp else None
+            parts = [layer.input_layernorm.weight if attn else _NONE,
+                     attn.qkv_proj.weight if attn else _NONE,
+                     attn.qkv_proj.bias if attn and attn.qkv_proj.bias is not None else _NONE,
+                     attn.o_proj.weight if attn else _NONE,
+                     layer.post_attention_layernorm.weight if mlp else _NONE,
+                     mlp.gate_up_proj.weight if mlp else _NONE,
+                     mlp.down_proj.weight if mlp else _NONE]
+            linears += ([attn.qkv_proj, attn.o_proj] if attn else []) + ([mlp.gate_up_proj, mlp.down_proj] if mlp else [])
+            weights += [p.detach() for p in parts]
+        row_parallel = [m for m in linears if hasattr(m, "ctx")]
+        if any(m.weight.dim() != 3 or m.weight.device.type != "cpu" for m in linears) \
+                or any(m.ctx.size != 1 or m.bias is not None for m in row_parallel) \
+                or len({m.bf16 for m in linears}) != 1 \
+                or any(p.numel() and p.dim() == 1 and (p.dtype != torch.float32 or not p.is_contiguous())
+                       for p in weights):
+            return None
+        rope = model.rope
+        return LayerLoop(cpu_kernels.layer_stack(weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_size,
+                                                 model.backend.scale, cfg.rms_norm_eps, linears[0].bf16,
+                                                 rope.cos, rope.sin))
+
+    @staticmethod
+    def takes(h: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether this step's activations and caches are what the kernels take (the Python loop
+        checks the same op by op)."""
+        return cpu_kernels.usable(h) and h.dim() == 2 and h.is_contiguous() \
+            and all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
+
+    def forward(self, h: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """(T, H) -> (T, H) after every layer; kv_caches: (K, V) of each layer with attention."""
+        n = meta.num_prefills
+        step = cpu_kernels.step_meta(meta.positions, meta.slot_mapping, meta.q_lens[:n], meta.ctx_lens[:n],
+                                     meta.prefill_tables, meta.decode_tables if meta.num_decodes else None,
+                                     decode_lens(meta) if meta.num_decodes else None)
+        return self.stack.forward(h, [t for kv in kv_caches for t in kv], step)

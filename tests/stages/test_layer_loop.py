@@ -1,0 +1,145 @@
+"""The C++ layer loop (stages/layer_loop.py, stages/csrc/stack.cpp) against the Python loop over the
+same layers: the same hidden states and the same KV caches, bit for bit, for every kind of step
+(fresh and cached prefill chunks, decodes, several chunks with decodes), half-layer stages,
+fp32/bf16 products, fp32/fp16 caches, GGUF panels and every kernel build; and where it must not
+apply (tensor parallelism, weights torch multiplies, per-op timing), the Python loop runs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pp_runtime.batch import SeqChunk
+from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
+from stages import cpu_kernels
+from stages.attention import build_metadata
+from stages.layers import TPContext
+from stages.model import StageModel
+from stages.model_source import resolve_model
+from stages.op_timing import OpTimer, instrument
+from stages.profile import fill_cache
+from stages.worker import StageWorker, WorkerSpec
+from tests.conftest import ARCHS
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")
+BLOCK = 4
+
+
+def table(seq: int) -> tuple[int, ...]:
+    return tuple(range(16 * seq, 16 * seq + 16))  # 64 slots a sequence
+
+
+def prefill(seq: int, start: int, n: int) -> SeqChunk:
+    return SeqChunk(seq, start, tuple((7 * seq + 5 * i) % 250 + 3 for i in range(n)), table(seq), True, None)
+
+
+def decode(seq: int, pos: int) -> SeqChunk:
+    return SeqChunk(seq, pos, ((11 * seq + pos) % 250 + 3,), table(seq), False, None)
+
+
+STEPS = {
+    "fresh_chunk": (prefill(0, 0, 20),),
+    "cached_chunk_and_decodes": (prefill(0, 20, 13), decode(1, 30), decode(2, 7), decode(3, 63)),
+    "decodes": tuple(decode(s, 9 * s + 1) for s in range(1, 4)),
+    "many_decodes": tuple(decode(s, 3 * s) for s in range(1, 16)),  # 15 rows: bf16 products under "medium"
+    "two_chunks_and_decodes": (prefill(0, 8, 17), prefill(1, 0, 3), decode(2, 40), decode(3, 12)),
+}
+
+
+def worker(path: str, pp: int = 1, stage: int = 0, partition: tuple[float, ...] | None = None,
+           precision: str = "highest", kv_dtype: str = "auto", gguf_weights: str = "native") -> StageWorker:
+    spec = WorkerSpec(resolve_model(path), stage, 0, ParallelConfig(pp, 1, partition), CacheConfig(BLOCK, 1 << 26, kv_dtype),
+                      DeviceConfig("cpu", "float32", "torch", matmul_precision=precision, gguf_weights=gguf_weights))
+    w = StageWorker(spec, TPContext(), None)
+    w.allocate_cache(16 * 16)  # 16 sequences' tables
+    fill_cache(w)  # the decodes' contexts: random K/V
+    return w
+
+
+def both_loops(w: StageWorker, chunks: tuple[SeqChunk, ...]) -> None:
+    """One step through the Python loop and the same step, from the same caches, through the C++ one."""
+    loop = w.model.layer_loop
+    assert loop is not None
+    meta = build_metadata(chunks, BLOCK, w.device)
+    ids = [t for c in chunks for t in c.token_ids]
+    x = torch.tensor(ids) if w.is_first else \
+        torch.randn(len(ids), w.spec.source.config.hidden_size, generator=torch.Generator().manual_seed(len(ids)))
+    before = [(k.clone(), v.clone()) for k, v in w.kv_caches]
+    out = {}
+    with torch.inference_mode():
+        for on in (False, True):
+            for (k, v), (k0, v0) in zip(w.kv_caches, before):
+                k.copy_(k0)
+                v.copy_(v0)
+            w.model.layer_loop = loop if on else None
+            out[on] = (w.model(x, meta, w.kv_caches), [t.clone() for kv in w.kv_caches for t in kv])
+    w.model.layer_loop = loop
+    assert torch.equal(out[True][0], out[False][0])
+    assert all(torch.equal(a, b) for a, b in zip(out[True][1], out[False][1]))
+
+
+@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_c_loop_is_the_python_loop_bit_for_bit(hf_models: dict, threads: int, arch: str, step: str) -> None:
+    both_loops(worker(str(hf_models[arch])), STEPS[step])
+
+
+@pytest.mark.parametrize("precision,kv_dtype", [("medium", "auto"), ("highest", "float16"), ("medium", "float16")])
+@pytest.mark.parametrize("step", STEPS)
+def test_bf16_products_and_fp16_caches(hf_models: dict, threads: int, precision: str, kv_dtype: str, step: str) -> None:
+    both_loops(worker(str(hf_models["qwen2"]), precision=precision, kv_dtype=kv_dtype), STEPS[step])
+
+
+@pytest.mark.parametrize("partition", [(1.5, 2.5), (2.5, 1.5), (1, 3)])
+@pytest.mark.parametrize("stage", [0, 1])
+def test_stages_and_half_layers(hf_models: dict, partition: tuple[float, float], stage: int) -> None:
+    """A stage cut inside a layer holds its attention only (the first stage) or its MLP only."""
+    w = worker(str(hf_models["llama"]), pp=2, stage=stage, partition=partition)
+    for chunks in STEPS.values():
+        both_loops(w, chunks)
+
+
+def test_every_kernel_build(hf_models: dict, isa: str) -> None:
+    w = worker(str(hf_models["mistral"]))  # built after the isa fixture: its LayerStack is that build's
+    for chunks in STEPS.values():
+        both_loops(w, chunks)
+
+
+def test_gguf_panels(tmp_path: Path) -> None:
+    """Block-quantized panels, and fp32 ones where a fused QKV mixes two types, in one stack."""
+    from tests.stages.test_quant import VARIANTS, write_gguf
+    pytest.importorskip("gguf")
+    w = worker(str(write_gguf(tmp_path / "mixed.gguf", VARIANTS["mixed"])))
+    assert {p.dtype for layer in w.model.layers for p in layer.parameters() if p.dim() == 3} == {torch.uint8, torch.float32}
+    for chunks in STEPS.values():
+        both_loops(w, chunks)
+
+
+def test_not_built_where_an_op_would_leave_the_kernels(hf_models: dict) -> None:
+    src = resolve_model(str(hf_models["llama"]))
+    units = (0, 2 * src.config.num_layers)
+    plain = StageModel(src.config, units, TPContext(), torch.float32, "cpu", "torch", True, True)
+    assert not plain.prepare_layer_loop()  # weights torch multiplies: not packed
+    w = worker(str(hf_models["llama"]))
+    assert w.model.prepare_layer_loop()
+    tp = StageModel(src.config, units, TPContext(0, 2), torch.float32, "cpu", "torch", True, True)
+    from stages.layers import pack_linears
+    pack_linears(tp)
+    assert not tp.prepare_layer_loop()  # the all-reduces stay in Python
+    # a bf16 activation: the step takes the Python loop, which runs torch's ops
+    assert not w.model.layer_loop.takes(torch.zeros(3, src.config.hidden_size, dtype=torch.bfloat16), w.kv_caches)
+
+
+def test_per_op_timing_runs_the_python_loop_then_gives_the_c_loop_back(hf_models: dict) -> None:
+    w = worker(str(hf_models["llama"]))
+    loop = w.model.layer_loop
+    timer = OpTimer(sync=lambda: None)
+    chunks = STEPS["cached_chunk_and_decodes"]
+    with torch.inference_mode(), instrument(w.model, timer):
+        assert w.model.layer_loop is None
+        timer.reset()
+        w.model(torch.tensor([t for c in chunks for t in c.token_ids]), build_metadata(chunks, BLOCK, w.device),
+                w.kv_caches)
+        assert timer.acc["preproj"] > 0 and timer.acc["attn"] > 0 and timer.acc["ffn_ln2"] > 0
+    assert w.model.layer_loop is loop
