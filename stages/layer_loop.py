@@ -5,7 +5,8 @@ Per layer, stages/model.py makes ~10 nn.Module calls and ~10 kernel calls from P
 of interpreter a layer, a quarter of a 1-row decode step at 1 thread, during which the other
 OpenMP thread spins. LayerStack runs the same kernels in the same order with the same arguments,
 so a step's hidden states come out bit for bit as the Python loop's; it applies where every op
-of that loop would take its CPU kernel anyway.
+of that loop would take its CPU kernel anyway. Per-op timing (stages/op_timing.py) times the
+same five buckets inside the C++ loop, so a profile measures the path a deployment runs.
 
     loop = LayerLoop.build(model)            # None where the layers do not fit it
     if loop is not None and loop.takes(h, kv_caches):
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pp_runtime.profile_stats import OPS
 from stages import cpu_kernels
 from stages.attention import AttentionMetadata
 from stages.attention.torch_backend import TorchAttention, decode_lens
@@ -26,6 +28,9 @@ _NONE = torch.empty(0)  # a slot the layer does not have (stack.cpp: numel 0)
 class LayerLoop:
     def __init__(self, stack: object) -> None:
         self.stack = stack
+        # stages.op_timing.OpTimer while instrumented: each op's seconds, timed inside the C++
+        # loop, are added to its buckets (the hooks there fire on the Python loop only)
+        self.timer: object | None = None
 
     @staticmethod
     def build(model: nn.Module) -> LayerLoop | None:
@@ -76,4 +81,11 @@ class LayerLoop:
         step = cpu_kernels.step_meta(meta.positions, meta.slot_mapping, meta.q_lens[:n], meta.ctx_lens[:n],
                                      meta.prefill_tables, meta.decode_tables if meta.num_decodes else None,
                                      decode_lens(meta) if meta.num_decodes else None)
-        return self.stack.forward(h, [t for kv in kv_caches for t in kv], step)
+        caches = [t for kv in kv_caches for t in kv]
+        if self.timer is None:
+            return self.stack.forward(h, caches, step)
+        times = torch.zeros(len(OPS), dtype=torch.float64)  # seconds: preproj, attn, postproj, ffn_ln1, ffn_ln2
+        out = self.stack.forward(h, caches, step, times)
+        for op, sec in zip(OPS, times.tolist()):
+            self.timer.acc[op] = self.timer.acc.get(op, 0.0) + sec
+        return out

@@ -1,5 +1,6 @@
 """Per-operation timers for a stage model: forward hooks on the four linears of every layer and
-on the LM head, a wrapper around the attention backend's ``forward``.
+on the LM head, a wrapper around the attention backend's ``forward``; where the stage runs its
+layers as one C++ call (stages/layer_loop.py), that call times the same buckets itself.
 
     timer = OpTimer(sync=lambda: None)
     with instrument(model, timer):
@@ -47,7 +48,9 @@ def instrument(model: torch.nn.Module, timer: OpTimer) -> Iterator[None]:
     backend = model.backend
     had_own = "forward" in vars(backend)
     saved = vars(backend).get("forward")
-    loop, model.layer_loop = model.layer_loop, None  # the C++ layer loop has no hooks: the Python one times
+    loop = model.layer_loop
+    if loop is not None:  # the C++ layer loop times its ops itself; the hooks below fire on the Python one
+        loop.timer = timer
     try:
         for layer in model.layers:
             for op, path in _LINEARS.items():
@@ -71,7 +74,8 @@ def instrument(model: torch.nn.Module, timer: OpTimer) -> Iterator[None]:
         backend.forward = timed_forward
         yield
     finally:
-        model.layer_loop = loop
+        if loop is not None:
+            loop.timer = None
         for h in handles:
             h.remove()
         if had_own:

@@ -1,13 +1,18 @@
 // A stage's decoder layers as one call from Python (stages/layer_loop.py says when it applies).
 //
 //   stack = LayerStack(weights, heads, kv_heads, head_dim, scale, eps, bf16, cos, sin)
-//   h = stack.forward(h, caches, positions, slots, q_lens, ctx_lens, prefill_tables, decode_tables, decode_lens)
+//   h = stack.forward(h, caches, StepMeta(positions, slots, q_lens, ctx_lens, prefill_tables, decode_tables,
+//                                         decode_lens), times)
+//   times: None, or a float64 (5,) tensor that each op's seconds are added to (preproj, attn, postproj,
+//   ffn_ln1, ffn_ln2: stages/op_timing.py's buckets, as its hooks time them on the Python loop)
 //
 // Why: driven from Python, the same kernels pay ~0.1 ms of interpreter and nn.Module dispatch a
 // layer (a 1-row decode step at 1 thread: ~3 of 12 ms), and at 2 threads the other core spins
 // through it. The ops, their order and their arguments are those of the CPU path of
 // stages/model.py and stages/attention/torch_backend.py, so a step gives the same bits.
 #include <torch/extension.h>
+
+#include <chrono>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                            torch::Tensor lens, double scale);
@@ -26,6 +31,17 @@ namespace {
 // A layer's slots in the weight list; an empty tensor where the layer has no such part (no QKV
 // bias; the half of a layer that a stage boundary gives to the other stage).
 enum Slot { IN_NORM, QKV, QKV_BIAS, O, POST_NORM, GATE_UP, DOWN, PER_LAYER };
+enum Op { PREPROJ, ATTN, POSTPROJ, FFN_LN1, FFN_LN2, NUM_OPS };  // the per-op timers' buckets
+
+// f(), its seconds added to t[op] where there are timers (t null: just f())
+template <typename F>
+auto timed(double* t, Op op, const F& f) {
+  if (!t) return f();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto out = f();
+  t[op] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return out;
+}
 
 // x wᵀ (+ bias) over either panel format, as cpu_kernels.panel_linear chooses
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, bool bf16) {
@@ -56,23 +72,30 @@ class LayerStack {
   int64_t num_layers() const { return static_cast<int64_t>(w_.size()) / PER_LAYER; }
 
   // h (T, H) contiguous fp32 -> (T, H). caches: K, V of each layer with attention, in order.
-  torch::Tensor forward(torch::Tensor h, const std::vector<torch::Tensor>& caches, const StepMeta& m) const {
+  torch::Tensor forward(torch::Tensor h, const std::vector<torch::Tensor>& caches, const StepMeta& m,
+                        c10::optional<torch::Tensor> times) const {
+    double* t = nullptr;
+    if (times) {
+      TORCH_CHECK(times->dtype() == torch::kFloat64 && times->numel() == NUM_OPS && times->is_contiguous(),
+                  "LayerStack: times must be a contiguous float64 (", int(NUM_OPS), ",) tensor");
+      t = times->data_ptr<double>();
+    }
     size_t c = 0;
     for (int64_t l = 0; l < num_layers(); ++l) {
       const torch::Tensor* w = w_.data() + l * PER_LAYER;
       const bool attn = w[QKV].numel() > 0, mlp = w[GATE_UP].numel() > 0;
       if (attn) {
         TORCH_CHECK(c + 2 <= caches.size(), "LayerStack: fewer KV caches than attention layers");
-        torch::Tensor a = attention(rms_norm(h, w[IN_NORM], eps_), w, caches[c], caches[c + 1], m);  // (T, H)
+        torch::Tensor a = attention(rms_norm(h, w[IN_NORM], eps_), w, caches[c], caches[c + 1], m, t);  // (T, H)
         c += 2;
         if (!mlp) {
           h = a.add_(h);
           continue;
         }
         torch::Tensor hn = add_rms_norm_(a, h, w[POST_NORM], eps_);  // a += h: the residual stream
-        h = ffn(hn, w).add_(a);
+        h = ffn(hn, w, t).add_(a);
       } else {
-        h = ffn(rms_norm(h, w[POST_NORM], eps_), w).add_(h);
+        h = ffn(rms_norm(h, w[POST_NORM], eps_), w, t).add_(h);
       }
     }
     return h;
@@ -81,20 +104,29 @@ class LayerStack {
  private:
   // o_proj(attention(rope(qkv_proj(x)))): x (T, H) normed -> (T, H), model.Attention's steps
   torch::Tensor attention(const torch::Tensor& x, const torch::Tensor* w, const torch::Tensor& kc,
-                          const torch::Tensor& vc, const StepMeta& m) const {
+                          const torch::Tensor& vc, const StepMeta& m, double* tm) const {
     const int64_t t = x.size(0), h = h_, hkv = hkv_, d = d_;
-    torch::Tensor qkv = linear(x, w[QKV], w[QKV_BIAS], bf16_);  // (T, (H + 2 Hkv) D)
+    torch::Tensor qkv = timed(tm, PREPROJ, [&] { return linear(x, w[QKV], w[QKV_BIAS], bf16_); });  // (T, (H + 2 Hkv) D)
     torch::Tensor qk = qkv.narrow(1, 0, (h + hkv) * d).view({t, h + hkv, d});
     rope_(qk, m.positions, cos_, sin_);
     torch::Tensor q = qk.narrow(1, 0, h), k = qk.narrow(1, h, hkv);  // (T, H, D), (T, Hkv, D)
     torch::Tensor v = qkv.narrow(1, (h + hkv) * d, hkv * d).view({t, hkv, d});
+    torch::Tensor out = timed(tm, ATTN, [&] { return attend(q, k, v, kc, vc, m); });  // (T, H, D)
+    return timed(tm, POSTPROJ, [&] { return linear(out.view({t, h * d}), w[O], torch::Tensor(), bf16_); });
+  }
+
+  // write_kv_, then each prefill chunk's causal attention and every decode's: the torch backend's
+  // CPU path (q (T, H, D), k, v (T, Hkv, D) -> (T, H, D))
+  torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& kc,
+                       const torch::Tensor& vc, const StepMeta& m) const {
+    const int64_t t = q.size(0);
     write_kv_(k, v, kc, vc, m.slots);
     int64_t row = 0;
     torch::Tensor out;
     if (m.q_lens.empty() && m.decode_tables) {  // decodes only: their output is the step's
       out = paged_decode(q.contiguous(), kc, vc, *m.decode_tables, *m.decode_lens, scale_);
     } else {
-      out = torch::empty({t, h, d}, x.options());
+      out = torch::empty({t, h_, d_}, q.options());
       for (size_t i = 0; i < m.q_lens.size(); ++i) {
         const int64_t n = m.q_lens[i];
         paged_prefill(q.narrow(0, row, n), kc, vc, m.prefill_tables[i], m.ctx_lens[i], scale_, out.narrow(0, row, n));
@@ -105,12 +137,14 @@ class LayerStack {
             .copy_(paged_decode(q.narrow(0, row, t - row).contiguous(), kc, vc, *m.decode_tables, *m.decode_lens,
                                 scale_));
     }
-    return linear(out.view({t, h * d}), w[O], torch::Tensor(), bf16_);
+    return out;
   }
 
   // down(silu(gate(x)) · up(x)), model.MLP's steps
-  torch::Tensor ffn(const torch::Tensor& x, const torch::Tensor* w) const {
-    return linear(silu_mul(linear(x, w[GATE_UP], torch::Tensor(), bf16_)), w[DOWN], torch::Tensor(), bf16_);
+  torch::Tensor ffn(const torch::Tensor& x, const torch::Tensor* w, double* tm) const {
+    torch::Tensor gu = timed(tm, FFN_LN1, [&] { return linear(x, w[GATE_UP], torch::Tensor(), bf16_); });
+    torch::Tensor a = silu_mul(gu);
+    return timed(tm, FFN_LN2, [&] { return linear(a, w[DOWN], torch::Tensor(), bf16_); });
   }
 
   std::vector<torch::Tensor> w_;
@@ -131,6 +165,7 @@ void bind_layer_stack(pybind11::module& m) {
   py::class_<LayerStack>(m, "LayerStack", py::module_local())
       .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, bool, torch::Tensor,
                     torch::Tensor>())
-      .def("forward", &LayerStack::forward, py::call_guard<py::gil_scoped_release>(),
+      .def("forward", &LayerStack::forward, py::arg("h"), py::arg("caches"), py::arg("meta"),
+           py::arg("times") = py::none(), py::call_guard<py::gil_scoped_release>(),
            "the stage's decoder layers over h (T, H), as stages/model.py runs them on CPU");
 }

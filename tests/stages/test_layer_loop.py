@@ -2,7 +2,8 @@
 same layers: the same hidden states and the same KV caches, bit for bit, for every kind of step
 (fresh and cached prefill chunks, decodes, several chunks with decodes), half-layer stages,
 fp32/bf16 products, fp32/fp16 caches, GGUF panels and every kernel build; and where it must not
-apply (tensor parallelism, weights torch multiplies, per-op timing), the Python loop runs."""
+apply (tensor parallelism, weights torch multiplies), the Python loop runs; per-op timing runs
+inside the C++ loop."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,6 +18,7 @@ from stages.attention import build_metadata
 from stages.layers import TPContext
 from stages.model import StageModel
 from stages.model_source import resolve_model
+from pp_runtime.profile_stats import OPS
 from stages.op_timing import OpTimer, instrument
 from stages.profile import fill_cache
 from stages.worker import StageWorker, WorkerSpec
@@ -131,15 +133,36 @@ def test_not_built_where_an_op_would_leave_the_kernels(hf_models: dict) -> None:
     assert not w.model.layer_loop.takes(torch.zeros(3, src.config.hidden_size, dtype=torch.bfloat16), w.kv_caches)
 
 
-def test_per_op_timing_runs_the_python_loop_then_gives_the_c_loop_back(hf_models: dict) -> None:
+def test_per_op_timing_inside_the_c_loop(hf_models: dict) -> None:
+    """Instrumented, the C++ loop still runs and times the five buckets itself (the hooks fire on
+    the Python loop only); the same step through the Python loop fills the same buckets."""
     w = worker(str(hf_models["llama"]))
     loop = w.model.layer_loop
     timer = OpTimer(sync=lambda: None)
     chunks = STEPS["cached_chunk_and_decodes"]
+    ids = torch.tensor([t for c in chunks for t in c.token_ids])
+    got = {}
     with torch.inference_mode(), instrument(w.model, timer):
-        assert w.model.layer_loop is None
-        timer.reset()
-        w.model(torch.tensor([t for c in chunks for t in c.token_ids]), build_metadata(chunks, BLOCK, w.device),
-                w.kv_caches)
-        assert timer.acc["preproj"] > 0 and timer.acc["attn"] > 0 and timer.acc["ffn_ln2"] > 0
-    assert w.model.layer_loop is loop
+        assert w.model.layer_loop is loop and loop.timer is timer
+        for on in (True, False):
+            w.model.layer_loop = loop if on else None
+            timer.reset()
+            w.model(ids, build_metadata(chunks, BLOCK, w.device), w.kv_caches)
+            got[on] = dict(timer.acc)
+        w.model.layer_loop = loop
+    assert loop.timer is None and w.model.layer_loop is loop
+    for op in OPS:
+        assert got[True][op] > 0 and got[False][op] > 0, op
+    assert got[True]["lm_head"] == got[False]["lm_head"] == 0  # not called here
+
+
+def test_timer_buckets_need_a_float64_tensor(hf_models: dict) -> None:
+    w = worker(str(hf_models["llama"]))
+    chunks = STEPS["decodes"]
+    meta = build_metadata(chunks, BLOCK, w.device)
+    step = cpu_kernels.step_meta(meta.positions, meta.slot_mapping, [], [], [], meta.decode_tables,
+                                 torch.tensor(meta.ctx_lens, dtype=torch.long))
+    caches = [t for kv in w.kv_caches for t in kv]
+    h = torch.zeros(len(chunks), w.spec.source.config.hidden_size)
+    with pytest.raises(RuntimeError, match="float64"):
+        w.model.layer_loop.stack.forward(h, caches, step, torch.zeros(5))

@@ -133,6 +133,25 @@ def test_hooks_removed_and_output_unchanged() -> None:
     assert torch.equal(forward(), before)
 
 
+def test_totals_come_from_the_unhooked_c_loop() -> None:
+    """The per-op hooks need the Python layer loop; each point's total is a second forward through
+    the C++ one (what a deployment runs), and the C++ loop is back after."""
+    from stages import cpu_kernels
+    if not cpu_kernels.available():
+        pytest.skip("CPU kernels could not be built here")
+    grid = GRIDS["quick"]
+    w = build_worker("llama-tiny", block_size=grid.block_size)
+    loop = w.model.layer_loop
+    assert loop is not None
+    calls = []
+    inner = loop.forward
+    loop.forward = lambda *a: calls.append(1) or inner(*a)  # an instance attribute: counts the C++ loop's steps
+    rows = measure(w, grid)
+    assert len(calls) == (grid.warmup + grid.reps) * len(rows)
+    assert w.model.layer_loop is loop
+    assert all(r["measured_total_ms"] > 0 and r["preproj_ms"] > 0 for r in rows)
+
+
 def test_bfloat16_runs(tmp_path) -> None:
     res = run_profile("llama-tiny", "cpu", "bfloat16", str(tmp_path), grid="quick;reps=1;warmup=0", progress=False)
     assert res["dtype"] == "bfloat16" and len(res["rows"]) == len(grid_points(parse_grid("quick")))
