@@ -47,8 +47,6 @@ from pathlib import Path
 
 import torch
 
-from stages import quant
-
 _SOURCES = [str(Path(__file__).with_name("csrc") / f)
             for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp",
                       "greedy.cpp", "stack.cpp")]
@@ -215,7 +213,7 @@ def panel_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
                  bf16: bool = False) -> torch.Tensor:
     """x (M, K) times a weight held in either of the GEMM's panel formats: ``quant_linear`` for
     block-quantized panels (uint8), ``packed_linear`` for fp32 ones."""
-    return (quant_linear if quant.is_panels(w) else packed_linear)(x, w, bias, bf16)
+    return _load().panel_linear(x, w, bias, bf16)
 
 
 def greedy_candidates(approx: torch.Tensor, xnorm: torch.Tensor, wnorm: torch.Tensor, c: float,

@@ -21,6 +21,7 @@ from pp_runtime.profile_stats import OPS
 from stages import cpu_kernels
 from stages.attention import AttentionMetadata
 from stages.attention.torch_backend import TorchAttention, decode_lens
+from stages.layers import RowParallelLinear
 
 _NONE = torch.empty(0)  # a slot the layer does not have (stack.cpp: numel 0)
 
@@ -55,7 +56,7 @@ class LayerLoop:
                      mlp.down_proj.weight if mlp else _NONE]
             linears += ([attn.qkv_proj, attn.o_proj] if attn else []) + ([mlp.gate_up_proj, mlp.down_proj] if mlp else [])
             weights += [p.detach() for p in parts]
-        row_parallel = [m for m in linears if hasattr(m, "ctx")]
+        row_parallel = [m for m in linears if isinstance(m, RowParallelLinear)]
         if any(m.weight.dim() != 3 or m.weight.device.type != "cpu" for m in linears) \
                 or any(m.ctx.size != 1 or m.bias is not None for m in row_parallel) \
                 or len({m.bf16 for m in linears}) != 1 \

@@ -1,23 +1,8 @@
 // The Python module of the CPU kernels (stages/cpu_kernels.py loads it).
 #include <torch/extension.h>
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                           torch::Tensor lens, double scale);  // paged_decode.cpp
-void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
-                   int64_t ctx, double scale, torch::Tensor out);  // paged_prefill.cpp
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);  // elementwise.cpp
-torch::Tensor add_rms_norm_(torch::Tensor h, torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor silu_mul(torch::Tensor gu);
-void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor transpose(torch::Tensor x);
-void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
-torch::Tensor pack_weight(torch::Tensor w);  // gemm.cpp
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torch::Tensor> bias, bool bf16);
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias, bool bf16);
-bool bf16_products();
-std::string isa();
-std::vector<torch::Tensor> greedy_candidates(torch::Tensor approx, torch::Tensor xn, torch::Tensor wn,
-                                             double c, double floor);  // greedy.cpp
+#include "kernels.h"
+
 void bind_layer_stack(pybind11::module& m);  // stack.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -32,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::arg("bf16") = false);
   m.def("quant_linear", &quant_linear, "x wᵀ (+ bias) over block-quantized (GGUF Q4/Q8) panels (bf16 as packed_linear, CPU)",
         py::arg("x"), py::arg("q"), py::arg("bias") = py::none(), py::arg("bf16") = false);
+  m.def("panel_linear", &panel_linear, "quant_linear for uint8 (block-quantized) panels, packed_linear for fp32 ones",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("bf16") = false);
   m.def("bf16_products", &bf16_products, "whether packed_linear / quant_linear can take bf16 dot products (AVX512-BF16)");
   m.def("isa", &isa, "the vector instructions this build's kernels use: avx512+bf16, avx512, avx2 or scalar");
   m.def("greedy_candidates", &greedy_candidates,

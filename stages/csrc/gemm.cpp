@@ -978,6 +978,10 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch
   return y;
 }
 
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool bf16) {
+  return w.scalar_type() == torch::kUInt8 ? quant_linear(x, w, bias, bf16) : packed_linear(x, w, bias, bf16);
+}
+
 bool bf16_products() {
 #ifdef PP_BF16
   return true;

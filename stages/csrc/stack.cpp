@@ -14,17 +14,7 @@
 
 #include <chrono>
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                           torch::Tensor lens, double scale);
-void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
-                   int64_t ctx, double scale, torch::Tensor out);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor add_rms_norm_(torch::Tensor h, torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor silu_mul(torch::Tensor gu);
-void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
-void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torch::Tensor> bias, bool bf16);
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias, bool bf16);
+#include "kernels.h"
 
 namespace {
 
@@ -43,11 +33,11 @@ auto timed(double* t, Op op, const F& f) {
   return out;
 }
 
-// x wᵀ (+ bias) over either panel format, as cpu_kernels.panel_linear chooses
+// x wᵀ (+ bias); bias: an empty tensor for none
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, bool bf16) {
   c10::optional<torch::Tensor> b;
   if (bias.numel()) b = bias;
-  return w.scalar_type() == torch::kUInt8 ? quant_linear(x, w, b, bf16) : packed_linear(x, w, b, bf16);
+  return panel_linear(x, w, b, bf16);
 }
 
 }  // namespace

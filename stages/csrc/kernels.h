@@ -1,0 +1,27 @@
+// The kernels' entry points, one declaration each: bindings.cpp exposes them to Python,
+// stack.cpp calls them in a stage's layer loop.
+#pragma once
+#include <torch/extension.h>
+
+#include <string>
+#include <vector>
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                           torch::Tensor lens, double scale);  // paged_decode.cpp
+void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
+                   int64_t ctx, double scale, torch::Tensor out);  // paged_prefill.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);  // elementwise.cpp
+torch::Tensor add_rms_norm_(torch::Tensor h, torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor silu_mul(torch::Tensor gu);
+void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor transpose(torch::Tensor x);
+void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
+torch::Tensor pack_weight(torch::Tensor w);  // gemm.cpp
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torch::Tensor> bias, bool bf16);
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias, bool bf16);
+// either of the two above, by the weight's panel format (uint8: block-quantized)
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool bf16);
+bool bf16_products();
+std::string isa();
+std::vector<torch::Tensor> greedy_candidates(torch::Tensor approx, torch::Tensor xn, torch::Tensor wn,
+                                             double c, double floor);  // greedy.cpp
