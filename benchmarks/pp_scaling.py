@@ -16,8 +16,9 @@ SARATHI's plain token budget, paired the same way, labelled sarathi[tokens]. Sam
 budget everywhere, and the same chunk unless --pp2-chunk gives pp=2 its own: at pp=2 each
 request decodes once per two micro-batches, so a chunk half as long keeps a round trip's mix of
 prompt and decode tokens what it is at pp=1 (SARATHI sizes the chunk from the P:D ratio and the
-decodes per micro-batch). Both deployments stay up and their runs alternate (pp=1, pp=2, then
-pp=2, pp=1, ...) for --rounds rounds: this box drifts by 10-30% between runs minutes apart, so
+decodes per micro-batch; benchmarks/chunk_sweep.py measures each depth's best chunk). Both
+deployments stay up and their runs alternate (pp=1, pp=2, then pp=2, pp=1, ...) for --rounds
+rounds: this box drifts by 10-30% between runs minutes apart, so
 each round's pp=2 run is paired with that round's pp=1 run, and the efficiency printed is the
 median of the rounds' paired ratios (benchmarks/pairing.py). Every round is warm: each deployment
 first runs the workload once unmeasured.
@@ -55,6 +56,22 @@ from pp_runtime import LLM, SamplingParams
 from pp_runtime.config import CHUNK_BUDGETS, KV_DTYPES, MATMUL_PRECISIONS
 from pp_runtime.workload import generate_workload
 from pp_runtime.workload_config import WorkloadConfig
+
+
+def zipf_workload(num_requests: int, min_len: int, max_len: int) -> WorkloadConfig:
+    """The paper's pipeline workload: total lengths Zipf(θ = 0.4), P:D = 10, all at t = 0."""
+    return WorkloadConfig(kind="zipf", num_requests=num_requests, min_len=min_len, max_len=max_len, theta=0.4,
+                          pd_ratio=10, arrival="all", seed=0)
+
+
+def deployments(stack: contextlib.ExitStack, model: str | None, chunk: int, max_batch_size: int, kv_cache_dtype: str,
+                matmul_precision: str) -> dict[int, LLM]:
+    """pp=1 in this process and pp=2 on two Ray workers, one thread per stage, the same batch size and
+    2 GB budget (closed with the stack)."""
+    common = dict(model=model, chunk_size=chunk, max_batch_size=max_batch_size, memory_budget_gb=2.0,
+                  max_model_len=2048 if model is None else None, threads=1, kv_cache_dtype=kv_cache_dtype,
+                  matmul_precision=matmul_precision)
+    return {pp: stack.enter_context(LLM(pp=pp, launcher="local" if pp == 1 else "ray", **common)) for pp in (1, 2)}
 
 
 def run_once(llm: LLM, items: list, policy: str, chunk: int, budget: str = "flops") -> float:
@@ -218,11 +235,7 @@ def main() -> None:
     model = "llama-tiny" if a.smoke and a.model is None else a.model
     if a.smoke:
         a.num_requests, a.min_len, a.max_len, a.chunk, a.rounds = 6, 24, 64, 16, 1
-    common = dict(model=model, chunk_size=a.chunk, max_batch_size=a.max_batch_size, memory_budget_gb=2.0,
-                  max_model_len=2048 if model is None else None, threads=1, kv_cache_dtype=a.kv_cache_dtype,
-                  matmul_precision=a.matmul_precision)
-    wl = WorkloadConfig(kind="zipf", num_requests=a.num_requests, min_len=a.min_len, max_len=a.max_len, theta=0.4,
-                        pd_ratio=10, arrival="all", seed=0)
+    wl = zipf_workload(a.num_requests, a.min_len, a.max_len)
     policies = a.schedulers.split(",")
     budgets = a.chunk_budgets.split(",")
     bad = [b for b in budgets if b not in CHUNK_BUDGETS]
@@ -235,7 +248,7 @@ def main() -> None:
                "pp2_chunk": a.pp2_chunk or a.chunk, "chunk_budgets": budgets, "warmup": "one unmeasured run per pp",
                "throughput_tok_s": {}, "efficiency": {}}
     with contextlib.ExitStack() as stack:
-        llms = {pp: stack.enter_context(LLM(pp=pp, launcher="local" if pp == 1 else "ray", **common)) for pp in (1, 2)}
+        llms = deployments(stack, model, a.chunk, a.max_batch_size, a.kv_cache_dtype, a.matmul_precision)
         items = generate_workload(wl, llms[1].source.config.vocab_size)
         tokens = sum(len(it.prompt_token_ids) + it.max_tokens for it in items)
         chunks = {1: a.chunk, 2: a.pp2_chunk or a.chunk}

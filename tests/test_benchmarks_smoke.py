@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end at reduced size (smoke tests: nothing here asserts a time)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -70,6 +71,30 @@ def test_pp_scaling_smoke(tmp_path: Path) -> None:
     assert 0 <= m["unused_bytes"] < m["block_bytes"]  # the KV cache is the budget, to one block
 
 
+def test_chunk_sweep_smoke(tmp_path: Path) -> None:
+    r = run(["benchmarks/chunk_sweep.py", "--smoke"], tmp_path)
+    assert r["chunks"] == [8, 16]
+    for pp in ("1", "2"):  # every (pp, chunk) ran once, and the best chunk is the fastest median
+        assert {c: len(v) for c, v in r["tok_s"][pp].items()} == {"8": 1, "16": 1}
+        med = r["median_tok_s"][pp]
+        assert med[str(r["best_chunk"][pp])] == max(med.values()) > 0
+    assert r["efficiency_best"] == pytest.approx(statistics.median(r["efficiency_best_rounds"]))
+    assert set(r["efficiency_same_chunk"]) == {"8", "16"}
+
+
+def test_chunk_sweep_pairs_rounds_at_the_best_chunks() -> None:
+    """Each pp's best chunk is the one with the highest median, and the efficiency pairs those two
+    chunks round by round (pp=2's tok/s over twice pp=1's)."""
+    cs = _load("chunk_sweep")
+    tput = {1: {128: [100.0, 90.0, 95.0], 256: [110.0, 100.0, 120.0]},
+            2: {128: [200.0, 170.0, 190.0], 256: [180.0, 160.0, 230.0]}}
+    r = cs.summarize(tput)
+    assert r["best_chunk"] == {1: 256, 2: 128}
+    assert r["efficiency_best_rounds"] == pytest.approx([200 / 220, 170 / 200, 190 / 240])
+    assert r["efficiency_best"] == pytest.approx(170 / 200)
+    assert r["efficiency_same_chunk"][128] == pytest.approx(statistics.median([1.0, 170 / 180, 1.0]))
+
+
 def test_validate_sim_smoke(tmp_path: Path) -> None:
     r = run(["benchmarks/validate_sim.py", "--smoke", "--sim-seeds", "2", "--out", str(tmp_path / "v")], tmp_path)
     # two grids, each profiled in a pp=2 deployment: per stage, one CSV per grid
@@ -84,10 +109,7 @@ def test_validate_sim_smoke(tmp_path: Path) -> None:
 def test_decode_maximal_bootstrap_interval() -> None:
     """The interval resamples rounds: it spans the spread of a statistic over rounds, is ordered,
     and collapses when every round agrees."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("decode_maximal", Path("benchmarks/decode_maximal.py"))
-    dm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dm)
+    dm = _load("decode_maximal")
     values = [float(v) for v in range(20)]
     lo, hi = dm._bootstrap(lambda ix: sum(values[i] for i in ix) / len(ix), len(values))
     assert 6.0 < lo < 9.5 < hi < 13.0  # mean 9.5, standard error ~1.3
@@ -97,14 +119,7 @@ def test_decode_maximal_bootstrap_interval() -> None:
 def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     """pp=1 and pp=2 alternate within rounds (1, 2, then 2, 1), each round's pp=2 run is divided by
     that round's pp=1 run, and the efficiency is the median of those ratios, not of medians."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("pp_scaling", Path("benchmarks/pp_scaling.py"))
-    sys.path.insert(0, "benchmarks")
-    try:
-        ps = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(ps)
-    finally:
-        sys.path.remove("benchmarks")
+    ps = _load("pp_scaling")
 
     class Fake:
         def __init__(self, pp: int) -> None:
@@ -155,3 +170,15 @@ def test_pairing_alternates_and_takes_the_median_of_ratios() -> None:
     assert statistics.median(ratios([10.0, 30.0, 8.0], [5.0, 10.0, 8.0])) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="equal, non-empty"):
         ratios([1.0], [1.0, 2.0])
+
+
+def _load(name: str) -> object:
+    """benchmarks/<name>.py as a module (the scripts import their neighbours by bare name)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return mod
