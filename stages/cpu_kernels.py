@@ -38,14 +38,14 @@ takes its torch path.
 """
 from __future__ import annotations
 
-import hashlib
-import platform
 import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
+
+from stages.cpu_info import host_tag
 
 _SOURCES = [str(Path(__file__).with_name("csrc") / f)
             for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp",
@@ -54,22 +54,7 @@ TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a mu
 PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a multiple of it
 
 
-def _host_tag(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """8 hex digits naming this CPU (model and feature flags).
-
-    torch's build cache keys a build on its sources and flags, and "-march=native" reads the
-    same on every host: with a home directory shared across nodes, a node without AVX-512 would
-    load another node's AVX-512 build and die of SIGILL. One build per kind of CPU instead."""
-    try:
-        with open(cpuinfo) as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-    except OSError:
-        lines = []
-    key = "".join(dict.fromkeys(lines)) or f"{platform.machine()} {platform.processor()}"
-    return hashlib.sha1(key.encode()).hexdigest()[:8]
-
-
-_NAME = f"pp_runtime_cpu_kernels_{_host_tag()}"
+_NAME = f"pp_runtime_cpu_kernels_{host_tag()}"
 STALE_LOCK_S = 600.0  # a build takes ~1-2 min here; a lock older than this outlived a killed build
 _lock = threading.Lock()
 _module: object | None = None

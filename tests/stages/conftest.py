@@ -7,6 +7,8 @@ from typing import Iterator
 import pytest
 import torch
 
+from stages.cpu_info import cpu_flags
+
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request: pytest.FixtureRequest) -> Iterator[int]:
@@ -22,15 +24,6 @@ _V3 = {"avx2", "fma", "f16c", "bmi2", "movbe"}
 ISAS = {"avx512": ("x86-64-v4", _V3 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}),  # no BF16
         "avx2": ("x86-64-v3", _V3), "scalar": ("x86-64", set())}
 _builds: dict[str, object] = {}
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags (empty where /proc/cpuinfo has none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next((ln.split(":", 1)[1] for ln in f if ln.startswith("flags")), "").split())
-    except OSError:
-        return set()
 
 
 @pytest.fixture(params=["native", *ISAS])

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from stages import cpu_kernels
+from stages.cpu_info import cpu_flags, host_tag
 from stages.layers import RMSNorm, RotaryEmbedding, linear
-from tests.stages.conftest import cpu_flags
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")
 
@@ -135,12 +135,12 @@ def test_each_kind_of_cpu_gets_its_own_build(tmp_path) -> None:
         f = tmp_path / "cpuinfo"
         # two logical CPUs of one kind: the repeated lines do not change the tag
         f.write_text(2 * f"processor\t: 0\nmodel name\t: {model}\nflags\t\t: {flags}\ncpu MHz\t\t: 2400\n")
-        return cpu_kernels._host_tag(str(f))
+        return host_tag(str(f))
     zen4 = tag("AMD EPYC", "fpu sse avx2 fma avx512f avx512_bf16")
     assert zen4 == tag("AMD EPYC", "fpu sse avx2 fma avx512f avx512_bf16")
     assert len({zen4, tag("AMD EPYC", "fpu sse avx2 fma"), tag("Intel Xeon", "fpu sse avx2 fma avx512f avx512_bf16")}) == 3
-    assert cpu_kernels._NAME.endswith(cpu_kernels._host_tag())
-    assert cpu_kernels._host_tag(str(tmp_path / "missing")) == cpu_kernels._host_tag(str(tmp_path / "absent"))
+    assert cpu_kernels._NAME.endswith(host_tag())
+    assert host_tag(str(tmp_path / "missing")) == host_tag(str(tmp_path / "absent"))
 
 
 def test_each_build_takes_its_own_paths(isa: str) -> None:
@@ -152,3 +152,12 @@ def test_each_build_takes_its_own_paths(isa: str) -> None:
     expected = {"avx512": "avx512", "avx2": "avx2", "scalar": "scalar", "native": native}[isa]
     assert cpu_kernels.isa() == expected
     assert cpu_kernels.status() == f"ready ({cpu_kernels.isa()})"
+
+
+def test_cpu_flags_are_the_first_cpus_flags_line(tmp_path) -> None:
+    f = tmp_path / "cpuinfo"
+    f.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu avx2 fma\n")
+    assert cpu_flags(str(f)) == {"fpu", "avx2", "fma"}
+    f.write_text("processor\t: 0\nFeatures\t: fp asimd\n")  # Arm: no x86 flags line
+    assert cpu_flags(str(f)) == frozenset()
+    assert cpu_flags(str(tmp_path / "missing")) == frozenset()
