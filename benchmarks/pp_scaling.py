@@ -16,10 +16,11 @@ SARATHI's plain token budget, paired the same way, labelled sarathi[tokens]. Sam
 budget everywhere, and the same chunk unless --pp2-chunk gives pp=2 its own: at pp=2 each
 request decodes once per two micro-batches, so a chunk half as long keeps a round trip's mix of
 prompt and decode tokens what it is at pp=1 (SARATHI sizes the chunk from the P:D ratio and the
-decodes per micro-batch; benchmarks/chunk_sweep.py measures each depth's best chunk). Both
-deployments stay up and their runs alternate (pp=1, pp=2, then pp=2, pp=1, ...) for --rounds
-rounds: this box drifts by 10-30% between runs minutes apart, so
-each round's pp=2 run is paired with that round's pp=1 run, and the efficiency printed is the
+decodes per micro-batch). benchmarks/chunk_sweep.py measures each depth's best chunk: on the
+Zen 4 box 256 stayed best at both, pp=2 at 128 piggybacking as many decodes as pp=1 but running
+3.4% slower (docs/BENCHMARKS.md, target 4). Both deployments stay up and their runs alternate
+(pp=1, pp=2, then pp=2, pp=1, ...) for --rounds rounds: this box drifts by 10-30% between runs
+minutes apart, so each round's pp=2 run is paired with that round's pp=1 run, and the efficiency printed is the
 median of the rounds' paired ratios (benchmarks/pairing.py). Every round is warm: each deployment
 first runs the workload once unmeasured.
 
