@@ -80,6 +80,20 @@ def panel_shape(w: torch.Tensor) -> tuple[int, int]:
     return w.shape[0] * PANEL, w.shape[1] * QK
 
 
+def panel_values(w: torch.Tensor) -> torch.Tensor:
+    """The weight held by panels w (P, kb, QB) as float32 (P, kb · 32, 16): column j of panel p is
+    weight row 16p + j, k down the columns; the values panel_rows gives, without its gather."""
+    t, kb = w.shape[:2]
+    scales = w[..., :128].contiguous().view(torch.float32)  # (P, kb, 32): d[16], m[16]
+    d, m = scales[..., :PANEL].unsqueeze(2), scales[..., PANEL:].unsqueeze(2)  # (P, kb, 1, 16)
+    if w.shape[2] == QB_S8:
+        q = w[..., 128:].reshape(t, kb, QK, PANEL).view(torch.int8)  # (P, kb, 32, 16)
+    else:
+        byte = w[..., 128:].reshape(t, kb, QK // 2, PANEL)  # row pair i: row 2i low nibble, 2i + 1 high
+        q = torch.stack([byte & 0x0F, byte >> 4], dim=3).reshape(t, kb, QK, PANEL)
+    return (q.float() * d).add_(m).reshape(t, kb * QK, PANEL)  # d·q, then + m: panel_rows' roundings
+
+
 def panel_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ids (T,) of the (N, K) weight held by panels w, as float32 (T, K): an embedding lookup
     from a tied LM head, or the whole weight for a check."""
