@@ -11,7 +11,7 @@ decode step streams every weight once, and on a CPU that stream is most of a few
 
     raw, qtype = GGUFFile(path).raw("blk.0.ffn_up.weight")     # (N, K/32 · block bytes) uint8
     panels = to_panels(raw, qtype)                             # (N/16, K/32, QB) uint8 tensor
-    w = panel_rows(panels, torch.arange(N))                    # (N, K) float32, as dequantize gives
+    w = all_rows(panels)                                       # (N, K) float32, as dequantize gives
 """
 from __future__ import annotations
 
@@ -80,33 +80,35 @@ def panel_shape(w: torch.Tensor) -> tuple[int, int]:
     return w.shape[0] * PANEL, w.shape[1] * QK
 
 
-def panel_values(w: torch.Tensor) -> torch.Tensor:
-    """The weight held by panels w (P, kb, QB) as float32 (P, kb · 32, 16): column j of panel p is
-    weight row 16p + j, k down the columns; the values panel_rows gives, without its gather."""
+def _dequantize(d: torch.Tensor, m: torch.Tensor, code_bytes: torch.Tensor, s8: bool) -> torch.Tensor:
+    """One output row per leading index: d, m (..., kb) and its code bytes (..., kb, 32 or 16: row
+    pairs, 2i in the low nibble) -> (..., kb · 32) float32. Two ops, not addcmul: d·q (exact) then
+    one rounding for + m, as the gguf package does."""
+    q = code_bytes.view(torch.int8) if s8 else torch.stack([code_bytes & 0x0F, code_bytes >> 4], dim=-1).flatten(-2)
+    return (q.float() * d.unsqueeze(-1)).add_(m.unsqueeze(-1)).flatten(-2)
+
+
+def _code_bytes(blk: torch.Tensor) -> torch.Tensor:
+    """(T, kb, QB) blocks -> their code bytes (T, kb, 32 or 16, 16): byte row r, output column j."""
+    t, kb, qb = blk.shape
+    return blk[..., 128:].reshape(t, kb, QK if qb == QB_S8 else QK // 2, PANEL)
+
+
+def all_rows(w: torch.Tensor) -> torch.Tensor:
+    """Every row of the (N, K) weight held by panels w, as float32 (N, K): panel_rows(w, arange(N))
+    without its gather of a whole panel per row (16x the bytes)."""
     t, kb = w.shape[:2]
-    scales = w[..., :128].contiguous().view(torch.float32)  # (P, kb, 32): d[16], m[16]
-    d, m = scales[..., :PANEL].unsqueeze(2), scales[..., PANEL:].unsqueeze(2)  # (P, kb, 1, 16)
-    if w.shape[2] == QB_S8:
-        q = w[..., 128:].reshape(t, kb, QK, PANEL).view(torch.int8)  # (P, kb, 32, 16)
-    else:
-        byte = w[..., 128:].reshape(t, kb, QK // 2, PANEL)  # row pair i: row 2i low nibble, 2i + 1 high
-        q = torch.stack([byte & 0x0F, byte >> 4], dim=3).reshape(t, kb, QK, PANEL)
-    return (q.float() * d).add_(m).reshape(t, kb * QK, PANEL)  # d·q, then + m: panel_rows' roundings
+    scales = w[..., :128].contiguous().view(torch.float32).transpose(1, 2)  # (P, 32, kb): d[16], m[16]
+    rows = _dequantize(scales[:, :PANEL], scales[:, PANEL:], _code_bytes(w).permute(0, 3, 1, 2), w.shape[2] == QB_S8)
+    return rows.reshape(t * PANEL, kb * QK)  # (P, 16, K): panel p's column j is row 16p + j
 
 
 def panel_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ids (T,) of the (N, K) weight held by panels w, as float32 (T, K): an embedding lookup
     from a tied LM head, or the whole weight for a check."""
-    t, kb = ids.numel(), w.shape[1]
     p, c = ids // PANEL, ids % PANEL
     blk = w[p]  # (T, kb, QB)
-    ar = torch.arange(t)
+    ar = torch.arange(ids.numel())
     scales = blk[..., :128].contiguous().view(torch.float32)  # (T, kb, 32): d[16], m[16]
-    d, m = scales[ar, :, c], scales[ar, :, PANEL + c]  # (T, kb)
-    if w.shape[2] == QB_S8:
-        q = blk[..., 128:].reshape(t, kb, QK, PANEL)[ar, :, :, c].view(torch.int8)  # (T, kb, 32)
-    else:
-        byte = blk[..., 128:].reshape(t, kb, QK // 2, PANEL)[ar, :, :, c]  # (T, kb, 16): row pairs
-        q = torch.stack([byte & 0x0F, byte >> 4], dim=-1).reshape(t, kb, QK)
-    # two ops, not addcmul: d·q (exact) then one rounding for + m, as the gguf package does
-    return (q.float() * d.unsqueeze(-1)).add_(m.unsqueeze(-1)).reshape(t, kb * QK)
+    code_bytes = _code_bytes(blk)[ar, :, :, c]  # (T, kb, 32 or 16): this row's column only
+    return _dequantize(scales[ar, :, c], scales[ar, :, PANEL + c], code_bytes, w.shape[2] == QB_S8)

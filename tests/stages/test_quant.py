@@ -214,10 +214,10 @@ def test_gguf_weights_setting_is_checked() -> None:
 
 
 @pytest.mark.parametrize("qtype", [quant.Q4_0, quant.Q4_1, quant.Q8_0])
-def test_panel_values_are_panel_rows_by_panel(qtype: int) -> None:
-    """Column j of panel p holds weight row 16p + j, with the same float32 values as panel_rows."""
+def test_all_rows_are_panel_rows_of_every_row(qtype: int) -> None:
+    """The whole weight at once, panel by panel: the same float32 rows as panel_rows, in row order."""
     x = np.random.default_rng(qtype).standard_normal((48, 96)).astype(np.float32)
     p = quant.to_panels(gguf.quants.quantize(x, gguf.GGMLQuantizationType(qtype)), qtype)
-    v = quant.panel_values(p)  # (3, 96, 16)
-    assert v.shape == (3, 96, 16) and v.dtype == torch.float32
-    assert torch.equal(v.permute(0, 2, 1).reshape(48, 96), quant.panel_rows(p, torch.arange(48)))
+    rows = quant.all_rows(p)
+    assert rows.shape == (48, 96) and rows.dtype == torch.float32
+    assert torch.equal(rows, quant.panel_rows(p, torch.arange(48)))
