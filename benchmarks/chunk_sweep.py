@@ -1,5 +1,6 @@
-"""Which prefill chunk suits each pipeline depth? pp=1 and pp=2 at several chunks on pp_scaling's
-P:D = 10 Zipf workload (issue 8, target 4: each deployment at its own best chunk).
+"""Which prefill chunk suits each pipeline depth: pp=1 and pp=2 at several chunks, paired.
+
+On pp_scaling's P:D = 10 Zipf workload (issue 8, target 4: each deployment at its own best chunk).
 
     .venv/bin/python benchmarks/chunk_sweep.py --num-requests 48              # 128,192,256; ~13 min
     .venv/bin/python benchmarks/chunk_sweep.py --chunks 96,128,256 --rounds 3
@@ -26,7 +27,7 @@ import statistics
 
 from pairing import alternating, ratios  # same directory: run as a script
 from pp_runtime.workload import generate_workload
-from pp_scaling import deployments, run_once, zipf_workload
+from pp_scaling import add_workload_args, deployments, run_once, smoke_workload, zipf_workload
 
 
 def sweep(llms: dict, items: list, tokens: int, chunks: list[int], rounds: int) -> dict[int, dict[int, list[float]]]:
@@ -52,19 +53,13 @@ def summarize(tput: dict[int, dict[int, list[float]]]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--num-requests", type=int, default=48)
-    ap.add_argument("--min-len", type=int, default=256)
-    ap.add_argument("--max-len", type=int, default=1024)
+    add_workload_args(ap, num_requests=48)
     ap.add_argument("--chunks", default="128,192,256", help="comma separated, each run at both pp")
-    ap.add_argument("--max-batch-size", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    model = "llama-tiny" if a.smoke and a.model is None else a.model
+    model = smoke_workload(a)
     if a.smoke:
-        a.num_requests, a.min_len, a.max_len, a.chunks, a.rounds = 6, 24, 64, "8,16", 1
+        a.chunks, a.rounds = "8,16", 1
     try:
         chunks = sorted({int(c) for c in a.chunks.split(",")})
     except ValueError:

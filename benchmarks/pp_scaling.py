@@ -20,9 +20,9 @@ decodes per micro-batch). benchmarks/chunk_sweep.py measures each depth's best c
 Zen 4 box 256 stayed best at both, pp=2 at 128 piggybacking as many decodes as pp=1 but running
 3.4% slower (docs/BENCHMARKS.md, target 4). Both deployments stay up and their runs alternate
 (pp=1, pp=2, then pp=2, pp=1, ...) for --rounds rounds: this box drifts by 10-30% between runs
-minutes apart, so each round's pp=2 run is paired with that round's pp=1 run, and the efficiency printed is the
-median of the rounds' paired ratios (benchmarks/pairing.py). Every round is warm: each deployment
-first runs the workload once unmeasured.
+minutes apart, so each round's pp=2 run is paired with that round's pp=1 run, and the efficiency
+printed is the median of the rounds' paired ratios (benchmarks/pairing.py). Every round is warm:
+each deployment first runs the workload once unmeasured.
 
 The run ends in a drain: once the last prompt is in, the remaining requests (the longest has
 ~90 tokens to generate) decode one token per pass through the pipeline whatever pp is, in
@@ -209,33 +209,47 @@ def paired_runs(llms: dict[int, LLM], items: list, tokens: int, runs: list[tuple
         r["efficiency"][label] = statistics.median(eff)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_args(ap: argparse.ArgumentParser, num_requests: int) -> None:
+    """The workload and deployment flags this script and chunk_sweep.py share; --smoke sets them
+    small (smoke_workload)."""
     ap.add_argument("--model", default=None)
-    ap.add_argument("--num-requests", type=int, default=24)
+    ap.add_argument("--num-requests", type=int, default=num_requests)
     ap.add_argument("--min-len", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--max-batch-size", type=int, default=32,
+                    help="sequences per micro-batch, the same for both deployments (the engine's own default, "
+                         "⌊B/pp⌋ capped at 64, would differ between them); pp=2 runs up to twice as many requests. "
+                         "At P:D = 10 a 256-token chunk per micro-batch needs ~25 decodes beside it, ~51 running "
+                         "requests at pp=2: 24 would cap it and bring decode-only micro-batches back mid-run")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--json", default=None)
+
+
+def smoke_workload(a: argparse.Namespace) -> str | None:
+    """The model to run: under --smoke llama-tiny (unless --model) on 6 requests of 24-64 tokens."""
+    if a.smoke:
+        a.num_requests, a.min_len, a.max_len = 6, 24, 64
+    return "llama-tiny" if a.smoke and a.model is None else a.model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(ap, num_requests=24)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--pp2-chunk", type=int, default=None, help="pp=2's chunk (default: --chunk)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES)
     ap.add_argument("--matmul-precision", default="highest", choices=MATMUL_PRECISIONS,
                     help="medium: products of > 12 rows (prefill chunks, decode batches of 13+) on bf16 inputs "
                          "(AVX512-BF16)")
-    ap.add_argument("--max-batch-size", type=int, default=32,
-                    help="sequences per micro-batch, the same for both deployments (the engine's own default, ⌊B/pp⌋ capped at 64, would differ between them); pp=2 runs up to twice as many requests. "
-                         "At P:D = 10 a 256-token chunk per micro-batch needs ~25 decodes beside it, ~51 running "
-                         "requests at pp=2: 24 would cap it and bring decode-only micro-batches back mid-run")
     ap.add_argument("--schedulers", default="sarathi,orca")
     ap.add_argument("--chunk-budgets", default="flops",
                     help="sarathi's chunk budgets to run, comma separated (flops,tokens: both, paired; the "
                          "first is the one reported as sarathi)")
     ap.add_argument("--rounds", type=int, default=2, help="pp=1 / pp=2 pairs per scheduler")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    model = "llama-tiny" if a.smoke and a.model is None else a.model
+    model = smoke_workload(a)
     if a.smoke:
-        a.num_requests, a.min_len, a.max_len, a.chunk, a.rounds = 6, 24, 64, 16, 1
+        a.chunk, a.rounds = 16, 1
     wl = zipf_workload(a.num_requests, a.min_len, a.max_len)
     policies = a.schedulers.split(",")
     budgets = a.chunk_budgets.split(",")
