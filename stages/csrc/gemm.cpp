@@ -42,6 +42,7 @@ constexpr int64_t WHOLE_K_TILES = 2;  // up to this many row tiles: the 8-lane f
 // path's time (docs/BENCHMARKS.md)
 #ifdef PP_AVX512
 constexpr int64_t FEW_ROW_TILES = 6;
+constexpr int GROUP_TILES = 4;  // row tiles at most in one walk over the codes (quant_product)
 #else
 constexpr int64_t FEW_ROW_TILES = WHOLE_K_TILES;
 #endif
@@ -501,12 +502,12 @@ void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, 
 
 #ifdef PP_AVX512
 
-// Up to two row tiles (M rows of x into c, then M1 rows of x1 into cs: all of a few-row product)
-// against P adjacent quantized panels over the whole K, each weight row from codes to a 16-lane
-// register and straight into the FMAs. Each output sums its k terms in one chain of dependent
+// Up to three row tiles (M rows of x into c, M1 rows of x1 into cs, M2 rows of x2 into cs2: a
+// group of quant_product's few-row tiles) against P adjacent quantized panels over the whole K,
+// each weight row from codes to a 16-lane register and straight into the FMAs of every row. Each output sums its k terms in one chain of dependent
 // FMAs, k after k, as every other path does (bit-identical), so a panel at a time with 1-4 rows
 // waited on the FMA's latency, ~4 cycles per k step: ~14 GB/s of codes. P panels keep
-// P · (M + M1) chains in flight (up to 16 accumulators beside the blocks' scales in the 32
+// P · (M + M1 + M2) chains in flight (up to 18 accumulators beside the blocks' scales in the 32
 // registers). The codes stream, a panel after the next, and the blocks PF_BLOCKS ahead are asked
 // for in the same walk, across into the next P panels: the hardware prefetcher alone left 1-4-row
 // products at 17-20 GB/s of codes. 30 layers' four shapes + a Q8_0 LM head, from memory, 1
@@ -545,21 +546,36 @@ inline void dequant_pair_zmm(const uint8_t* codes, int64_t i, __m512 d, __m512 m
 
 inline __m512 u4_levels() { return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
 
-template <int P, int M, int M1, bool U4>
-void qtile_zmm(const float* x, const float* x1, const uint8_t* panel, int64_t pbytes, int64_t K, float* c, float* cs,
-               int64_t ldc, const float* bias) {
+// rows of the group's tiles before tile t, for the row -> tile arithmetic below (folded at compile time)
+template <int... Ms>
+constexpr int rows_before(int t) {
+  constexpr int ms[] = {Ms...};
+  int r = 0;
+  for (int u = 0; u < t; ++u) r += ms[u];
+  return r;
+}
+template <int... Ms>
+constexpr int tile_of(int i) {
+  constexpr int ms[] = {Ms...};
+  int t = 0;
+  while (i >= ms[t]) i -= ms[t++];
+  return t;
+}
+
+template <int P, bool U4, int... Ms>
+void qtile_zmm(const float* const* x, const uint8_t* panel, int64_t pbytes, int64_t K, float* const* c, int64_t ldc,
+               const float* bias) {
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
-  constexpr int R = M + M1;
+  constexpr int ms[] = {Ms...};
+  constexpr int R = rows_before<Ms...>(sizeof...(Ms));
   const int64_t nb = K / QK;
   const __m512 levels = u4_levels();
   __m512 acc[P][R];
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p)
-#pragma GCC unroll 16
+#pragma GCC unroll 24
     for (int i = 0; i < R; ++i) acc[p][i] = _mm512_setzero_ps();
   for (int64_t kb = 0; kb < nb; ++kb) {
-    const float* a = x + kb * QK * M;
-    const float* a1 = x1 + kb * QK * M1;
     __m512 d[P], m[P];
 #pragma GCC unroll 16
     for (int p = 0; p < P; ++p) {
@@ -569,11 +585,15 @@ void qtile_zmm(const float* x, const float* x1, const uint8_t* panel, int64_t pb
       // a prefetch never faults: past the last panel it asks for lines nobody reads, no harm
       prefetch_bytes(kb + PF_BLOCKS < nb ? blk + PF_BLOCKS * QB : panel + (P + p) * pbytes + (kb + PF_BLOCKS - nb) * QB, QB);
     }
-    // w's row k into every row's sum, k after k as everywhere else
+    // w's row k into every row's sum, k after k as everywhere else; row i is row i - rows_before(t)
+    // of tile t, whose K x ms[t] slice of x is k-major
     auto step = [&](int p, int64_t k, __m512 w) {
-#pragma GCC unroll 16
-      for (int i = 0; i < R; ++i)
-        acc[p][i] = _mm512_fmadd_ps(_mm512_set1_ps(i < M ? a[k * M + i] : a1[k * M1 + i - M]), w, acc[p][i]);
+#pragma GCC unroll 24
+      for (int i = 0; i < R; ++i) {
+        const int t = tile_of<Ms...>(i);
+        const float xi = x[t][(kb * QK + k) * ms[t] + i - rows_before<Ms...>(t)];
+        acc[p][i] = _mm512_fmadd_ps(_mm512_set1_ps(xi), w, acc[p][i]);
+      }
     };
 #pragma GCC unroll 2
     for (int64_t k = 0; k < QK; k += 2) {
@@ -589,41 +609,54 @@ void qtile_zmm(const float* x, const float* x1, const uint8_t* panel, int64_t pb
 #pragma GCC unroll 16
   for (int p = 0; p < P; ++p) {
     const __m512 bv = bias ? _mm512_loadu_ps(bias + p * NR) : _mm512_setzero_ps();
-#pragma GCC unroll 16
-    for (int i = 0; i < R; ++i)
-      _mm512_storeu_ps((i < M ? c + i * ldc : cs + (i - M) * ldc) + p * NR, _mm512_add_ps(acc[p][i], bv));
+#pragma GCC unroll 24
+    for (int i = 0; i < R; ++i) {
+      const int t = tile_of<Ms...>(i);
+      _mm512_storeu_ps(c[t] + (i - rows_before<Ms...>(t)) * ldc + p * NR, _mm512_add_ps(acc[p][i], bv));
+    }
   }
 }
 
-using QZFn = void (*)(const float*, const float*, const uint8_t*, int64_t, int64_t, float*, float*, int64_t,
-                      const float*);
+using QZFn = void (*)(const float* const*, const uint8_t*, int64_t, int64_t, float* const*, int64_t, const float*);
 struct QZ {
   QZFn wide;  // P panels at once
   int P;
   QZFn one;   // one panel: what is left of a thread's panels past a multiple of P
 };
-template <int M, int M1, bool U4>
+template <bool U4, int... Ms>
 constexpr QZ qz_entry() {
-  constexpr int P = panels_at_once(M + M1);
-  return {qtile_zmm<P, M, M1, U4>, P, qtile_zmm<1, M, M1, U4>};
+  constexpr int P = panels_at_once(rows_before<Ms...>(sizeof...(Ms)));
+  return {qtile_zmm<P, U4, Ms...>, P, qtile_zmm<1, U4, Ms...>};
 }
-// by the rows of the first tile and of the second (0: none) of a group: one or two of the tiles
-// tile_rows cuts 1-36 rows into
+// by the rows of a group's tiles (m[0] m[1] m[2] m[3] as digits, 0: none): one to four of the
+// tiles tile_rows cuts 1-36 rows into (quant_product's grouping)
 template <bool U4>
-QZ qz_for(int m, int m1) {
-  switch (m * 10 + m1) {
-    case 10: return qz_entry<1, 0, U4>();
-    case 20: return qz_entry<2, 0, U4>();
-    case 30: return qz_entry<3, 0, U4>();
-    case 40: return qz_entry<4, 0, U4>();
-    case 50: return qz_entry<5, 0, U4>();
-    case 60: return qz_entry<6, 0, U4>();
-    case 34: return qz_entry<3, 4, U4>();
-    case 44: return qz_entry<4, 4, U4>();
-    case 54: return qz_entry<5, 4, U4>();
-    case 64: return qz_entry<6, 4, U4>();
-    case 65: return qz_entry<6, 5, U4>();
-    case 66: return qz_entry<6, 6, U4>();
+QZ qz_for(const int* m) {
+  switch (((m[0] * 10 + m[1]) * 10 + m[2]) * 10 + m[3]) {
+    case 1000: return qz_entry<U4, 1>();
+    case 2000: return qz_entry<U4, 2>();
+    case 3000: return qz_entry<U4, 3>();
+    case 4000: return qz_entry<U4, 4>();
+    case 5000: return qz_entry<U4, 5>();
+    case 6000: return qz_entry<U4, 6>();
+    case 3400: return qz_entry<U4, 3, 4>();
+    case 4400: return qz_entry<U4, 4, 4>();
+    case 5400: return qz_entry<U4, 5, 4>();
+    case 6400: return qz_entry<U4, 6, 4>();
+    case 6500: return qz_entry<U4, 6, 5>();
+    case 6600: return qz_entry<U4, 6, 6>();
+    case 6340: return qz_entry<U4, 6, 3, 4>();
+    case 6440: return qz_entry<U4, 6, 4, 4>();
+    case 6540: return qz_entry<U4, 6, 5, 4>();
+    case 6640: return qz_entry<U4, 6, 6, 4>();
+    case 6650: return qz_entry<U4, 6, 6, 5>();
+    case 6660: return qz_entry<U4, 6, 6, 6>();
+    case 6634: return qz_entry<U4, 6, 6, 3, 4>();
+    case 6644: return qz_entry<U4, 6, 6, 4, 4>();
+    case 6654: return qz_entry<U4, 6, 6, 5, 4>();
+    case 6664: return qz_entry<U4, 6, 6, 6, 4>();
+    case 6665: return qz_entry<U4, 6, 6, 6, 5>();
+    case 6666: return qz_entry<U4, 6, 6, 6, 6>();
     default: return {nullptr, 0, nullptr};
   }
 }
@@ -651,20 +684,28 @@ void quant_product(const RowTiles& rt, const uint8_t* q, int64_t NP, int64_t K, 
   const int64_t N = NP * NR, T = rt.size(), pbytes = K / QK * QB;
 #ifdef PP_AVX512
   if (T <= FEW_ROW_TILES) {
-    // row tiles in groups of one or two (an odd count: the first alone), each group one qtile_zmm
-    // walk; every group runs over the same 4 panels before the next 4, whose codes (28-74 KB)
-    // are then still in L1/L2 for the groups after the first
-    struct Group { QZ qz; const float* x; const float* x1; int64_t c0, cs; };
-    std::array<Group, (FEW_ROW_TILES + 1) / 2> groups;  // a fixed array: no allocation per product
+    // row tiles in as few groups of up to GROUP_TILES as hold them, as even as can be (5 tiles:
+    // 3 + 2), each group one qtile_zmm walk that dequantizes every weight row once for all its
+    // rows: with groups of two, 13-36 rows walked the codes and paid the two dequantizing FMAs per
+    // k pair up to three times (docs/BENCHMARKS.md). Every group runs over the same 4 panels
+    // before the next 4, whose codes (28-74 KB) are then still in L1/L2 for the groups after the
+    // first.
+    struct Group { QZ qz; const float* x[GROUP_TILES]; float* c[GROUP_TILES]; };
+    std::array<Group, (FEW_ROW_TILES + GROUP_TILES - 1) / GROUP_TILES> groups;  // no allocation per product
     int ng = 0;
-    for (int64_t t = 0; t < T;) {
-      const bool pair = (T - t) % 2 == 0;
-      const int m = rt.mt[t], m1 = pair ? rt.mt[t + 1] : 0;
-      const QZ qz = qz_for<U4>(m, m1);
-      TORCH_CHECK(qz.wide != nullptr, "quant_linear: no few-row tile for ", m, " + ", m1, " rows");
-      const int64_t t1 = pair ? t + 1 : t;
-      groups[ng++] = {qz, rt.ap + rt.r0[t] * K, rt.ap + rt.r0[t1] * K, rt.r0[t] * N, (rt.r0[t1] - rt.r0[t]) * N};
-      t += pair ? 2 : 1;
+    for (int64_t t = 0, left = (T + GROUP_TILES - 1) / GROUP_TILES; t < T; --left) {
+      const int64_t n = (T - t + left - 1) / left;  // tiles in this group
+      int m[GROUP_TILES] = {};
+      Group& g = groups[ng++] = Group{};
+      for (int64_t u = 0; u < n; ++u) {
+        m[u] = rt.mt[t + u];
+        g.x[u] = rt.ap + rt.r0[t + u] * K;
+        g.c[u] = c + rt.r0[t + u] * N;
+      }
+      g.qz = qz_for<U4>(m);
+      TORCH_CHECK(g.qz.wide != nullptr, "quant_linear: no few-row tile for ", m[0], " + ", m[1], " + ", m[2], " + ",
+                  m[3], " rows");
+      t += n;
     }
     // one row: chunks of whole P = 4 walks (x0.946 of a 1-row decode step at 2 threads, Zen 4);
     // at 2-4 rows the one-panel walk has enough chains and smaller chunks balance better (0.98-1.02)
@@ -676,9 +717,9 @@ void quant_product(const RowTiles& rt, const uint8_t* q, int64_t NP, int64_t K, 
           const Group& g = groups[gi];
           for (int64_t i = j; i < je;) {
             const int64_t n = i + g.qz.P <= je ? g.qz.P : 1;
-            float* ci = c + g.c0 + i * NR;
-            (n > 1 ? g.qz.wide : g.qz.one)(g.x, g.x1, q + i * pbytes, pbytes, K, ci, ci + g.cs, N,
-                                           bias ? bias + i * NR : nullptr);
+            float* ci[GROUP_TILES];
+            for (int u = 0; u < GROUP_TILES; ++u) ci[u] = g.c[u] + i * NR;  // unused slots: never read
+            (n > 1 ? g.qz.wide : g.qz.one)(g.x, q + i * pbytes, pbytes, K, ci, N, bias ? bias + i * NR : nullptr);
             i += n;
           }
         }
