@@ -201,6 +201,19 @@ def panel_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     return _load().panel_linear(x, w, bias, bf16)
 
 
+def pack_weight_bf16(w: torch.Tensor) -> torch.Tensor:
+    """Panels (fp32 from ``pack_weight`` or block-quantized uint8) -> (N/16, K/2, 16) int32 words of
+    bf16 pairs, the words the bf16 path converts each slab to on every call, kept (2 bytes a weight;
+    AVX512-BF16 builds only, see ``bf16_products``)."""
+    return _load().pack_weight_bf16(w)
+
+
+def bf16_linear(x: torch.Tensor, wb: torch.Tensor) -> torch.Tensor:
+    """x (M, K) times a ``pack_weight_bf16`` weight in bf16 products (fp32 sums) for every M: for
+    M > 12 bit for bit ``panel_linear(x, w, bf16=True)`` over the panels wb was packed from."""
+    return _load().bf16_linear(x, wb)
+
+
 def greedy_candidates(approx: torch.Tensor, xnorm: torch.Tensor, wnorm: torch.Tensor, c: float,
                       floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """approx (M, V) logits within c·xnorm[r]·wnorm[v] + floor of the exact ones -> (ids (U,) int64, the

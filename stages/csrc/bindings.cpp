@@ -19,6 +19,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("q"), py::arg("bias") = py::none(), py::arg("bf16") = false);
   m.def("panel_linear", &panel_linear, "quant_linear for uint8 (block-quantized) panels, packed_linear for fp32 ones",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("bf16") = false);
+  m.def("pack_weight_bf16", &pack_weight_bf16, "panels (fp32 or block-quantized) -> (N/16, K/2, 16) int32 words of bf16 pairs for bf16_linear");
+  m.def("bf16_linear", &bf16_linear, "x wᵀ in bf16 products over pack_weight_bf16's words (AVX512-BF16 builds, CPU)");
   m.def("bf16_products", &bf16_products, "whether packed_linear / quant_linear can take bf16 dot products (AVX512-BF16)");
   m.def("isa", &isa, "the vector instructions this build's kernels use: avx512+bf16, avx512, avx2 or scalar");
   m.def("greedy_candidates", &greedy_candidates,

@@ -21,6 +21,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torc
 torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias, bool bf16);
 // either of the two above, by the weight's panel format (uint8: block-quantized)
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool bf16);
+// the bf16 path's weight words kept (pack_weight_bf16) and the product over them
+torch::Tensor pack_weight_bf16(torch::Tensor w);
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wb);
 bool bf16_products();
 std::string isa();
 std::vector<torch::Tensor> greedy_candidates(torch::Tensor approx, torch::Tensor xn, torch::Tensor wn,

@@ -58,6 +58,8 @@ def test_argmax_tokens_are_the_fp32_argmax(isa: str, threads: int, kind: str, m:
     expect = cpu_kernels.panel_linear(x, p).argmax(dim=-1)
     got = greedy.argmax_tokens(x, p, greedy.row_norms(p))
     assert got.dtype == torch.int64 and torch.equal(got, expect)
+    if cpu_kernels.bf16_products():  # the same over the weight's bf16 pairs kept
+        assert torch.equal(greedy.argmax_tokens(x, p, greedy.row_norms(p), cpu_kernels.pack_weight_bf16(p)), expect)
     assert (expect[::3] == TIES[0]).all()  # the tie went to the lowest id, as torch.argmax's does
 
 
@@ -113,6 +115,7 @@ def test_worker_takes_the_argmax_path_for_greedy_rows_only(q8_worker: StageWorke
     model = q8_worker.model
     assert quant.is_panels(model.lm_head.weight)
     assert (model.lm_head.row_norms is not None) == cpu_kernels.bf16_products()
+    assert (model.lm_head.weight_bf16 is not None) == cpu_kernels.bf16_products()
     h = 3 * torch.randn(40, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         logits = model.logits(h)

@@ -85,6 +85,30 @@ def test_bf16_quant_linear_is_bf16_packed_linear_bit_for_bit(isa: str, threads: 
     assert torch.equal(y, cpu_kernels.quant_linear(x, panels)) == (m <= 12 or not cpu_kernels.bf16_products())
 
 
+@pytest.mark.skipif(not cpu_kernels.bf16_products(), reason="no AVX512-BF16 in this build")
+@pytest.mark.parametrize("qtype", [quant.Q4_1, quant.Q8_0], ids=["u4", "s8"])
+@pytest.mark.parametrize("m", [1, 13, 32, 300])
+def test_bf16_linear_over_kept_pairs_is_the_bf16_path_bit_for_bit(isa: str, threads: int, qtype: int, m: int) -> None:
+    """pack_weight_bf16 keeps the words the bf16 path converts each slab to (the same from either
+    panel format); bf16_linear over them is panel_linear's bf16 product, for every row count."""
+    if not cpu_kernels.bf16_products():  # an isa build without AVX512-BF16
+        with pytest.raises(RuntimeError, match="no bf16 dot products"):
+            cpu_kernels.pack_weight_bf16(cpu_kernels.pack_weight(torch.ones(16, 64)))
+        return
+    raw, w = quantized(4112, 608, qtype, seed=m)
+    panels, packed = quant.to_panels(raw, qtype), cpu_kernels.pack_weight(w)
+    wb = cpu_kernels.pack_weight_bf16(panels)
+    assert wb.shape == (257, 304, 16) and wb.dtype == torch.int32
+    assert torch.equal(wb, cpu_kernels.pack_weight_bf16(packed))
+    x = torch.randn(m, 608, generator=torch.Generator().manual_seed(m))
+    y = cpu_kernels.bf16_linear(x, wb)
+    if m > 12:  # panel_linear's bf16 path (fewer rows take fp32 products there)
+        assert torch.equal(y, cpu_kernels.panel_linear(x, panels, bf16=True))
+    else:  # rows of 13 in one product are the same bits row for row
+        assert torch.equal(y, cpu_kernels.bf16_linear(x.repeat(13, 1), wb)[:m])
+    torch.testing.assert_close(y, F.linear(x, w), rtol=2e-2, atol=2e-2)
+
+
 def test_quant_linear_rejects_a_mismatched_x(isa: str) -> None:
     raw, _ = quantized(16, 64, quant.Q4_1)
     with pytest.raises(RuntimeError, match="K = x.size"):
