@@ -18,7 +18,9 @@
   call. torch.mm re-packs W on every call and blocks a few-row (decode) product poorly.
   ``quant_linear``: the same over GGUF Q4/Q8 blocks kept as stored (stages/quant.py), each
   panel's K slab dequantized into an L1 scratch that all row tiles then read; a few-row
-  product takes each weight row from codes to registers instead.
+  product takes each weight row from codes to registers instead, once for up to 24 rows.
+  ``pack_weight_bf16``, ``bf16_linear``: the bf16 path's weight words kept, and the product over
+  them (the greedy LM head's: stages/greedy.py).
 
 Where the compiler sees AVX-512 (the box it is built on has it), the GEMM tiles, the few-row
 quantized product, the prefill attention tiles and SiLU·mul run 16 lanes wide (twice the FMA

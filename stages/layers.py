@@ -225,8 +225,9 @@ class ParallelLMHead(nn.Module):
         if self.ctx.size == 1 and not self.bf16 and self.weight.dim() == 3 and self.weight.device.type == "cpu" \
                 and cpu_kernels.bf16_products():
             self.row_norms = greedy.row_norms(self.weight)
-            self.weight_bf16 = cpu_kernels.pack_weight_bf16(self.weight)
-            return sum(t.numel() * t.element_size() for t in (self.row_norms, self.weight_bf16))
+            if quant.is_panels(self.weight) or self.weight.shape[1] % 2 == 0:  # bf16 pairs: K even
+                self.weight_bf16 = cpu_kernels.pack_weight_bf16(self.weight)
+            return sum(t.numel() * t.element_size() for t in (self.row_norms, self.weight_bf16) if t is not None)
         return 0
 
     def forward(self, h: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:

@@ -38,8 +38,8 @@ constexpr int64_t KC = 256;   // deepest K slab: a panel's slab (<= 16 KB) stays
 constexpr int64_t MC = 72;    // rows per block: their K slab (72 KB) stays in L2
 constexpr int64_t WHOLE_K_TILES = 2;  // up to this many row tiles: the 8-lane few-row paths (see packed_linear)
 // up to this many row tiles K is one slab (slab_depth), and with AVX-512 a quantized product runs
-// from codes to registers, <= 2 tiles at a time (quant_product): 13-36 rows 0.61-0.87 of the slab
-// path's time (docs/BENCHMARKS.md)
+// from codes to registers, <= GROUP_TILES tiles per walk over the codes (quant_product; at two
+// tiles a walk 13-36 rows took 0.61-0.87 of the slab path's time, docs/BENCHMARKS.md)
 #ifdef PP_AVX512
 constexpr int64_t FEW_ROW_TILES = 6;
 constexpr int GROUP_TILES = 4;  // row tiles at most in one walk over the codes (quant_product)
@@ -502,13 +502,13 @@ void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, 
 
 #ifdef PP_AVX512
 
-// Up to three row tiles (M rows of x into c, M1 rows of x1 into cs, M2 rows of x2 into cs2: a
-// group of quant_product's few-row tiles) against P adjacent quantized panels over the whole K,
-// each weight row from codes to a 16-lane register and straight into the FMAs of every row. Each output sums its k terms in one chain of dependent
+// Up to four row tiles (tile t: Ms[t] rows of x[t], k-major, into c[t]; a group of quant_product's
+// few-row tiles) against P adjacent quantized panels over the whole K, each weight row from codes
+// to a 16-lane register and straight into the FMAs of every row. Each output sums its k terms in one chain of dependent
 // FMAs, k after k, as every other path does (bit-identical), so a panel at a time with 1-4 rows
 // waited on the FMA's latency, ~4 cycles per k step: ~14 GB/s of codes. P panels keep
-// P · (M + M1 + M2) chains in flight (up to 18 accumulators beside the blocks' scales in the 32
-// registers). The codes stream, a panel after the next, and the blocks PF_BLOCKS ahead are asked
+// P · (rows) chains in flight (up to 24 accumulators at P = 1, beside the block's scale and offset,
+// the levels and two weight rows: 29 of the 32 registers). The codes stream, a panel after the next, and the blocks PF_BLOCKS ahead are asked
 // for in the same walk, across into the next P panels: the hardware prefetcher alone left 1-4-row
 // products at 17-20 GB/s of codes. 30 layers' four shapes + a Q8_0 LM head, from memory, 1
 // thread: M = 1 7.9 -> 4.2 ms (docs/BENCHMARKS.md).
@@ -690,13 +690,14 @@ void quant_product(const RowTiles& rt, const uint8_t* q, int64_t NP, int64_t K, 
     // k pair up to three times (docs/BENCHMARKS.md). Every group runs over the same 4 panels
     // before the next 4, whose codes (28-74 KB) are then still in L1/L2 for the groups after the
     // first.
-    struct Group { QZ qz; const float* x[GROUP_TILES]; float* c[GROUP_TILES]; };
+    struct Group { QZ qz; int n; const float* x[GROUP_TILES]; float* c[GROUP_TILES]; };  // n tiles
     std::array<Group, (FEW_ROW_TILES + GROUP_TILES - 1) / GROUP_TILES> groups;  // no allocation per product
     int ng = 0;
     for (int64_t t = 0, left = (T + GROUP_TILES - 1) / GROUP_TILES; t < T; --left) {
       const int64_t n = (T - t + left - 1) / left;  // tiles in this group
       int m[GROUP_TILES] = {};
       Group& g = groups[ng++] = Group{};
+      g.n = static_cast<int>(n);
       for (int64_t u = 0; u < n; ++u) {
         m[u] = rt.mt[t + u];
         g.x[u] = rt.ap + rt.r0[t + u] * K;
@@ -717,8 +718,8 @@ void quant_product(const RowTiles& rt, const uint8_t* q, int64_t NP, int64_t K, 
           const Group& g = groups[gi];
           for (int64_t i = j; i < je;) {
             const int64_t n = i + g.qz.P <= je ? g.qz.P : 1;
-            float* ci[GROUP_TILES];
-            for (int u = 0; u < GROUP_TILES; ++u) ci[u] = g.c[u] + i * NR;  // unused slots: never read
+            float* ci[GROUP_TILES] = {};
+            for (int u = 0; u < g.n; ++u) ci[u] = g.c[u] + i * NR;
             (n > 1 ? g.qz.wide : g.qz.one)(g.x, q + i * pbytes, pbytes, K, ci, N, bias ? bias + i * NR : nullptr);
             i += n;
           }

@@ -52,7 +52,7 @@ def test_to_panels_names_what_it_cannot_take() -> None:
         quant.to_panels(raw[:20], quant.Q8_0)
 
 
-# rows: none, the one- and two-tile few-row path (K whole) and its tile splits, the slab path;
+# rows: none, the few-row path (K whole: groups of up to four row tiles) and its tile splits, the slab path;
 # K: one block, 288 (slabs of 144 start inside a block), several slabs; N: chunks of 16 panels
 @pytest.mark.parametrize("qtype", [quant.Q4_1, quant.Q8_0], ids=["u4", "s8"])
 @pytest.mark.parametrize("m", [0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 19, 24, 32, 36, 37, 300])
@@ -66,6 +66,16 @@ def test_quant_linear_is_packed_linear_bit_for_bit(isa: str, threads: int, qtype
     assert y.shape == (m, n) and torch.equal(y, cpu_kernels.packed_linear(x, packed))
     assert torch.equal(cpu_kernels.quant_linear(x, panels, b), cpu_kernels.packed_linear(x, packed, b))
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", [quant.Q4_1, quant.Q8_0], ids=["u4", "s8"])
+@pytest.mark.parametrize("m", range(9, 37))
+def test_every_few_row_grouping_is_packed_linear_bit_for_bit(isa: str, qtype: int, m: int) -> None:
+    """Every row count of the few-row path (each its own cut into tiles and groups of tiles)."""
+    raw, w = quantized(80, 96, qtype, seed=m)
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+    assert torch.equal(cpu_kernels.quant_linear(x, quant.to_panels(raw, qtype)),
+                       cpu_kernels.packed_linear(x, cpu_kernels.pack_weight(w)))
 
 
 @pytest.mark.skipif(not cpu_kernels.bf16_products(), reason="no AVX512-BF16 in this build")
@@ -94,6 +104,8 @@ def test_bf16_linear_over_kept_pairs_is_the_bf16_path_bit_for_bit(isa: str, thre
     if not cpu_kernels.bf16_products():  # an isa build without AVX512-BF16
         with pytest.raises(RuntimeError, match="no bf16 dot products"):
             cpu_kernels.pack_weight_bf16(cpu_kernels.pack_weight(torch.ones(16, 64)))
+        with pytest.raises(RuntimeError, match="no bf16 dot products"):
+            cpu_kernels.bf16_linear(torch.ones(13, 64), torch.zeros(1, 32, 16, dtype=torch.int32))
         return
     raw, w = quantized(4112, 608, qtype, seed=m)
     panels, packed = quant.to_panels(raw, qtype), cpu_kernels.pack_weight(w)
@@ -107,6 +119,8 @@ def test_bf16_linear_over_kept_pairs_is_the_bf16_path_bit_for_bit(isa: str, thre
     else:  # rows of 13 in one product are the same bits row for row
         assert torch.equal(y, cpu_kernels.bf16_linear(x.repeat(13, 1), wb)[:m])
     torch.testing.assert_close(y, F.linear(x, w), rtol=2e-2, atol=2e-2)
+    with pytest.raises(RuntimeError, match="K = x.size"):
+        cpu_kernels.bf16_linear(x[:, :576], wb)
 
 
 def test_quant_linear_rejects_a_mismatched_x(isa: str) -> None:
