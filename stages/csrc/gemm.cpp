@@ -908,6 +908,16 @@ void dequant_bf16(const uint8_t* panel, int64_t k0, int64_t kc, uint32_t* buf) {
   });
 }
 
+// rows [k0, k0 + kc) (k0, kc even) of panel j of a weight held as fp32 panels (qb = 0) or as
+// block-quantized ones of qb bytes a block -> kc / 2 x 16 words of bf16 pairs at o: the words the
+// bf16 path multiplies, whether converted per call (packed_linear, quant_linear) or kept
+// (pack_weight_bf16)
+inline void panel_pairs(const void* w, int64_t qb, int64_t K, int64_t j, int64_t k0, int64_t kc, uint32_t* o) {
+  if (qb == 0) pair_slab(static_cast<const float*>(w) + (j * K + k0) * NR, kc, o);
+  else if (qb == QB_U4) dequant_bf16<true>(static_cast<const uint8_t*>(w) + j * (K / QK) * qb, k0, kc, o);
+  else dequant_bf16<false>(static_cast<const uint8_t*>(w) + j * (K / QK) * qb, k0, kc, o);
+}
+
 // c (M x N) = x (M x K) times the weight's transpose as blocked_product runs it (panel chunks,
 // blocks of MCQ rows, K slabs), x packed by pack_rows_bf16 and each slab of a panel pair
 // converted to bf16 pairs once per row block: slab(j, pc, kc, words) returns kc / 2 x 16 words of
@@ -977,7 +987,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torc
   if (use_bf16(bf16, M, K)) {
     bf16_product(x, NP, c, bias,
                  [&](int64_t j, int64_t pc, int64_t kc, uint32_t* o) {
-                   pair_slab(b + j * K * NR + pc * NR, kc, o);
+                   panel_pairs(b, 0, K, j, pc, kc, o);
                    return static_cast<const uint32_t*>(o);
                  });
     return y;
@@ -1007,10 +1017,9 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch
 #ifdef PP_BF16
   if (use_bf16(bf16, M, K)) {
     const uint8_t* qp = q.data_ptr<uint8_t>();
-    const int64_t qb = q.size(2), pbytes = K / QK * qb;
+    const int64_t qb = q.size(2);
     bf16_product(x, NP, y.data_ptr<float>(), bias, [&](int64_t j, int64_t pc, int64_t kc, uint32_t* o) {
-      if (qb == QB_U4) dequant_bf16<true>(qp + j * pbytes, pc, kc, o);
-      else dequant_bf16<false>(qp + j * pbytes, pc, kc, o);
+      panel_pairs(qp, qb, K, j, pc, kc, o);
       return static_cast<const uint32_t*>(o);
     });
     return y;
@@ -1037,13 +1046,10 @@ torch::Tensor pack_weight_bf16(torch::Tensor w) {
   auto out = torch::empty({NP, K / 2, NR}, w.options().dtype(torch::kInt32));
 #ifdef PP_BF16
   uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  const void* src = w.data_ptr();
+  const int64_t qb = quant ? w.size(2) : 0;
   at::parallel_for(0, NP, 16, [&](int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      uint32_t* oj = o + j * (K / 2) * NR;
-      if (!quant) pair_slab(w.data_ptr<float>() + j * K * NR, K, oj);
-      else if (w.size(2) == QB_U4) dequant_bf16<true>(w.data_ptr<uint8_t>() + j * w.size(1) * QB_U4, 0, K, oj);
-      else dequant_bf16<false>(w.data_ptr<uint8_t>() + j * w.size(1) * QB_S8, 0, K, oj);
-    }
+    for (int64_t j = j0; j < j1; ++j) panel_pairs(src, qb, K, j, 0, K, o + j * (K / 2) * NR);
   });
 #else
   TORCH_CHECK(false, "pack_weight_bf16: this build has no bf16 dot products (bf16_products() is false)");

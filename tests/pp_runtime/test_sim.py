@@ -26,6 +26,7 @@ from pp_runtime.timing import TimingRecord
 from pp_runtime.workload import generate_workload
 from pp_runtime.workload_config import WorkloadConfig
 from stages import cpu_kernels
+from stages.model_source import resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_FILES = ("stage_timings.jsonl", "summary.json", "trace.json", "results.jsonl", "workers.json")
@@ -182,8 +183,9 @@ def test_same_microbatches_as_real_engine(policy: str) -> None:
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 120))] for _ in range(20)]
     max_tokens = [rng.randrange(1, 20) for _ in prompts]
     # 23 KV blocks of 16: preemption happens. The last stage's exact greedy LM head, where the
-    # kernels have bf16 products, keeps 4 bytes a vocab row and 2 a weight (512 x 64) beside it.
-    kept = (512 * 4 + 512 * 64 * 2) / 2 ** 30 if cpu_kernels.bf16_products() else 0.0
+    # kernels have bf16 products, keeps 4 bytes a vocab row and 2 a weight beside it.
+    cfg = resolve_model("llama-tiny").config
+    kept = cfg.vocab_size * (4 + 2 * cfg.hidden_size) / 2 ** 30 if cpu_kernels.bf16_products() else 0.0
     with LLM(model="llama-tiny", pp=2, launcher="local", scheduler=policy, chunk_size=32, max_batch_size=6,
              memory_budget_gb=0.00058 + kept, max_model_len=256, threads=1) as llm:
         reqs = [llm.make_request(str(i), p, SamplingParams(max_tokens=m, ignore_eos=True))
