@@ -40,9 +40,11 @@ takes its torch path.
 """
 from __future__ import annotations
 
+import fcntl
 import sys
 import threading
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -57,7 +59,6 @@ PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a
 
 
 _NAME = f"pp_runtime_cpu_kernels_{host_tag()}"
-STALE_LOCK_S = 600.0  # a build takes ~1-2 min here; a lock older than this outlived a killed build
 _lock = threading.Lock()
 _module: object | None = None
 _failed: str | None = None
@@ -79,11 +80,11 @@ def _load() -> object | None:
 
 def _build(name: str, march: str) -> object:
     """Compiles (or takes from torch's cache) the kernels for ``-march=<march>`` as module ``name``."""
-    from torch.utils.cpp_extension import load
-    _clear_stale_lock(name)
-    # -fopenmp: at::parallel_for is header code that splits work only under OpenMP
-    return load(name, sources=_SOURCES, extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp"],
-                extra_ldflags=["-fopenmp"], verbose=False)
+    from torch.utils.cpp_extension import _get_build_directory, load
+    with build_guard(Path(_get_build_directory(name, verbose=False))):
+        # -fopenmp: at::parallel_for is header code that splits work only under OpenMP
+        return load(name, sources=_SOURCES, extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def build(march: str) -> object:
@@ -94,21 +95,26 @@ def build(march: str) -> object:
     return _build(f"{_NAME}_{march.replace('-', '_')}", march)
 
 
-def _clear_stale_lock(name: str) -> None:
-    """Remove a build lock that a killed build left behind.
+@contextmanager
+def build_guard(build_dir: Path) -> Iterator[None]:
+    """Holds an OS lock on ``build_dir`` for one build, and drops a lock file that a dead build left.
 
-    torch's FileBaton waits forever on the lock file of a build that died mid-way (Ctrl-C, OOM, a
-    killed CI job), so every later start would hang. A live build renews nothing, so age is the
-    only sign: one older than STALE_LOCK_S cannot belong to a build still running."""
-    from torch.utils.cpp_extension import _get_build_directory
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        print(f"pp_runtime: removing stale kernel build lock {lock} ({age / 60:.0f} min old)", file=sys.stderr)
-        lock.unlink(missing_ok=True)
+    torch's own lock is a plain file (FileBaton) that it waits on forever: a build killed mid-way
+    (Ctrl-C, OOM, a cancelled CI job) leaves it behind and every later start would hang. Its age
+    says nothing (a copied cache, or a build killed a minute ago), so every build of ours first
+    takes a flock, which the kernel releases when its holder dies: once we hold it, no build of
+    ours is running, and a lock file there is a dead one's."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "pp_runtime.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # waits while a live build of ours compiles (~1-2 min)
+        lock = build_dir / "lock"
+        if lock.exists():
+            print(f"pp_runtime: removing the lock of a build that died: {lock}", file=sys.stderr)
+            lock.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def available() -> bool:

@@ -2,8 +2,10 @@
 fall back (the paged attention kernels are tested with the attention backends)."""
 from __future__ import annotations
 
-import os
-import time
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,21 +113,34 @@ def test_skinny_linear_matches_f_linear(isa: str, threads: int) -> None:
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A build killed mid-way leaves its lock; torch would wait on it forever at the next start.
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    from torch.utils.cpp_extension import _get_build_directory
-    lock = tmp_path / cpu_kernels._NAME / "lock"
-    assert _get_build_directory(cpu_kernels._NAME, verbose=False) == str(lock.parent)
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    lock.touch()
-    cpu_kernels._clear_stale_lock(cpu_kernels._NAME)
-    assert lock.exists()  # a build may be running right now
-    old = time.time() - cpu_kernels.STALE_LOCK_S - 5
-    os.utime(lock, (old, old))
-    cpu_kernels._clear_stale_lock(cpu_kernels._NAME)
-    assert not lock.exists()
-    cpu_kernels._clear_stale_lock(cpu_kernels._NAME)  # no lock: nothing to do
+def test_a_dead_builds_lock_is_removed_and_a_live_one_waited_for(tmp_path) -> None:
+    """A build killed mid-way leaves torch's lock file, on which torch would wait forever at the
+    next start (as CI once did, 600 s). The guard waits for a live build and drops a dead one's."""
+    (tmp_path / "lock").touch()  # left by a build that died before this process started
+    with cpu_kernels.build_guard(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time, pathlib\n"
+         "from stages.cpu_kernels import build_guard\n"
+         "d = pathlib.Path(sys.argv[1])\n"
+         "with build_guard(d):\n"
+         "    (d / 'lock').touch()\n"  # what torch's FileBaton writes while it compiles
+         "    print('held', flush=True)\n"
+         "    time.sleep(120)\n", str(tmp_path)],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        entered = threading.Event()
+        waiter = threading.Thread(target=lambda: (cpu_kernels.build_guard(tmp_path).__enter__(), entered.set()),
+                                  daemon=True)
+        waiter.start()
+        assert not entered.wait(1.0)  # a live build holds it: wait, don't break its lock
+        holder.kill()  # dies mid-build, its lock file left behind
+        assert entered.wait(30.0)
+        assert not (tmp_path / "lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_each_kind_of_cpu_gets_its_own_build(tmp_path) -> None:
