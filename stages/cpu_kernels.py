@@ -21,6 +21,9 @@
   product takes each weight row from codes to registers instead, once for up to 24 rows.
   ``pack_weight_bf16``, ``bf16_linear``: the bf16 path's weight words kept, and the product over
   them (the greedy LM head's: stages/greedy.py).
+* ``greedy_candidates``, ``int8_candidates`` (greedy.cpp): the exact greedy LM head's columns
+  that can still win, from cheap logits and their error bound; the int8 one computes its logits
+  (int8 VNNI products against a Q8_0 weight's own codes) in place.
 
 Where the compiler sees AVX-512 (the box it is built on has it), the GEMM tiles, the few-row
 quantized product, the prefill attention tiles and SiLU·mul run 16 lanes wide (twice the FMA
@@ -231,6 +234,26 @@ def greedy_candidates(approx: torch.Tensor, xnorm: torch.Tensor, wnorm: torch.Te
     return ids, member
 
 
+def int8_candidates(xu: torch.Tensor, xs: torch.Tensor, eb: torch.Tensor, bmax: torch.Tensor, w: torch.Tensor,
+                    code_sums: torch.Tensor, block_norms: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_candidates over the logits of x ≈ xs · (xu − 128) per block of 32 (M, K) against Q8_0
+    panels w (V/16, K/32, 640), computed in exact int8 products and bounded by Σ_b block_norms ·
+    eb (+ floor) from x's, none of them stored (greedy.Int8Head, greedy.quantize_blocks)."""
+    ids, member = _load().int8_candidates(xu, xs, eb, bmax, w, code_sums, block_norms, floor)
+    return ids, member
+
+
+def quantize_blocks(x: torch.Tensor, block_max: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x (M, K) fp32 rows -> int8_candidates' (xu, xs, eb, bmax) (greedy.Int8Head.quantize)."""
+    return tuple(_load().quantize_blocks(x, block_max))
+
+
+def gather_columns(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The panels (fp32 or block-quantized, as w) of w's output columns ids (U,), padded to whole
+    panels with the last id."""
+    return _load().gather_columns(w, ids)
+
+
 def layer_stack(weights: list[torch.Tensor], heads: int, kv_heads: int, head_dim: int, scale: float, eps: float,
                 bf16: bool, cos: torch.Tensor, sin: torch.Tensor) -> object:
     """stack.cpp's LayerStack over 7 tensors a layer (stages/layer_loop.py): ``.forward(h, caches,
@@ -249,6 +272,11 @@ def bf16_products() -> bool:
     """Whether the GEMM was built with AVX512-BF16 dot products (matmul precision "medium" uses
     them; without, it computes as "highest")."""
     return available() and _load().bf16_products()
+
+
+def int8_products() -> bool:
+    """Whether int8_candidates runs here (built with AVX512-VNNI and VBMI)."""
+    return available() and _load().int8_products()
 
 
 def isa() -> str:

@@ -1,26 +1,29 @@
-"""Greedy tokens from the LM head in bf16 products, exactly the tokens of its fp32 logits.
+"""Greedy tokens from cheap products, exactly the tokens of the LM head's fp32 logits.
 
-A greedy row needs only the argmax of its logits, not the logits. On a CPU with AVX512-BF16 the
-LM head's bf16 products cost ~2/3 of its fp32 ones at 32 rows (49152 × 576, 2 threads), and on
-SmolLM2-135M the LM head is ~1/5 of a decode's FLOPs. Each bf16 logit l̃ differs from the fp32
-one l by at most c·|x|·|w_v| (plus ``floor_term`` for subnormals):
+A greedy row needs only the argmax of its logits, not the logits. On SmolLM2-135M the LM head is
+~1/5 of a decode's FLOPs. Two cheaper products give logits l̃ within a known bound of the fp32
+ones l, so that row r's fp32 argmax is among the v whose l̃ + bound reaches max_u (l̃_u − bound_u):
 
-    |l̃ − l| ≤ (2u_bf16 + u_bf16² + 4K·u_fp32) · Σ_k |x_k w_vk| ≤ c · |x|₂ · |w_v|₂
+* ``Int8Head``, a Q8_0 weight on a CPU with AVX512-VNNI: x cut into blocks of 32, each rounded
+  to int8 codes with its own scale, against the weight's own codes (exact int32 sums: 64
+  multiply-adds an instruction). The weight is exact, x is off by e, so per block b of K
+  |l̃ − l| ≤ Σ_b |w_vb|₂ · |e_b|₂ (Cauchy-Schwarz), plus the sum's fp32 roundings (folded into
+  e's norms) and ``FLUSH`` for results under the smallest normal float. It keeps 8 bytes per
+  block of 32 weights (their code sums and norms): 7.1 MB on SmolLM2.
+* ``Bf16Head``, any other panels on a CPU with AVX512-BF16: x and w rounded to bf16
+  (u_bf16 = 2⁻⁸, each product then exact, both sums of K terms in fp32, u_fp32 = 2⁻²⁴), so
+  |l̃ − l| ≤ (2u_bf16 + u_bf16² + 4K·u_fp32) · Σ_k |x_k w_vk| ≤ c · |x|₂ · |w_v|₂, plus
+  ``floor_term`` for subnormals. It keeps the weight's bf16 pairs (2 bytes a weight) so that no
+  call converts them again.
 
-(x and w rounded to bf16, u_bf16 = 2⁻⁸, each product then exact; both sums of K terms in fp32,
-u_fp32 = 2⁻²⁴; Cauchy-Schwarz), so row r's fp32 argmax is among the v whose l̃ + bound reaches
-max_u (l̃_u − bound_u). Those candidates (a median of 2 per row on real decode steps, the union
-of 32 rows a few dozen to ~500 of 49152) are recomputed in fp32 by the same kernel on their own
-columns: a product sums each output in the same order whatever the other columns are, so these
-are the full product's values bit for bit, and the argmax over them, ties to the lowest id as
+Those candidates (a median of 1–2 per row on real decode steps, the union of 32 rows a few
+dozen to a few hundred of 49152) are recomputed in fp32 by the GEMM on their own columns: a
+product sums each output in the same order whatever the other columns are, so these are the full
+product's values bit for bit, and the argmax over them, ties to the lowest id as
 ``torch.argmax``, is the full one's.
 
-    tokens = argmax_tokens(x, lm_head_weight, row_norms(lm_head_weight),
-                           cpu_kernels.pack_weight_bf16(lm_head_weight))  # (M,) int64
-
-The last argument, the weight's bf16 pairs kept (2 bytes a weight), is optional: without it the
-bf16 product converts the weight on every call (the same bits; at 32 rows ~1 ms more of ~6.5 on
-SmolLM2's LM head at 2 threads, ~2.3 ms at 1).
+    head = prepare(lm_head_weight)   # None where neither product is built
+    tokens = head.argmax(x)          # (M,) int64, x (M, K) float32
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ U_BF16, U_FP32 = 2.0 ** -8, 2.0 ** -24
 MIN_ROWS = 13  # the GEMM takes bf16 products from 3 row tiles (13 rows); fewer run fp32 anyway
 MAX_SHARE = 8  # more candidates than 1/8 of the vocabulary: the full fp32 product is cheaper
 TINY = 2.0 ** -126  # the smallest normal float: bf16 products flush what is below it to zero
+FLUSH = 2.0 ** -105  # what each of an int8 logit's block terms (< 2¹⁹ · TINY) and sums can lose to flushing
 
 
 def bound_constant(k: int) -> float:
@@ -67,35 +71,100 @@ def row_norms(w: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor:
 def gather_columns(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The panels (same format as w) of output columns ids, padded to whole panels with the last
     id: the weight of a linear whose outputs are w's at ids."""
-    pad = -ids.numel() % cpu_kernels.PANEL
-    ids = torch.cat([ids, ids[-1:].expand(pad)])
-    p, c = ids // cpu_kernels.PANEL, ids % cpu_kernels.PANEL
-    n = ids.numel() // cpu_kernels.PANEL
-    if not quant.is_panels(w):  # (NP, K, 16) fp32
-        return w[p, :, c].reshape(n, cpu_kernels.PANEL, -1).transpose(1, 2).contiguous()
-    np_, kb, qb = w.shape
-    head = w[..., :128].reshape(np_, kb, 2, cpu_kernels.PANEL, 4)[p, :, :, c]  # (U, KB, 2, 4): d, m bytes
-    head = head.reshape(n, cpu_kernels.PANEL, kb, 2, 4).permute(0, 2, 3, 1, 4).reshape(n, kb, 128)
-    codes = w[..., 128:].reshape(np_, kb, -1, cpu_kernels.PANEL)[p, :, :, c]  # (U, KB, code rows)
-    codes = codes.reshape(n, cpu_kernels.PANEL, kb, -1).permute(0, 2, 3, 1).reshape(n, kb, qb - 128)
-    return torch.cat([head, codes], dim=-1).contiguous()
+    return cpu_kernels.gather_columns(w, ids)
 
 
-def argmax_tokens(x: torch.Tensor, w: torch.Tensor, wnorm: torch.Tensor, wb: torch.Tensor | None = None) -> torch.Tensor:
-    """linear(x, w).argmax(-1) for x (M, K) fp32 and an LM head weight w held as panels (the GEMM's
-    fp32 logits' argmax, bit for bit), through bf16 products where the kernels have them (over wb,
-    w's ``pack_weight_bf16`` words, when given)."""
-    x = x.contiguous()
-    m, k = x.shape
-    if m < MIN_ROWS or not cpu_kernels.bf16_products():  # few rows run fp32 products anyway
-        return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
-    xnorm = _round_up(x.double().norm(dim=1))
-    xmax, wmax = float(xnorm.max()), float(wnorm.max())
-    if not torch.isfinite(xnorm).all() or xmax * wmax > 1e30:  # sums that could overflow
-        return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
-    approx = cpu_kernels.panel_linear(x, w, bf16=True) if wb is None else cpu_kernels.bf16_linear(x, wb)  # (M, V)
-    ids, member = cpu_kernels.greedy_candidates(approx, xnorm, wnorm, bound_constant(k), floor_term(k, xmax, wmax))
-    if ids.numel() * MAX_SHARE > approx.shape[1]:
+def is_q8(w: torch.Tensor) -> bool:
+    return quant.is_panels(w) and w.shape[2] == quant.QB_S8
+
+
+def prepare(w: torch.Tensor) -> Int8Head | Bf16Head | None:
+    """The exact greedy head over LM head weight w (panels: stages.quant or cpu_kernels.pack_weight)
+    where these kernels have a cheaper product for it, else None (the fp32 product it is)."""
+    if w.dim() != 3 or w.device.type != "cpu" or not cpu_kernels.available():
+        return None
+    if is_q8(w) and cpu_kernels.int8_products():
+        return Int8Head(w)
+    if cpu_kernels.bf16_products():
+        return Bf16Head(w)
+    return None
+
+
+def _exact_argmax(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of the fp32 product over its candidates (ids, marked by member)."""
+    if ids.numel() * MAX_SHARE > panel_rows(w):
         return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
     exact = cpu_kernels.panel_linear(x, gather_columns(w, ids))[:, :ids.numel()]  # (M, U): the full product's values there
     return ids[exact.masked_fill_(~member, float("-inf")).argmax(dim=-1)]
+
+
+def panel_rows(w: torch.Tensor) -> int:
+    """V of a (V, K) weight held as panels."""
+    return w.shape[0] * cpu_kernels.PANEL
+
+
+def _sums_may_overflow(xnorm: torch.Tensor, wmax: float) -> bool:
+    return not bool(torch.isfinite(xnorm).all()) or float(xnorm.max()) * wmax > 1e30
+
+
+class Bf16Head:
+    """Candidates from bf16 products (module doc), over the weight's bf16 pairs kept."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.weight, self.row_norms = w, row_norms(w)
+        k = quant.panel_shape(w)[1] if quant.is_panels(w) else w.shape[1]
+        self.pairs = cpu_kernels.pack_weight_bf16(w) if k % 2 == 0 else None  # bf16 pairs: K even
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.row_norms, self.pairs) if t is not None)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """linear(x, w).argmax(-1) for x (M, K) fp32: the GEMM's fp32 logits' argmax, bit for bit."""
+        x, w = x.contiguous(), self.weight
+        if x.shape[0] < MIN_ROWS:  # few rows run fp32 products anyway
+            return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
+        xnorm, wmax = _round_up(x.double().norm(dim=1)), float(self.row_norms.max())
+        if _sums_may_overflow(xnorm, wmax):
+            return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
+        k = x.shape[1]
+        approx = cpu_kernels.panel_linear(x, w, bf16=True) if self.pairs is None else cpu_kernels.bf16_linear(x, self.pairs)
+        ids, member = cpu_kernels.greedy_candidates(approx, xnorm, self.row_norms, bound_constant(k),
+                                                    floor_term(k, float(xnorm.max()), wmax))
+        return _exact_argmax(x, w, ids, member)
+
+
+class Int8Head:
+    """Candidates from int8 products against a Q8_0 weight's own codes (module doc)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        np_, kb, _ = w.shape
+        codes = w[..., 128:].view(torch.int8).reshape(np_, kb, quant.QK, cpu_kernels.PANEL)  # (NP, KB, 32, 16)
+        d = w[..., :64].contiguous().view(torch.float32)  # (NP, KB, 16): the blocks' scales
+        self.weight = w
+        self.code_sums = (-128 * codes.sum(dim=2, dtype=torch.int32)).contiguous()  # x's codes carry + 128
+        # |w_b|₂ = |d| · |q_b|₂, in float64 (one rounding, relative 2⁻⁵³), then up to float32
+        self.block_norms = _round_up(d.double().abs() * codes.double().norm(dim=2) * (1 + 2.0 ** -40)).contiguous()
+        self.block_max = self.block_norms.amax(dim=(0, 2)).double()  # (KB,) over every v: bounds a row's bounds
+        self.wmax = float(self.block_norms.double().pow(2).sum(dim=1).sqrt().max())  # ≥ every |w_v|₂
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.code_sums, self.block_norms))
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """linear(x, w).argmax(-1) for x (M, K) fp32: the GEMM's fp32 logits' argmax, bit for bit."""
+        x, w = x.contiguous(), self.weight
+        if _sums_may_overflow(x.double().norm(dim=1), self.wmax):
+            return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
+        ids, member = cpu_kernels.int8_candidates(*self.quantize(x), w, self.code_sums, self.block_norms,
+                                                  FLUSH * (w.shape[1] + 1))
+        return _exact_argmax(x, w, ids, member)
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (M, K) fp32 -> (xu (M, K) uint8 codes + 128, xs (M, K/32) fp32 scales, eb (M, K/32),
+        bmax (M,)): x ≈ xs · (xu − 128) per block of 32 with |codes| ≤ 127; eb ≥ the block's |e|₂
+        plus what int8_candidates' fp32 sums can round (cpu_kernels.quantize_blocks); bmax ≥
+        Σ_b max_v |w_vb|₂ · eb_b, every bound of the row."""
+        xu, xs, eb, bmax = cpu_kernels.quantize_blocks(x, self.block_max)
+        return xu, xs, eb, bmax

@@ -212,29 +212,23 @@ class ParallelLMHead(nn.Module):
         self.ctx = ctx
         self.bf16 = False  # set_matmul_precision
         self.weight = nn.Parameter(torch.empty(hi - lo, hidden, dtype=dtype), requires_grad=False)
-        self.row_norms: torch.Tensor | None = None  # prepare_argmax: |E_v| (V,) for greedy.argmax_tokens
-        self.weight_bf16: torch.Tensor | None = None  # prepare_argmax: E's bf16 pairs, kept
+        self.greedy: greedy.Int8Head | greedy.Bf16Head | None = None  # prepare_argmax
 
     def prepare_argmax(self) -> int:
-        """Make ``forward(h, argmax_only=True)`` take greedy.argmax_tokens (bf16 products, the fp32
-        argmax exactly) where it can: one rank, fp32 products asked for, the weight in the GEMM's
-        panels, kernels with bf16 dot products. Call once the weight is final. Returns the bytes it
-        keeps beside the weight (0: it cannot): the row norms and the weight's bf16 pairs, 2 bytes
-        a weight, so that no product converts E again (greedy.argmax_tokens)."""
-        self.row_norms = self.weight_bf16 = None
-        if self.ctx.size == 1 and not self.bf16 and self.weight.dim() == 3 and self.weight.device.type == "cpu" \
-                and cpu_kernels.bf16_products():
-            self.row_norms = greedy.row_norms(self.weight)
-            if quant.is_panels(self.weight) or self.weight.shape[1] % 2 == 0:  # bf16 pairs: K even
-                self.weight_bf16 = cpu_kernels.pack_weight_bf16(self.weight)
-            return sum(t.numel() * t.element_size() for t in (self.row_norms, self.weight_bf16) if t is not None)
-        return 0
+        """Make ``forward(h, argmax_only=True)`` take the exact greedy head (stages/greedy.py: int8
+        or bf16 products, then the fp32 argmax exactly) where it can: one rank, fp32 products asked
+        for, the weight in the GEMM's panels, kernels with either product. Call once the weight is
+        final. Returns the bytes it keeps beside the weight (0: it cannot)."""
+        self.greedy = None
+        if self.ctx.size == 1 and not self.bf16:
+            self.greedy = greedy.prepare(self.weight)
+        return self.greedy.nbytes if self.greedy is not None else 0
 
     def forward(self, h: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
         """(S, H) -> (S, V) logits, or with ``argmax_only`` the (S,) int64 argmax of their float32
         values (the same ids, computed without the full fp32 product where prepare_argmax said so)."""
-        if argmax_only and self.row_norms is not None and cpu_kernels.usable(h):
-            return greedy.argmax_tokens(h, self.weight, self.row_norms, self.weight_bf16)
+        if argmax_only and self.greedy is not None and cpu_kernels.usable(h):
+            return self.greedy.argmax(h)
         logits = self.ctx.all_gather_last_dim(linear(h, self.weight, bf16=self.bf16))
         return logits.float().argmax(dim=-1) if argmax_only else logits
 

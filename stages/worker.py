@@ -105,7 +105,7 @@ class StageWorker:
         self.weight_bytes = load_weights(self.model, spec.source, tp, native=native)
         pack_linears(self.model)  # CPU fp32: the GEMM kernel's layout, packed once here, not per call
         self.bf16_linears = set_matmul_precision(self.model, spec.device.matmul_precision)
-        if self.model.lm_head is not None:  # greedy rows: bf16 products, the fp32 argmax exactly
+        if self.model.lm_head is not None:  # greedy rows: int8 or bf16 products, the fp32 argmax exactly
             self.weight_bytes += self.model.lm_head.prepare_argmax()  # what it keeps is resident too: M_S
         self.model.prepare_layer_loop()  # CPU kernels: the layers as one C++ call
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -25,6 +25,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the vector instructions this build's kernels use: avx512+bf16, avx512, avx2 or scalar");
   m.def("greedy_candidates", &greedy_candidates,
         "vocab ids whose logit can still be a row's maximum given approximate logits and their error bound c·|x|·|w_v|");
+  m.def("int8_candidates", &int8_candidates,
+        "greedy_candidates over logits of block-quantized int8 rows against Q8_0 panels, computed and bounded in place (AVX512-VNNI)");
+  m.def("quantize_blocks", &quantize_blocks,
+        "rows -> int8_candidates' u8 codes + 128, block scales, error bounds and each row's largest bound");
+  m.def("gather_columns", &gather_columns, "the panels (fp32 or block-quantized) of a weight's output columns ids");
+  m.def("int8_products", &int8_products, "whether int8_candidates runs here (AVX512-VNNI and VBMI)");
   m.def("write_kv_", &write_kv_, "new tokens' K/V rows into the paged caches at their slots (fp32 or fp16 caches, CPU)");
   m.def("transpose", &transpose, "contiguous transpose of a contiguous (R, C) matrix (fp32, CPU)");
   bind_layer_stack(m);

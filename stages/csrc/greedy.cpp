@@ -1,53 +1,197 @@
-// Candidate columns for an exact greedy LM head (stages/greedy.py).
+// The kernels of an exact greedy LM head (stages/greedy.py): cheap logits with an error bound,
+// then the columns whose exact logit can still be a row's maximum.
 //
-//   greedy_candidates(approx (M, V), xn (M), wn (V), c, floor) -> [ids (U,) int64 ascending, member (M, U) bool]
+//   greedy_candidates(approx (M, V), xn (M), wn (V), c, floor) -> [ids (U,) int64, member (M, U) bool]
+//   int8_candidates(xu (M, K) uint8, xs (M, K/32), eb (M, K/32), bmax (M), q (V/16, K/32, 640) Q8_0
+//                   panels, cs (V/16, K/32, 16) int32, bn (V/16, K/32, 16), floor) -> the same
+//   quantize_blocks(x (M, K), block_max (K/32)) -> [xu, xs, eb, bmax]: int8_candidates' first four
+//   gather_columns(w panels, ids (U,)) -> the panels of w's output columns ids (padded to 16)
 //
-// approx holds logits from reduced-precision products whose error is at most b_v = c · xn[r] ·
-// wn[v] + floor (xn: the rows' norms, wn: the weight rows' norms, c and floor: the caller's
-// bound). Row r's exact argmax must then be among the v with approx[r][v] + b_v >= max_u
-// (approx[r][u] - b_u): any other v is below some u even at its bound's best. Two passes over each
-// row (the max, then the candidates, a 16-lane compare each where the build has AVX-512), rows in
-// parallel; ids is the union over rows, member[r][i] whether ids[i] is row r's.
+// greedy_candidates: approx holds logits from reduced-precision products whose error is at most
+// b_v = c · xn[r] · wn[v] + floor (xn: the rows' norms, wn: the weight rows' norms, c and floor:
+// the caller's bound). Row r's exact argmax must then be among the v with approx[r][v] + b_v >=
+// max_u (approx[r][u] - b_u): any other v is below some u even at its bound's best. Two passes
+// over each row (the max, then the candidates, a 16-lane compare each where the build has
+// AVX-512), rows in parallel; ids is the union over rows, member[r][i] whether ids[i] is row r's.
+//
+// int8_candidates: the same rule over logits it computes and never stores. Each row's block b of
+// 32 k is quantized as x ≈ xs[b] · (xu − 128) (xu: u8 codes), against a Q8_0 weight's own int8
+// codes (w = d·q exactly, stages/quant.py), so each block's dot product is an exact int32 sum: 4 k
+// per byte lane of an AVX512-VNNI vpdpbusd, 64 multiply-adds an instruction against 32 for a bf16
+// dot product and 16 for an fp32 FMA. xu is x's code + 128 (vpdpbusd takes one operand
+// unsigned), so each sum starts from cs = −128 · Σ q over the block. A logit is Σ_b d·xs[b]·sum_b,
+// within Σ_b |w_b|₂ · |e_b|₂ of x's exact one (e: x's quantization error in block b,
+// Cauchy-Schwarz per block; bn ≥ |w_b|₂, and eb ≥ |e_b|₂ plus what the fp32 sum over blocks can
+// round, greedy.quantize_blocks); bmax[r] bounds that over v. Blocks of 32 with a scale each, not
+// one scale a row: a hidden state's few large channels (max/rms ~19 on SmolLM2) would otherwise
+// set every channel's step, and the bound would keep thousands of candidates. Writing the (M, V)
+// logits and bounds would cost more than computing them (12.6 MB at 32 rows, into fresh pages), so
+// each thread keeps a row's running max of logit − bound over the panels it has done and keeps
+// only the v whose logit + bound reaches it, a superset of the final rule's (the max only grows):
+// the first panel's 16, then a few dozen more at most.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 #include "vec.h"
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define PP_VNNI 1
+#endif
+
 namespace {
 
-// max over v of a[v] - b · wn[v] (the caller subtracts the floor)
-float lower_max(const float* a, const float* wn, int64_t V, float b) {
-  float mx = a[0] - b * wn[0];
+constexpr int64_t QK = 32, NR = 16, QB_S8 = 128 + QK * NR;  // stages/quant.py's Q8_0 panels (gemm.cpp)
+
+// b_v = b · wn[v]: a bound proportional to the weight rows' norms (greedy_candidates)
+struct ScaledNorms {
+  const float* wn;
+  float b;
+  float at(int64_t v) const { return b * wn[v]; }
+#ifdef PP_AVX512
+  __m512 at16(int64_t v) const { return _mm512_mul_ps(_mm512_set1_ps(b), _mm512_loadu_ps(wn + v)); }
+#endif
+};
+
+// max over v of a[v] - b_v (the caller subtracts the floor)
+template <typename B>
+float lower_max(const float* a, const B& b, int64_t V) {
+  float mx = a[0] - b.at(0);
   int64_t v = 1;
 #ifdef PP_AVX512
   if (V >= 16) {
-    const __m512 vb = _mm512_set1_ps(b);
-    __m512 m = _mm512_fnmadd_ps(vb, _mm512_loadu_ps(wn), _mm512_loadu_ps(a));
-    for (v = 16; v + 16 <= V; v += 16)
-      m = _mm512_max_ps(m, _mm512_fnmadd_ps(vb, _mm512_loadu_ps(wn + v), _mm512_loadu_ps(a + v)));
+    __m512 m = _mm512_sub_ps(_mm512_loadu_ps(a), b.at16(0));
+    for (v = 16; v + 16 <= V; v += 16) m = _mm512_max_ps(m, _mm512_sub_ps(_mm512_loadu_ps(a + v), b.at16(v)));
     mx = _mm512_reduce_max_ps(m);
   }
 #endif
-  for (; v < V; ++v) mx = std::max(mx, a[v] - b * wn[v]);
+  for (; v < V; ++v) mx = std::max(mx, a[v] - b.at(v));
   return mx;
 }
 
-// every v with a[v] + b · wn[v] >= thr, ascending, into out
-void upper_at_least(const float* a, const float* wn, int64_t V, float b, float thr, std::vector<int64_t>& out) {
+// every v with a[v] + b_v >= thr, ascending, into out
+template <typename B>
+void upper_at_least(const float* a, const B& b, int64_t V, float thr, std::vector<int64_t>& out) {
   int64_t v = 0;
 #ifdef PP_AVX512
-  const __m512 vb = _mm512_set1_ps(b), vt = _mm512_set1_ps(thr);
+  const __m512 vt = _mm512_set1_ps(thr);
   for (; v + 16 <= V; v += 16) {
-    uint32_t hit = _mm512_cmp_ps_mask(_mm512_fmadd_ps(vb, _mm512_loadu_ps(wn + v), _mm512_loadu_ps(a + v)), vt,
-                                      _CMP_GE_OQ);
+    uint32_t hit = _mm512_cmp_ps_mask(_mm512_add_ps(_mm512_loadu_ps(a + v), b.at16(v)), vt, _CMP_GE_OQ);
     for (; hit; hit &= hit - 1) out.push_back(v + __builtin_ctz(hit));
   }
 #endif
   for (; v < V; ++v)
-    if (a[v] + b * wn[v] >= thr) out.push_back(v);
+    if (a[v] + b.at(v) >= thr) out.push_back(v);
 }
+
+// The candidates' threshold for a row whose max of logit − bound is mx: logit + bound + floor >=
+// mx − floor, both floors on the right; and lower by more than the roundings of either side (half
+// an ulp of terms up to |mx| + 4·bmax each, bmax >= every bound of the row). It grows with mx.
+inline float threshold(float mx, float bmax, float floor) {
+  return mx - 2 * floor - (std::fabs(mx) + 4 * bmax) * 0x1p-20f;
+}
+
+// the union of rows' candidates -> [ids ascending, member (M, U)]
+std::vector<torch::Tensor> union_of(const std::vector<std::vector<int64_t>>& rows, int64_t V) {
+  const int64_t M = static_cast<int64_t>(rows.size());
+  std::vector<char> mark(V, 0);
+  for (const auto& row : rows)
+    for (int64_t v : row) mark[v] = 1;
+  std::vector<int64_t> ids, slot(V, 0);  // slot: a marked vocab id's place in ids
+  for (int64_t v = 0; v < V; ++v)
+    if (mark[v]) {
+      slot[v] = static_cast<int64_t>(ids.size());
+      ids.push_back(v);
+    }
+  const int64_t U = static_cast<int64_t>(ids.size());
+  auto member = torch::zeros({M, U}, torch::kBool);
+  bool* mb = member.data_ptr<bool>();
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t v : rows[r]) mb[r * U + slot[v]] = true;
+  auto out = torch::empty({U}, torch::kInt64);
+  std::copy(ids.begin(), ids.end(), out.data_ptr<int64_t>());
+  return {out, member};
+}
+
+// float64 -> the float32 at or above it
+inline float round_up(double v) {
+  float f = static_cast<float>(v);
+  return static_cast<double>(f) < v ? std::nextafter(f, INFINITY) : f;
+}
+
+#ifdef PP_VNNI
+// A thread's view of one row: its running max of logit − bound, the threshold that gives, and the
+// (v, logit + bound) it kept.
+struct RowScan {
+  float mx = -INFINITY, thr = -INFINITY;
+  std::vector<std::pair<int64_t, float>> kept;
+};
+
+// R rows (R <= 8) against one panel of 16 columns: R int32 block sums, R logit and R bound sums
+// in registers (24 of 32 with R = 8). A block's 32 x 16 codes are 8 loads of 4 k-rows x 16
+// columns; vpermb puts each column's 4 k into its own 32-bit lane, which vpdpbusd sums against 4
+// of a row's u8 codes broadcast. Then each row's lanes go through its scan.
+template <int R>
+void q8_tile(const uint8_t* panel, const int32_t* cs, const float* bn, int64_t KB, const uint8_t* xu, const float* xs,
+             const float* eb, const float* bmax, int64_t K, float floor, int64_t v0, RowScan* scan) {
+  alignas(64) static const uint8_t order[64] = {  // out byte 4j + t <- in byte 16t + j
+      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+      6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+  const __m512i perm = _mm512_load_si512(order);
+  __m512 acc[R], bnd[R];
+  for (int r = 0; r < R; ++r) acc[r] = bnd[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* blk = panel + b * QB_S8;
+    const __m512i c = _mm512_loadu_si512(cs + b * NR);  // −128 Σ q: the + 128 of x's codes, taken off
+    __m512i s[R];
+    for (int r = 0; r < R; ++r) s[r] = c;
+    for (int i = 0; i < 8; ++i) {  // k = 4i .. 4i + 3 of the block
+      const __m512i w = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(blk + 128 + 64 * i));
+      for (int r = 0; r < R; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xu + r * K + b * QK + 4 * i, 4);
+        s[r] = _mm512_dpbusd_epi32(s[r], _mm512_set1_epi32(x4), w);
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
+    const __m512 n = _mm512_loadu_ps(bn + b * NR);
+    for (int r = 0; r < R; ++r) {  // exact int32 sums (|sum| < 2^24): exact as floats
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r * KB + b])), acc[r]);
+      bnd[r] = _mm512_fmadd_ps(n, _mm512_set1_ps(eb[r * KB + b]), bnd[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    RowScan& sc = scan[r];
+    const __m512 lo = _mm512_sub_ps(acc[r], bnd[r]);
+    if (_mm512_cmp_ps_mask(lo, _mm512_set1_ps(sc.mx), _CMP_GT_OQ)) {  // a new max: rare after the first panels
+      sc.mx = _mm512_reduce_max_ps(lo);
+      sc.thr = threshold(sc.mx, bmax[r], floor);
+    }
+    const __m512 hi = _mm512_add_ps(acc[r], bnd[r]);
+    uint32_t hit = _mm512_cmp_ps_mask(hi, _mm512_set1_ps(sc.thr), _CMP_GE_OQ);
+    if (hit) {
+      alignas(64) float h[NR];
+      _mm512_store_ps(h, hi);
+      for (; hit; hit &= hit - 1) sc.kept.emplace_back(v0 + __builtin_ctz(hit), h[__builtin_ctz(hit)]);
+    }
+  }
+}
+
+template <int R = 8>
+void q8_rows(int rows, const uint8_t* panel, const int32_t* cs, const float* bn, int64_t KB, const uint8_t* xu,
+             const float* xs, const float* eb, const float* bmax, int64_t K, float floor, int64_t v0, RowScan* scan) {
+  if constexpr (R > 1) {
+    if (rows < R) return q8_rows<R - 1>(rows, panel, cs, bn, KB, xu, xs, eb, bmax, K, floor, v0, scan);
+  }
+  q8_tile<R>(panel, cs, bn, KB, xu, xs, eb, bmax, K, floor, v0, scan);
+}
+#endif
 
 }  // namespace
 
@@ -66,29 +210,144 @@ std::vector<torch::Tensor> greedy_candidates(torch::Tensor approx, torch::Tensor
   std::vector<std::vector<int64_t>> rows(M);
   at::parallel_for(0, M, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const float b = static_cast<float>(c) * x[r];
-      // a[v] + b·wn[v] + floor >= max - floor, both floors on the right; and lower by more than
-      // the roundings of either side (half an ulp of terms up to |max| + 4·b·max wn each)
-      const float mx = lower_max(a + r * V, w, V, b);
-      const float thr = mx - 2 * static_cast<float>(floor) - (std::fabs(mx) + 4 * b * wmax) * 0x1p-20f;
-      upper_at_least(a + r * V, w, V, b, thr, rows[r]);
+      const ScaledNorms b{w, static_cast<float>(c) * x[r]};
+      upper_at_least(a + r * V, b, V, threshold(lower_max(a + r * V, b, V), b.b * wmax, floor), rows[r]);
     }
   });
-  std::vector<char> mark(V, 0);
-  for (const auto& row : rows)
-    for (int64_t v : row) mark[v] = 1;
-  std::vector<int64_t> ids, slot(V, 0);  // slot: a marked vocab id's place in ids
-  for (int64_t v = 0; v < V; ++v)
-    if (mark[v]) {
-      slot[v] = static_cast<int64_t>(ids.size());
-      ids.push_back(v);
+  return union_of(rows, V);
+}
+
+std::vector<torch::Tensor> int8_candidates(torch::Tensor xu, torch::Tensor xs, torch::Tensor eb, torch::Tensor bmax,
+                                           torch::Tensor q, torch::Tensor cs, torch::Tensor bn, double floor) {
+  TORCH_CHECK(q.dtype() == torch::kUInt8 && q.dim() == 3 && q.size(2) == QB_S8 && q.is_contiguous(),
+              "int8_candidates: weight (V/16, K/32, ", QB_S8, ") Q8_0 panels");
+  const int64_t NP = q.size(0), KB = q.size(1), K = KB * QK, V = NP * NR;
+  TORCH_CHECK(xu.dtype() == torch::kUInt8 && xu.dim() == 2 && xu.size(1) == K && xu.is_contiguous(),
+              "int8_candidates: xu (M, ", K, ") contiguous uint8");
+  const int64_t M = xu.size(0);
+  for (const auto& [t, name] : {std::pair{xs, "xs"}, std::pair{eb, "eb"}})
+    TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 2 && t.size(0) == M && t.size(1) == KB && t.is_contiguous(),
+                "int8_candidates: ", name, " (", M, ", ", KB, ") contiguous float32");
+  TORCH_CHECK(bmax.dtype() == torch::kFloat32 && bmax.numel() == M && bmax.is_contiguous(),
+              "int8_candidates: bmax (", M, ") contiguous float32");
+  TORCH_CHECK(cs.dtype() == torch::kInt32 && bn.dtype() == torch::kFloat32 && cs.is_contiguous() && bn.is_contiguous() &&
+              cs.dim() == 3 && cs.size(0) == NP && cs.size(1) == KB && cs.size(2) == NR && bn.sizes() == cs.sizes(),
+              "int8_candidates: cs int32 and bn float32 (", NP, ", ", KB, ", 16) beside the weight");
+  std::vector<std::vector<int64_t>> rows(M);
+#ifdef PP_VNNI
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint8_t* x = xu.data_ptr<uint8_t>();
+  const int32_t* c = cs.data_ptr<int32_t>();
+  const float *s = xs.data_ptr<float>(), *e = eb.data_ptr<float>(), *n = bn.data_ptr<float>(), *bm = bmax.data_ptr<float>();
+  const float fl = static_cast<float>(floor);
+  const int T = at::get_num_threads();
+  std::vector<RowScan> scans(T * M);  // thread t's scan of row r at t * M + r
+  // panels split among threads, each panel's codes (11.5 KB at K = 576) read from L1 by every
+  // tile of 8 rows
+  at::parallel_for(0, NP, 16, [&](int64_t p0, int64_t p1) {
+    RowScan* sc = scans.data() + at::get_thread_num() * M;
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t r = 0; r < M; r += 8)
+        q8_rows(static_cast<int>(std::min<int64_t>(8, M - r)), qp + p * KB * QB_S8, c + p * KB * NR, n + p * KB * NR,
+                KB, x + r * K, s + r * KB, e + r * KB, bm + r, K, fl, p * NR, sc + r);
+  });
+  for (int64_t r = 0; r < M; ++r) {  // the final rule: over every thread's max, what each kept
+    float mx = -INFINITY;
+    for (int t = 0; t < T; ++t) mx = std::max(mx, scans[t * M + r].mx);
+    const float thr = threshold(mx, bm[r], fl);
+    for (int t = 0; t < T; ++t)
+      for (const auto& [v, hi] : scans[t * M + r].kept)
+        if (hi >= thr) rows[r].push_back(v);
+    std::sort(rows[r].begin(), rows[r].end());
+  }
+#else
+  TORCH_CHECK(false, "int8_candidates: this build has no AVX512-VNNI (int8_products() is false)");
+#endif
+  return union_of(rows, V);
+}
+
+std::vector<torch::Tensor> quantize_blocks(torch::Tensor x, torch::Tensor block_max) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) % QK == 0 && x.is_contiguous(),
+              "quantize_blocks: x (M, K) contiguous float32 with K a multiple of ", QK);
+  const int64_t M = x.size(0), K = x.size(1), KB = K / QK;
+  TORCH_CHECK(block_max.dtype() == torch::kFloat64 && block_max.numel() == KB && block_max.is_contiguous(),
+              "quantize_blocks: block_max (", KB, ") contiguous float64");
+  auto xu = torch::empty({M, K}, torch::kUInt8);
+  auto xs = torch::empty({M, KB}, torch::kFloat32), eb = torch::empty({M, KB}, torch::kFloat32);
+  auto bmax = torch::empty({M}, torch::kFloat32);
+  const float* xp = x.data_ptr<float>();
+  const double* bm = block_max.data_ptr<double>();
+  uint8_t* up = xu.data_ptr<uint8_t>();
+  float *sp = xs.data_ptr<float>(), *ep = eb.data_ptr<float>(), *mp = bmax.data_ptr<float>();
+  // what int8_candidates' fp32 sum over KB blocks can add to a logit's error: one rounding of
+  // d·xs and one of each FMA, γ = (KB + 2)·2⁻²⁴ of Σ_b |w_b|·|xq_b|; and its bound's own sum of
+  // KB positive terms, (KB + 2)·2⁻²³ of itself
+  const double gamma = (KB + 2) * 0x1p-24, up_sum = (1 + (KB + 2) * 0x1p-23) * (1 + 0x1p-40);
+  for (int64_t r = 0; r < M; ++r) {
+    double row = 0;
+    for (int64_t b = 0; b < KB; ++b) {
+      const float* xb = xp + r * K + b * QK;
+      float amax = 0.f;
+      for (int k = 0; k < QK; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float s = amax / 127.f;
+      double e2 = 0, q2 = 0;
+      for (int k = 0; k < QK; ++k) {
+        const float u = s > 0 ? std::min(127.f, std::max(-127.f, std::nearbyint(xb[k] / s))) : 0.f;
+        const double xq = static_cast<double>(u) * s;  // exact: an 8-bit code times a float32
+        e2 += (xb[k] - xq) * (xb[k] - xq);
+        q2 += xq * xq;
+        up[r * K + b * QK + k] = static_cast<uint8_t>(static_cast<int>(u) + 128);
+      }
+      sp[r * KB + b] = s;
+      ep[r * KB + b] = round_up((std::sqrt(e2) + gamma * std::sqrt(q2)) * up_sum);
+      row += bm[b] * ep[r * KB + b];
     }
-  const int64_t U = static_cast<int64_t>(ids.size());
-  auto member = torch::zeros({M, U}, torch::kBool);
-  bool* mb = member.data_ptr<bool>();
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t v : rows[r]) mb[r * U + slot[v]] = true;
-  auto out = torch::empty({U}, torch::kInt64);
-  std::copy(ids.begin(), ids.end(), out.data_ptr<int64_t>());
-  return {out, member};
+    mp[r] = round_up(row * (1 + 0x1p-20));
+  }
+  return {xu, xs, eb, bmax};
+}
+
+torch::Tensor gather_columns(torch::Tensor w, torch::Tensor ids) {
+  const bool quant = w.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && (quant ? w.size(2) > 128 : w.scalar_type() == torch::kFloat32 && w.size(2) == NR),
+              "gather_columns: weight panels from pack_weight (fp32) or stages.quant (uint8)");
+  TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1 && ids.numel() > 0 && ids.is_contiguous(),
+              "gather_columns: ids (U,) int64, not empty");
+  const int64_t NP = w.size(0), U = ids.numel(), n = (U + NR - 1) / NR;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < U; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < NP * NR, "gather_columns: id ", id[i], " out of range");
+  auto out = torch::empty({n, w.size(1), w.size(2)}, w.options());
+  // a panel's rows (fp32: K rows of 16 floats; quantized: per block 32 rows of 16 4-byte scales,
+  // then rows of 16 code bytes): column i of the output takes column c of panel p in every row
+  const int64_t rows = w.size(1), row_elems = quant ? w.size(2) : NR;  // quantized: a row is a block
+  const uint8_t* src = static_cast<const uint8_t*>(w.data_ptr());
+  uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
+  const int64_t pbytes = rows * row_elems * (quant ? 1 : 4);
+  at::parallel_for(0, n, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t i = 0; i < NR; ++i) {
+        const int64_t v = id[std::min(j * NR + i, U - 1)];  // past U: the last id again
+        const uint8_t* sp = src + (v / NR) * pbytes;
+        const int64_t c = v % NR;
+        uint8_t* dp = dst + j * pbytes;
+        if (!quant) {
+          for (int64_t k = 0; k < rows; ++k) std::memcpy(dp + (k * NR + i) * 4, sp + (k * NR + c) * 4, 4);
+          continue;
+        }
+        for (int64_t b = 0; b < rows; ++b, sp += row_elems, dp += row_elems) {
+          std::memcpy(dp + i * 4, sp + c * 4, 4);  // d
+          std::memcpy(dp + 64 + i * 4, sp + 64 + c * 4, 4);  // m
+          for (int64_t o = 128; o < row_elems; o += NR) dp[o + i] = sp[o + c];  // one byte per code row
+        }
+      }
+  });
+  return out;
+}
+
+bool int8_products() {
+#ifdef PP_VNNI
+  return true;
+#else
+  return false;
+#endif
 }

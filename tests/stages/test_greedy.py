@@ -1,4 +1,4 @@
-"""Greedy tokens from bf16 products (stages/greedy.py): the ids of the fp32 logits' argmax, ties to
+"""Greedy tokens from int8 or bf16 products (stages/greedy.py): the ids of the fp32 logits' argmax, ties to
 the lowest id, for each weight format and row count, on every instance of the kernels; the pieces
 (candidates, gathered columns) and the worker's use of it."""
 from __future__ import annotations
@@ -49,18 +49,108 @@ def rows(m: int, w: torch.Tensor, seed: int) -> torch.Tensor:
     return x
 
 
-# rows: below the bf16 products, the few-row path (<= 36 rows), the slab path
+def heads(p: torch.Tensor) -> list[greedy.Int8Head | greedy.Bf16Head]:
+    """Every exact greedy head this build has for weight p (prepare's pick first), the bf16 one also
+    without its kept pairs (the product then converts the weight on each call)."""
+    out = [h for h in (greedy.prepare(p),) if h is not None]
+    if cpu_kernels.bf16_products():
+        out.append(greedy.Bf16Head(p))
+        out.append(greedy.Bf16Head(p))
+        out[-1].pairs = None
+    return out
+
+
+# rows: one, below the bf16 products, the few-row path (<= 36 rows), the slab path
 @pytest.mark.parametrize("kind", ["s8", "u4", "fp32"])
-@pytest.mark.parametrize("m", [1, 13, 32, 37, 70])
+@pytest.mark.parametrize("m", [1, 5, 13, 32, 37, 70])
 def test_argmax_tokens_are_the_fp32_argmax(isa: str, threads: int, kind: str, m: int) -> None:
     p, w = weight(kind)
     x = rows(m, w, seed=m)
     expect = cpu_kernels.panel_linear(x, p).argmax(dim=-1)
-    got = greedy.argmax_tokens(x, p, greedy.row_norms(p))
-    assert got.dtype == torch.int64 and torch.equal(got, expect)
-    if cpu_kernels.bf16_products():  # the same over the weight's bf16 pairs kept
-        assert torch.equal(greedy.argmax_tokens(x, p, greedy.row_norms(p), cpu_kernels.pack_weight_bf16(p)), expect)
     assert (expect[::3] == TIES[0]).all()  # the tie went to the lowest id, as torch.argmax's does
+    hs = heads(p)
+    assert [type(h) for h in hs[:1]] == ([greedy.Int8Head] if kind == "s8" and cpu_kernels.int8_products() else
+                                         [greedy.Bf16Head] if cpu_kernels.bf16_products() else [])
+    for h in hs:
+        got = h.argmax(x)
+        assert got.dtype == torch.int64 and torch.equal(got, expect), type(h).__name__
+
+
+def test_prepare_picks_int8_for_q8_weights_only() -> None:
+    """Int8Head reads Q8_0 codes as they are (the weight exact): a Q4 or fp32 weight takes bf16."""
+    for kind in ("s8", "u4", "fp32"):
+        h = greedy.prepare(weight(kind)[0])
+        want = greedy.Int8Head if kind == "s8" and cpu_kernels.int8_products() else \
+            greedy.Bf16Head if cpu_kernels.bf16_products() else type(None)
+        assert type(h) is want
+    assert greedy.prepare(torch.zeros(4, 64)) is None  # not panels: nothing to prepare
+
+
+def block_rows(g: torch.Generator) -> torch.Tensor:
+    """Rows that stress x's int8 blocks: a large channel among small ones (as hidden states have), a
+    block of zeros, a constant block, tiny and huge scales, subnormals."""
+    x = torch.randn(9, K, generator=g)
+    x[0, 3] = 60.0
+    x[1, :32] = 0.0
+    x[2, 32:64] = 0.37
+    x[3] *= 1e-30  # block scales times d below the smallest normal float
+    x[4] *= 1e12
+    x[5, ::2] = 1e-40
+    x[6, :] = -x[6, :].abs()
+    x[7, 64:96] = torch.linspace(-1, 1, 32)
+    return x
+
+
+def test_int8_candidates_hold_every_logit_that_can_win(isa: str, threads: int) -> None:
+    """Each row's candidates hold every v whose exact-arithmetic logit of x's int8 blocks, within
+    its bound Σ_b |w_vb|·|e_b| of x's exact logit, can still reach the row's maximum: the rule the
+    kernel applies to logits it never stores. And no more than a few beyond them."""
+    if not cpu_kernels.int8_products():
+        pytest.skip("this build has no AVX512-VNNI")
+    p, w = weight("s8")
+    head = greedy.Int8Head(p)
+    x = torch.cat([block_rows(torch.Generator().manual_seed(3)), rows(13, w, seed=4)])
+    xu, xs, eb, bmax = head.quantize(x)
+    codes = xu.double().reshape(x.shape[0], -1, 32) - 128
+    assert codes.abs().max() <= 127 and xs.dtype == torch.float32
+    xq = (codes * xs.double().unsqueeze(-1)).reshape(x.shape)
+    e = (xq - x.double()).reshape(x.shape[0], -1, 32).norm(dim=2)
+    assert (e <= eb.double()).all()
+    wb = w.double().reshape(N, -1, 32).norm(dim=2)  # (V, KB)
+    assert (head.block_norms.reshape(-1, head.block_norms.shape[1], 16).permute(0, 2, 1).reshape(N, -1).double() >= wb).all()
+    approx, bound = xq @ w.double().T, eb.double() @ wb.T  # (M, V)
+    assert ((approx - x.double() @ w.double().T).abs() <= bound).all()
+    assert (bound <= bmax.double().unsqueeze(1)).all()
+    ids, member = cpu_kernels.int8_candidates(xu, xs, eb, bmax, p, head.code_sums, head.block_norms, 0.0)
+    need = approx + bound >= (approx - bound).max(dim=1, keepdim=True).values
+    for r in range(x.shape[0]):
+        kept = set(ids[member[r]].tolist())
+        assert set(need[r].nonzero().flatten().tolist()) <= kept and len(kept) <= need[r].sum() + 2, r
+    sub = cpu_kernels.int8_candidates(xu[:4], xs[:4], eb[:4], bmax[:4], p, head.code_sums, head.block_norms, 0.0)
+    assert [set(sub[0][sub[1][r]].tolist()) for r in range(4)] == [set(ids[member[r]].tolist()) for r in range(4)]
+    assert torch.equal(head.argmax(x), cpu_kernels.panel_linear(x, p).argmax(dim=-1))
+
+
+def test_int8_candidates_name_what_is_wrong(isa: str) -> None:
+    p, _ = weight("s8")
+    head = greedy.Int8Head(p)
+    xu, xs, eb, bmax = head.quantize(torch.randn(3, K))
+    if not cpu_kernels.int8_products():
+        with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
+            cpu_kernels.int8_candidates(xu, xs, eb, bmax, p, head.code_sums, head.block_norms, 0.0)
+        return
+    with pytest.raises(RuntimeError, match="Q8_0 panels"):
+        cpu_kernels.int8_candidates(xu, xs, eb, bmax, weight("u4")[0], head.code_sums, head.block_norms, 0.0)
+    with pytest.raises(RuntimeError, match="xu"):
+        cpu_kernels.int8_candidates(xu[:, :64], xs, eb, bmax, p, head.code_sums, head.block_norms, 0.0)
+    with pytest.raises(RuntimeError, match="eb"):
+        cpu_kernels.int8_candidates(xu, xs, eb[:2], bmax, p, head.code_sums, head.block_norms, 0.0)
+    with pytest.raises(RuntimeError, match="bmax"):
+        cpu_kernels.int8_candidates(xu, xs, eb, bmax[:1], p, head.code_sums, head.block_norms, 0.0)
+    with pytest.raises(RuntimeError, match="cs int32"):
+        cpu_kernels.int8_candidates(xu, xs, eb, bmax, p, head.code_sums[1:], head.block_norms, 0.0)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        head.quantize(torch.randn(3, K - 1))
 
 
 def test_row_norms_bound_the_rows_from_above() -> None:
@@ -80,6 +170,9 @@ def test_gathered_columns_give_the_full_products_bits(kind: str, m: int) -> None
     sub = greedy.gather_columns(p, ids)
     assert sub.dtype == p.dtype and sub.shape[0] == 1 and sub.shape[1:] == p.shape[1:]
     assert torch.equal(cpu_kernels.panel_linear(x, sub)[:, :ids.numel()], cpu_kernels.panel_linear(x, p)[:, ids])
+    assert torch.equal(sub, greedy.gather_columns(p, torch.cat([ids, ids[-1:].expand(8)])))  # padded with the last id
+    with pytest.raises(RuntimeError, match="out of range"):
+        greedy.gather_columns(p, torch.tensor([N]))
 
 
 def test_candidates_keep_every_value_within_the_bound(isa: str) -> None:
@@ -114,8 +207,11 @@ def q8_worker(tmp_path_factory: pytest.TempPathFactory) -> StageWorker:
 def test_worker_takes_the_argmax_path_for_greedy_rows_only(q8_worker: StageWorker) -> None:
     model = q8_worker.model
     assert quant.is_panels(model.lm_head.weight)
-    assert (model.lm_head.row_norms is not None) == cpu_kernels.bf16_products()
-    assert (model.lm_head.weight_bf16 is not None) == cpu_kernels.bf16_products()
+    assert type(model.lm_head.greedy) is type(greedy.prepare(model.lm_head.weight))
+    if isinstance(model.lm_head.greedy, greedy.Int8Head):  # kept: a code sum and a norm per block of 32 weights
+        v, k = quant.panel_shape(model.lm_head.weight)
+        assert model.lm_head.greedy.nbytes == v * k // 32 * 8
+    assert (model.lm_head.greedy is not None) == (cpu_kernels.int8_products() or cpu_kernels.bf16_products())
     h = 3 * torch.randn(40, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         logits = model.logits(h)
@@ -134,7 +230,7 @@ def test_medium_precision_keeps_its_bf16_logits(tmp_path_factory: pytest.TempPat
     spec = WorkerSpec(resolve_model(str(path)), 0, 0, ParallelConfig(1), CacheConfig(4, 1 << 24),
                       DeviceConfig("cpu", "float32", "torch", matmul_precision="medium"))
     model = StageWorker(spec, TPContext(), None).model
-    assert model.lm_head.row_norms is None
+    assert model.lm_head.greedy is None
     h = torch.randn(20, model.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         assert torch.equal(model.argmax_tokens(h), model.logits(h).argmax(dim=-1))
