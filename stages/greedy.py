@@ -33,6 +33,7 @@ from stages import cpu_kernels, quant
 
 U_BF16, U_FP32 = 2.0 ** -8, 2.0 ** -24
 MIN_ROWS = 13  # the GEMM takes bf16 products from 3 row tiles (13 rows); fewer run fp32 anyway
+INT8_MIN_ROWS = 4  # below, the fp32 product streams the same codes in less time than int8 + the exact pass
 MAX_SHARE = 8  # more candidates than 1/8 of the vocabulary: the full fp32 product is cheaper
 TINY = 2.0 ** -126  # the smallest normal float: bf16 products flush what is below it to zero
 FLUSH = 2.0 ** -105  # what each of an int8 logit's block terms (< 2¹⁹ · TINY) and sums can lose to flushing
@@ -155,7 +156,7 @@ class Int8Head:
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """linear(x, w).argmax(-1) for x (M, K) fp32: the GEMM's fp32 logits' argmax, bit for bit."""
         x, w = x.contiguous(), self.weight
-        if _sums_may_overflow(x.double().norm(dim=1), self.wmax):
+        if x.shape[0] < INT8_MIN_ROWS or _sums_may_overflow(x.double().norm(dim=1), self.wmax):
             return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
         ids, member = cpu_kernels.int8_candidates(*self.quantize(x), w, self.code_sums, self.block_norms,
                                                   FLUSH * (w.shape[1] + 1))

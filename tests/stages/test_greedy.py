@@ -126,8 +126,9 @@ def test_int8_candidates_hold_every_logit_that_can_win(isa: str, threads: int) -
     for r in range(x.shape[0]):
         kept = set(ids[member[r]].tolist())
         assert set(need[r].nonzero().flatten().tolist()) <= kept and len(kept) <= need[r].sum() + 2, r
-    sub = cpu_kernels.int8_candidates(xu[:4], xs[:4], eb[:4], bmax[:4], p, head.code_sums, head.block_norms, 0.0)
-    assert [set(sub[0][sub[1][r]].tolist()) for r in range(4)] == [set(ids[member[r]].tolist()) for r in range(4)]
+    for n in (1, 2, 3, 4, 7):  # every tile height: a row's candidates are not its tile's
+        sub = cpu_kernels.int8_candidates(xu[:n], xs[:n], eb[:n], bmax[:n], p, head.code_sums, head.block_norms, 0.0)
+        assert [set(sub[0][sub[1][r]].tolist()) for r in range(n)] == [set(ids[member[r]].tolist()) for r in range(n)]
     assert torch.equal(head.argmax(x), cpu_kernels.panel_linear(x, p).argmax(dim=-1))
 
 
