@@ -7,8 +7,9 @@ ones l, so that row r's fp32 argmax is among the v whose l̃ + bound reaches max
 * ``Int8Head``, a Q8_0 weight on a CPU with AVX512-VNNI: x cut into blocks of 32, each rounded
   to int8 codes with its own scale, against the weight's own codes (exact int32 sums: 64
   multiply-adds an instruction). The weight is exact, x is off by e, so per block b of K
-  |l̃ − l| ≤ Σ_b |w_vb|₂ · |e_b|₂ (Cauchy-Schwarz), plus the sum's fp32 roundings (folded into
-  e's norms) and ``FLUSH`` for results under the smallest normal float. It keeps 8 bytes per
+  |l̃ − l| ≤ Σ_b |w_vb|₂ · |e_b|₂ (Cauchy-Schwarz), plus the sum's fp32 roundings and the fp32
+  GEMM's own distance from l ((K + 2)·2⁻²⁴ · Σ_b |w_vb|₂ · |x_b|₂; both folded into e's norms)
+  and ``FLUSH`` for results under the smallest normal float. It keeps 8 bytes per
   block of 32 weights (their code sums and norms): 7.1 MB on SmolLM2.
 * ``Bf16Head``, any other panels on a CPU with AVX512-BF16: x and w rounded to bf16
   (u_bf16 = 2⁻⁸, each product then exact, both sums of K terms in fp32, u_fp32 = 2⁻²⁴), so
@@ -138,14 +139,17 @@ class Bf16Head:
 class Int8Head:
     """Candidates from int8 products against a Q8_0 weight's own codes (module doc)."""
 
-    def __init__(self, w: torch.Tensor) -> None:
-        np_, kb, _ = w.shape
-        codes = w[..., 128:].view(torch.int8).reshape(np_, kb, quant.QK, cpu_kernels.PANEL)  # (NP, KB, 32, 16)
-        d = w[..., :64].contiguous().view(torch.float32)  # (NP, KB, 16): the blocks' scales
+    def __init__(self, w: torch.Tensor, panels_at_once: int = 256) -> None:
         self.weight = w
-        self.code_sums = (-128 * codes.sum(dim=2, dtype=torch.int32)).contiguous()  # x's codes carry + 128
-        # |w_b|₂ = |d| · |q_b|₂, in float64 (one rounding, relative 2⁻⁵³), then up to float32
-        self.block_norms = _round_up(d.double().abs() * codes.double().norm(dim=2) * (1 + 2.0 ** -40)).contiguous()
+        sums, norms = [], []
+        for i in range(0, w.shape[0], panels_at_once):  # float64 codes of the whole weight: 8 bytes a weight
+            p = w[i:i + panels_at_once]
+            codes = p[..., 128:].view(torch.int8).reshape(*p.shape[:2], quant.QK, cpu_kernels.PANEL)  # (n, KB, 32, 16)
+            d = p[..., :64].contiguous().view(torch.float32)  # (n, KB, 16): the blocks' scales
+            sums.append(-128 * codes.sum(dim=2, dtype=torch.int32))  # x's codes carry + 128
+            # |w_b|₂ = |d| · |q_b|₂, in float64 (one rounding, relative 2⁻⁵³), then up to float32
+            norms.append(_round_up(d.double().abs() * codes.double().norm(dim=2) * (1 + 2.0 ** -40)))
+        self.code_sums, self.block_norms = torch.cat(sums).contiguous(), torch.cat(norms).contiguous()  # (NP, KB, 16)
         self.block_max = self.block_norms.amax(dim=(0, 2)).double()  # (KB,) over every v: bounds a row's bounds
         self.wmax = float(self.block_norms.double().pow(2).sum(dim=1).sqrt().max())  # ≥ every |w_v|₂
 
@@ -165,7 +169,8 @@ class Int8Head:
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (M, K) fp32 -> (xu (M, K) uint8 codes + 128, xs (M, K/32) fp32 scales, eb (M, K/32),
         bmax (M,)): x ≈ xs · (xu − 128) per block of 32 with |codes| ≤ 127; eb ≥ the block's |e|₂
-        plus what int8_candidates' fp32 sums can round (cpu_kernels.quantize_blocks); bmax ≥
+        plus what int8_candidates' fp32 sums can round and the GEMM's fp32 logit's own error
+        (cpu_kernels.quantize_blocks); bmax ≥
         Σ_b max_v |w_vb|₂ · eb_b, every bound of the row."""
         xu, xs, eb, bmax = cpu_kernels.quantize_blocks(x, self.block_max)
         return xu, xs, eb, bmax

@@ -22,7 +22,8 @@
 // unsigned), so each sum starts from cs = −128 · Σ q over the block. A logit is Σ_b d·xs[b]·sum_b,
 // within Σ_b |w_b|₂ · |e_b|₂ of x's exact one (e: x's quantization error in block b,
 // Cauchy-Schwarz per block; bn ≥ |w_b|₂, and eb ≥ |e_b|₂ plus what the fp32 sum over blocks can
-// round, greedy.quantize_blocks); bmax[r] bounds that over v. Blocks of 32 with a scale each, not
+// round and what the GEMM's own fp32 logit can be off the exact one, quantize_blocks); bmax[r]
+// bounds that over v. Blocks of 32 with a scale each, not
 // one scale a row: a hidden state's few large channels (max/rms ~19 on SmolLM2) would otherwise
 // set every channel's step, and the bound would keep thousands of candidates. Writing the (M, V)
 // logits and bounds would cost more than computing them (12.6 MB at 32 rows, into fresh pages), so
@@ -46,7 +47,7 @@
 
 namespace {
 
-constexpr int64_t QK = 32, NR = 16, QB_S8 = 128 + QK * NR;  // stages/quant.py's Q8_0 panels (gemm.cpp)
+constexpr int64_t QK = 32, NR = 16, QB_U4 = 128 + QK * NR / 2, QB_S8 = 128 + QK * NR;  // stages/quant.py's panels
 
 // b_v = b · wn[v]: a bound proportional to the weight rows' norms (greedy_candidates)
 struct ScaledNorms {
@@ -280,9 +281,11 @@ std::vector<torch::Tensor> quantize_blocks(torch::Tensor x, torch::Tensor block_
   uint8_t* up = xu.data_ptr<uint8_t>();
   float *sp = xs.data_ptr<float>(), *ep = eb.data_ptr<float>(), *mp = bmax.data_ptr<float>();
   // what int8_candidates' fp32 sum over KB blocks can add to a logit's error: one rounding of
-  // d·xs and one of each FMA, γ = (KB + 2)·2⁻²⁴ of Σ_b |w_b|·|xq_b|; and its bound's own sum of
-  // KB positive terms, (KB + 2)·2⁻²³ of itself
-  const double gamma = (KB + 2) * 0x1p-24, up_sum = (1 + (KB + 2) * 0x1p-23) * (1 + 0x1p-40);
+  // d·xs and one of each FMA, γ = (KB + 2)·2⁻²⁴ of Σ_b |w_b|·|xq_b|; the logit to match is the
+  // GEMM's, a K-term fp32 sum within (K + 2)·2⁻²⁴ · Σ_b |w_b|·|x_b| of the exact one; and the
+  // bound's own sum of KB positive terms, (KB + 2)·2⁻²³ of itself
+  const double gamma = (KB + 2) * 0x1p-24, gemm = (K + 2) * 0x1p-24 * (1 + 0x1p-10);
+  const double up_sum = (1 + (KB + 2) * 0x1p-23) * (1 + 0x1p-40);
   for (int64_t r = 0; r < M; ++r) {
     double row = 0;
     for (int64_t b = 0; b < KB; ++b) {
@@ -290,16 +293,17 @@ std::vector<torch::Tensor> quantize_blocks(torch::Tensor x, torch::Tensor block_
       float amax = 0.f;
       for (int k = 0; k < QK; ++k) amax = std::max(amax, std::fabs(xb[k]));
       const float s = amax / 127.f;
-      double e2 = 0, q2 = 0;
+      double e2 = 0, q2 = 0, x2 = 0;
       for (int k = 0; k < QK; ++k) {
         const float u = s > 0 ? std::min(127.f, std::max(-127.f, std::nearbyint(xb[k] / s))) : 0.f;
         const double xq = static_cast<double>(u) * s;  // exact: an 8-bit code times a float32
         e2 += (xb[k] - xq) * (xb[k] - xq);
         q2 += xq * xq;
+        x2 += static_cast<double>(xb[k]) * xb[k];
         up[r * K + b * QK + k] = static_cast<uint8_t>(static_cast<int>(u) + 128);
       }
       sp[r * KB + b] = s;
-      ep[r * KB + b] = round_up((std::sqrt(e2) + gamma * std::sqrt(q2)) * up_sum);
+      ep[r * KB + b] = round_up((std::sqrt(e2) + gamma * std::sqrt(q2) + gemm * std::sqrt(x2)) * up_sum);
       row += bm[b] * ep[r * KB + b];
     }
     mp[r] = round_up(row * (1 + 0x1p-20));
@@ -309,7 +313,8 @@ std::vector<torch::Tensor> quantize_blocks(torch::Tensor x, torch::Tensor block_
 
 torch::Tensor gather_columns(torch::Tensor w, torch::Tensor ids) {
   const bool quant = w.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && (quant ? w.size(2) > 128 : w.scalar_type() == torch::kFloat32 && w.size(2) == NR),
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && (quant ? (w.size(2) == QB_U4 || w.size(2) == QB_S8)
+                                                          : (w.scalar_type() == torch::kFloat32 && w.size(2) == NR)),
               "gather_columns: weight panels from pack_weight (fp32) or stages.quant (uint8)");
   TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1 && ids.numel() > 0 && ids.is_contiguous(),
               "gather_columns: ids (U,) int64, not empty");

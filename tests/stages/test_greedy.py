@@ -93,11 +93,12 @@ def block_rows(g: torch.Generator) -> torch.Tensor:
     x[0, 3] = 60.0
     x[1, :32] = 0.0
     x[2, 32:64] = 0.37
-    x[3] *= 1e-30  # block scales times d below the smallest normal float
+    x[3] *= 1e-34  # block scales times d below the smallest normal float (d ~ 1e-3): flushed
     x[4] *= 1e12
     x[5, ::2] = 1e-40
     x[6, :] = -x[6, :].abs()
     x[7, 64:96] = torch.linspace(-1, 1, 32)
+    x[8] = torch.randint(-127, 128, (K,), generator=g) / 32.0  # on the int8 grid: no quantization error at all
     return x
 
 
@@ -109,6 +110,8 @@ def test_int8_candidates_hold_every_logit_that_can_win(isa: str, threads: int) -
         pytest.skip("this build has no AVX512-VNNI")
     p, w = weight("s8")
     head = greedy.Int8Head(p)
+    piecewise = greedy.Int8Head(p, panels_at_once=7)  # what it keeps does not depend on the pieces it reads
+    assert torch.equal(piecewise.code_sums, head.code_sums) and torch.equal(piecewise.block_norms, head.block_norms)
     x = torch.cat([block_rows(torch.Generator().manual_seed(3)), rows(13, w, seed=4)])
     xu, xs, eb, bmax = head.quantize(x)
     codes = xu.double().reshape(x.shape[0], -1, 32) - 128
@@ -120,16 +123,24 @@ def test_int8_candidates_hold_every_logit_that_can_win(isa: str, threads: int) -
     assert (head.block_norms.reshape(-1, head.block_norms.shape[1], 16).permute(0, 2, 1).reshape(N, -1).double() >= wb).all()
     approx, bound = xq @ w.double().T, eb.double() @ wb.T  # (M, V)
     assert ((approx - x.double() @ w.double().T).abs() <= bound).all()
+    # the logits to match are the GEMM's fp32 ones: within the bound too, floor and all
+    floor = greedy.FLUSH * (p.shape[1] + 1)
+    assert ((approx - cpu_kernels.panel_linear(x, p).double()).abs() <= bound + floor).all()
     assert (bound <= bmax.double().unsqueeze(1)).all()
-    ids, member = cpu_kernels.int8_candidates(xu, xs, eb, bmax, p, head.code_sums, head.block_norms, 0.0)
-    need = approx + bound >= (approx - bound).max(dim=1, keepdim=True).values
+    ids, member = cpu_kernels.int8_candidates(xu, xs, eb, bmax, p, head.code_sums, head.block_norms, floor)
+    need = approx + bound + floor >= (approx - bound).max(dim=1, keepdim=True).values - floor
     for r in range(x.shape[0]):
         kept = set(ids[member[r]].tolist())
         assert set(need[r].nonzero().flatten().tolist()) <= kept and len(kept) <= need[r].sum() + 2, r
+    assert need[3].all()  # logits ~1e-34: under the floor, every column can win
     for n in (1, 2, 3, 4, 7):  # every tile height: a row's candidates are not its tile's
-        sub = cpu_kernels.int8_candidates(xu[:n], xs[:n], eb[:n], bmax[:n], p, head.code_sums, head.block_norms, 0.0)
+        sub = cpu_kernels.int8_candidates(xu[:n], xs[:n], eb[:n], bmax[:n], p, head.code_sums, head.block_norms, floor)
         assert [set(sub[0][sub[1][r]].tolist()) for r in range(n)] == [set(ids[member[r]].tolist()) for r in range(n)]
-    assert torch.equal(head.argmax(x), cpu_kernels.panel_linear(x, p).argmax(dim=-1))
+    expect = cpu_kernels.panel_linear(x, p).argmax(dim=-1)
+    assert torch.equal(head.argmax(x), expect)  # row 3's candidates are the whole vocabulary: the fp32 product
+    rest = torch.cat([x[:3], x[4:]])
+    assert member[torch.arange(x.shape[0]) != 3].any(dim=0).sum() * greedy.MAX_SHARE < N  # the int8 path, not the fallback
+    assert torch.equal(head.argmax(rest), torch.cat([expect[:3], expect[4:]]))
 
 
 def test_int8_candidates_name_what_is_wrong(isa: str) -> None:
