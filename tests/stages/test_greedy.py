@@ -143,6 +143,23 @@ def test_int8_candidates_hold_every_logit_that_can_win(isa: str, threads: int) -
     assert torch.equal(head.argmax(rest), torch.cat([expect[:3], expect[4:]]))
 
 
+def test_int8_head_takes_the_fp32_product_where_sums_could_overflow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose logits could pass float32's range (or hold inf / nan) go to the fp32 product, as
+    do rows too few for the int8 pass to pay: no int8 call for either."""
+    if not cpu_kernels.int8_products():
+        pytest.skip("this build has no AVX512-VNNI")
+    p, w = weight("s8")
+    head = greedy.Int8Head(p)
+    x = rows(8, w, seed=5)
+    x[2, 0], x[5, 1] = 1e32, float("inf")
+    calls = []
+    monkeypatch.setattr(cpu_kernels, "int8_candidates", lambda *a: calls.append(a))
+    assert torch.equal(head.argmax(x), cpu_kernels.panel_linear(x, p).argmax(dim=-1))
+    few = rows(greedy.INT8_MIN_ROWS - 1, w, seed=6)
+    assert torch.equal(head.argmax(few), cpu_kernels.panel_linear(few, p).argmax(dim=-1))
+    assert calls == []
+
+
 def test_int8_candidates_name_what_is_wrong(isa: str) -> None:
     p, _ = weight("s8")
     head = greedy.Int8Head(p)
