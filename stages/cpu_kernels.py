@@ -238,14 +238,15 @@ def int8_candidates(xu: torch.Tensor, xs: torch.Tensor, eb: torch.Tensor, bmax: 
                     code_sums: torch.Tensor, block_norms: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """greedy_candidates over the logits of x ≈ xs · (xu − 128) per block of 32 (M, K) against Q8_0
     panels w (V/16, K/32, 640), computed in exact int8 products and bounded by Σ_b block_norms ·
-    eb (+ floor) from x's, none of them stored (greedy.Int8Head, greedy.quantize_blocks)."""
+    eb (+ floor) from x's, none of them stored (greedy.Int8Head, quantize_blocks)."""
     ids, member = _load().int8_candidates(xu, xs, eb, bmax, w, code_sums, block_norms, floor)
     return ids, member
 
 
-def quantize_blocks(x: torch.Tensor, block_max: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def quantize_blocks(x: torch.Tensor, block_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (M, K) fp32 rows -> int8_candidates' (xu, xs, eb, bmax) (greedy.Int8Head.quantize)."""
-    return tuple(_load().quantize_blocks(x, block_max))
+    xu, xs, eb, bmax = _load().quantize_blocks(x, block_max)
+    return xu, xs, eb, bmax
 
 
 def gather_columns(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

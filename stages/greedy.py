@@ -70,12 +70,6 @@ def row_norms(w: torch.Tensor, rows_at_once: int = 4096) -> torch.Tensor:
     return _round_up(w.double().pow(2).sum(dim=1).sqrt().reshape(-1))  # (V/16, K, 16) -> (V,)
 
 
-def gather_columns(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The panels (same format as w) of output columns ids, padded to whole panels with the last
-    id: the weight of a linear whose outputs are w's at ids."""
-    return cpu_kernels.gather_columns(w, ids)
-
-
 def is_q8(w: torch.Tensor) -> bool:
     return quant.is_panels(w) and w.shape[2] == quant.QB_S8
 
@@ -96,7 +90,7 @@ def _exact_argmax(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, member: t
     """Each row's argmax of the fp32 product over its candidates (ids, marked by member)."""
     if ids.numel() * MAX_SHARE > panel_rows(w):
         return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
-    exact = cpu_kernels.panel_linear(x, gather_columns(w, ids))[:, :ids.numel()]  # (M, U): the full product's values there
+    exact = cpu_kernels.panel_linear(x, cpu_kernels.gather_columns(w, ids))[:, :ids.numel()]  # (M, U): the full product's values there
     return ids[exact.masked_fill_(~member, float("-inf")).argmax(dim=-1)]
 
 
@@ -170,7 +164,5 @@ class Int8Head:
         """x (M, K) fp32 -> (xu (M, K) uint8 codes + 128, xs (M, K/32) fp32 scales, eb (M, K/32),
         bmax (M,)): x ≈ xs · (xu − 128) per block of 32 with |codes| ≤ 127; eb ≥ the block's |e|₂
         plus what int8_candidates' fp32 sums can round and the GEMM's fp32 logit's own error
-        (cpu_kernels.quantize_blocks); bmax ≥
-        Σ_b max_v |w_vb|₂ · eb_b, every bound of the row."""
-        xu, xs, eb, bmax = cpu_kernels.quantize_blocks(x, self.block_max)
-        return xu, xs, eb, bmax
+        (cpu_kernels.quantize_blocks); bmax ≥ Σ_b max_v |w_vb|₂ · eb_b, every bound of the row."""
+        return cpu_kernels.quantize_blocks(x, self.block_max)

@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "panels.h"
 #include "vec.h"
 
 #ifndef PF_HINT
@@ -33,7 +34,6 @@
 namespace {
 
 constexpr int MR = 6;         // rows per register tile
-constexpr int NR = 16;        // output columns per panel (two 8-lane vectors)
 constexpr int64_t KC = 256;   // deepest K slab: a panel's slab (<= 16 KB) stays in L1 over a row block
 constexpr int64_t MC = 72;    // rows per block: their K slab (72 KB) stays in L2
 constexpr int64_t WHOLE_K_TILES = 2;  // up to this many row tiles: the 8-lane few-row paths (see packed_linear)
@@ -353,8 +353,6 @@ void blocked_product(const RowTiles& rt, int64_t NP, int64_t K, int64_t tpb, boo
 // load widened to 16 lanes gives two rows' columns in order — or s8, row k in 16 bytes. The weight
 // is w = d·q + m, computed as one FMA: d·q is exact in fp32 (an fp16 scale times a 4- or 8-bit
 // code), so it rounds once, as the gguf package's (d * q) + m does: the same fp32 weights.
-constexpr int64_t QK = 32;
-constexpr int64_t QB_U4 = 128 + QK * NR / 2, QB_S8 = 128 + QK * NR;
 
 #ifdef PP_AVX2
 // row r of one u4 block -> its 16 codes, one byte per column in order

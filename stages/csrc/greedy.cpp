@@ -39,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "panels.h"
 #include "vec.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
@@ -47,7 +48,6 @@
 
 namespace {
 
-constexpr int64_t QK = 32, NR = 16, QB_U4 = 128 + QK * NR / 2, QB_S8 = 128 + QK * NR;  // stages/quant.py's panels
 
 // b_v = b · wn[v]: a bound proportional to the weight rows' norms (greedy_candidates)
 struct ScaledNorms {
@@ -306,7 +306,7 @@ std::vector<torch::Tensor> quantize_blocks(torch::Tensor x, torch::Tensor block_
       ep[r * KB + b] = round_up((std::sqrt(e2) + gamma * std::sqrt(q2) + gemm * std::sqrt(x2)) * up_sum);
       row += bm[b] * ep[r * KB + b];
     }
-    mp[r] = round_up(row * (1 + 0x1p-20));
+    mp[r] = round_up(row * up_sum);  // ≥ the kernel's fp32 sum of the same KB terms
   }
   return {xu, xs, eb, bmax};
 }
@@ -322,8 +322,8 @@ torch::Tensor gather_columns(torch::Tensor w, torch::Tensor ids) {
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < U; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < NP * NR, "gather_columns: id ", id[i], " out of range");
   auto out = torch::empty({n, w.size(1), w.size(2)}, w.options());
-  // a panel's rows (fp32: K rows of 16 floats; quantized: per block 32 rows of 16 4-byte scales,
-  // then rows of 16 code bytes): column i of the output takes column c of panel p in every row
+  // a panel's rows (fp32: K rows of 16 floats; quantized: one a block, its 16 d and 16 m of 4
+  // bytes, then rows of 16 code bytes): column i of the output takes column c of panel p in each
   const int64_t rows = w.size(1), row_elems = quant ? w.size(2) : NR;  // quantized: a row is a block
   const uint8_t* src = static_cast<const uint8_t*>(w.data_ptr());
   uint8_t* dst = static_cast<uint8_t*>(out.data_ptr());
