@@ -5,6 +5,8 @@
     .venv/bin/python benchmarks/decode_maximal.py --gguf-weights dequantize   # fp32 weights in memory
     .venv/bin/python benchmarks/decode_maximal.py --matmul-precision medium   # bf16 products (AVX512-BF16)
     .venv/bin/python benchmarks/decode_maximal.py --smoke --model HF_FOLDER   # CI smoke test
+    python benchmarks/decode_maximal.py --model llama-7b --device cuda --dtype bfloat16 \
+        --chunk 512 --decodes 4,16,64,128 --context 1024 --rounds 10     # a GPU (issue 8's GPU check)
 
 One one-stage worker runs, in alternating rounds, the micro-batches whose difference is the
 answer: a fresh prefill chunk of P tokens alone; the same chunk plus B decodes (each after
@@ -21,6 +23,13 @@ the target names, and the steadiest estimate of it: a pair at B = 4 measures ~10
 ±50 ms spread of a 1 s forward on a shared box, a fit up to B = 32 measures ~60 ms. Its 90%
 interval comes from resampling the rounds (bootstrap). Target: marginal ≤ ¼ of alone at B = 4.
 Each forward is what ``stages.profile`` times: the layers plus the LM head on sampled rows.
+
+Utilisation: each batch's model FLOPs (``plan_flops``: every token's linear layers, its attention
+over the keys it sees, the LM head on sampled rows) over its median time, against the device's
+matmul rate measured in the same run (``matmul_rate``: torch's square matmul in the dtype the
+products run in: the model's, or bf16 under --matmul-precision medium). The decode-maximal batch
+(the chunk plus the most decodes) at that fraction is the issue's MFU on a GPU; on a CPU our own
+GEMM can beat torch's matmul, so the fraction can pass 1 there.
 """
 from __future__ import annotations
 
@@ -33,17 +42,52 @@ from typing import Callable
 
 import torch
 
-from pp_runtime.config import KV_DTYPES, MATMUL_PRECISIONS
+from pp_runtime.batch import SeqChunk
+from pp_runtime.chunk_budget import chunk_cost
+from pp_runtime.config import DTYPES, KV_DTYPES, MATMUL_PRECISIONS, ModelConfig
 from pp_runtime.profile_grid import Grid, Layout, Point, plan_chunks
 from stages.attention import build_metadata
+from stages.cpu_info import cpu_name
 from stages.profile import build_worker, fill_cache, forward_step
 
 
+def plan_flops(cfg: ModelConfig, chunks: tuple[SeqChunk, ...]) -> float:
+    """Model FLOPs of one micro-batch: per token 2 × the layers' linear weights, plus its attention
+    (QKᵀ and PV, 4 × q_size per key per layer) over the keys it sees (position p: p + 1, the
+    causal half of a chunk only), plus 2 × H × V per sampled row for the LM head."""
+    per_token = 2 * cfg.num_layers * cfg.linear_params
+    layers = sum(chunk_cost(c.start, c.num_tokens, cfg.key_cost) for c in chunks) * per_token
+    return layers + 2 * cfg.hidden_size * cfg.vocab_size * sum(c.sample is not None for c in chunks)
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, size: int, reps: int = 5) -> float:
+    """FLOP/s of torch's (size × size) @ (size × size) in ``dtype`` on ``device``, the median of
+    ``reps`` after a warm-up (what the device's matmul rate means here)."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    sync = _sync(device)
+    times = []
+    for i in range(reps + 1):
+        sync()
+        t = time.perf_counter()
+        a @ b
+        sync()
+        if i:
+            times.append(time.perf_counter() - t)
+    return 2 * size ** 3 / statistics.median(times)
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
 def measure(model: str | None, chunk: int, decodes: list[int], context: int, threads: int, rounds: int,
-            gguf_weights: str = "native", matmul_precision: str = "highest", kv_dtype: str = "auto") -> dict:
+            gguf_weights: str = "native", matmul_precision: str = "highest", kv_dtype: str = "auto",
+            device: str = "cpu", dtype: str = "float32", attention: str = "auto", matmul_size: int = 0) -> dict:
     torch.set_num_threads(threads)
-    w = build_worker(model, threads=threads, gguf_weights=gguf_weights, kv_dtype=kv_dtype,
-                     matmul_precision=matmul_precision)
+    w = build_worker(model, device=device, dtype=dtype, attention=attention, threads=threads,
+                     gguf_weights=gguf_weights, kv_dtype=kv_dtype, matmul_precision=matmul_precision)
+    sync = _sync(w.device)
     grid = Grid(prefill=(chunk,), prefill_with_context=(), decode=tuple(decodes), mixed_decode=tuple(decodes),
                 mixed_prefill=chunk, context=context)
     layout = Layout(grid)
@@ -58,11 +102,13 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
     plans = {k: plan_chunks(p, layout, vocab, gen) for k, p in points.items()}
 
     def run(chunks: tuple) -> float:
+        sync()
         t = time.perf_counter()
         meta = build_metadata(chunks, w.block_size, w.device)
-        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=w.device)
         with torch.inference_mode():
             forward_step(w.model, ids, meta, w.kv_caches)
+        sync()
         return time.perf_counter() - t
 
     for chunks in plans.values():  # warm-up
@@ -72,8 +118,21 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
         for k, chunks in plans.items():
             times[k].append(run(chunks))
     slopes = _round_slopes(times, decodes)
+    cfg = w.spec.source.config
+    # the products' dtype: bf16 under "medium" (fp32 models on CPU), else the model's
+    mm_dtype = torch.bfloat16 if matmul_precision == "medium" else getattr(torch, dtype)
+    size = matmul_size or (8192 if w.device.type == "cuda" else 2048)
+    rate = matmul_rate(w.device, mm_dtype, size)
+    flops = {k: plan_flops(cfg, chunks) for k, chunks in plans.items()}
+    achieved = {k: flops[k] / statistics.median(times[k]) for k in plans}
+    top = f"mixed{max(decodes)}"
     out: dict = {"chunk": chunk, "context": context, "threads": threads, "rounds": rounds, "gguf_weights": gguf_weights,
                  "matmul_precision": matmul_precision, "kv_cache_dtype": kv_dtype,
+                 "device": str(w.device), "device_name": _device_name(w.device), "dtype": dtype,
+                 "attention": type(w.model.backend).__name__,
+                 "matmul": {"dtype": str(mm_dtype).removeprefix("torch."), "size": size, "flop_s": rate},
+                 "flops": flops, "achieved_flop_s": achieved,
+                 "decode_maximal": {"batch": top, "flop_s": achieved[top], "fraction_of_matmul": achieved[top] / rate},
                  "chunk_ms": statistics.median(times["chunk"]) * 1e3, "by_batch": {},
                  "slope_ms_per_decode": statistics.median(slopes) * 1e3,
                  "slope_ms_90": [x * 1e3 for x in _bootstrap(lambda ix: statistics.median(slopes[i] for i in ix), rounds)]}
@@ -92,6 +151,12 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
                               "slope_ratio_90": _bootstrap(lambda ix: statistics.median(slopes[i] for i in ix)
                                                            / statistics.median(alone[i] for i in ix), rounds)}
     return out
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_name()
 
 
 def _bootstrap(stat: Callable[[list[int]], float], rounds: int, draws: int = 2000) -> list[float]:
@@ -131,13 +196,24 @@ def main() -> None:
                     help="medium: products of > 12 rows on bf16 inputs (AVX512-BF16): the chunk's, and a "
                          "decode-only batch's from B = 13; B <= 12 stays fp32")
     ap.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", choices=DTYPES, default="float32", help="the model's weights and activations")
+    ap.add_argument("--attention", choices=("torch", "xformers", "auto"), default="auto",
+                    help="auto: xformers on CUDA when it imports, else torch SDPA")
+    ap.add_argument("--matmul-size", type=int, default=0,
+                    help="side of the square matmul that measures the device's rate (0: 8192 on CUDA, 2048 on CPU)")
     a = ap.parse_args()
     if a.smoke:
-        a.chunk, a.decodes, a.context, a.rounds = 16, "2", 16, 2
-    r = measure(a.model, a.chunk, [int(b) for b in a.decodes.split(",")], a.context, a.threads, a.rounds,
-                a.gguf_weights, a.matmul_precision, a.kv_cache_dtype)
-    print(f"chunk {r['chunk']} (fresh) ± decodes at context {r['context']}, {r['threads']} thread(s), "
-          f"{r['rounds']} rounds, matmul precision {a.matmul_precision}, KV {a.kv_cache_dtype}, GGUF weights {a.gguf_weights}; chunk alone {r['chunk_ms']:.1f} ms")
+        a.chunk, a.decodes, a.context, a.rounds, a.matmul_size = 16, "2", 16, 2, a.matmul_size or 256
+    try:
+        r = measure(a.model, a.chunk, [int(b) for b in a.decodes.split(",")], a.context, a.threads, a.rounds,
+                    a.gguf_weights, a.matmul_precision, a.kv_cache_dtype, a.device, a.dtype, a.attention,
+                    a.matmul_size)
+    except ValueError as e:  # a bad model, device, dtype or backend: one line, no traceback
+        raise SystemExit(f"decode_maximal: {e}") from None
+    print(f"{r['device_name']} ({r['device']}, {r['dtype']}, {r['attention']}): chunk {r['chunk']} (fresh) ± decodes "
+          f"at context {r['context']}, {r['threads']} thread(s), {r['rounds']} rounds, matmul precision "
+          f"{a.matmul_precision}, KV {a.kv_cache_dtype}, GGUF weights {a.gguf_weights}; chunk alone {r['chunk_ms']:.1f} ms")
     print("   B   piggybacked ms/decode   alone ms/decode   ratio    (from minima: piggybacked, alone, ratio)"
           "   target ratio <= 0.25 at B = 4")
     for b, row in r["by_batch"].items():
@@ -149,6 +225,13 @@ def main() -> None:
     for b, row in r["by_batch"].items():
         rlo, rhi = row["slope_ratio_90"]
         print(f"   / alone at B = {b}: {slope / row['alone_ms']:.3f} (90% interval {rlo:.3f}–{rhi:.3f})")
+    mm, dm = r["matmul"], r["decode_maximal"]
+    print(f"device matmul rate ({mm['dtype']}, {mm['size']}³, torch): {mm['flop_s'] / 1e12:.3f} TFLOP/s; "
+          "model FLOPs per batch over its median time:")
+    for k, f in r["achieved_flop_s"].items():
+        print(f"   {k:10s} {r['flops'][k] / 1e9:10.2f} GFLOP   {f / 1e12:8.3f} TFLOP/s   {f / mm['flop_s']:6.3f} of matmul")
+    print(f"decode-maximal batch ({dm['batch']}): {dm['flop_s'] / 1e12:.3f} TFLOP/s = "
+          f"{dm['fraction_of_matmul']:.3f} of the matmul rate")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=1)

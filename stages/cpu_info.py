@@ -2,6 +2,7 @@
 
     host_tag()   # '3f9c01ab': one kernel build per kind of CPU (stages/cpu_kernels.py)
     cpu_flags()  # {'avx2', 'avx512f', 'avx512_bf16', ...}: which instruction sets can run here
+    cpu_name()   # 'AMD EPYC 9R14 ...': for reports
 """
 from __future__ import annotations
 
@@ -35,3 +36,9 @@ def cpu_flags(cpuinfo: str = CPUINFO) -> frozenset[str]:
     """The first CPU's feature flags (x86 "flags"; empty where cpuinfo has none)."""
     flags = _lines(cpuinfo, ("flags",))
     return frozenset(flags[0].split(":", 1)[1].split()) if flags else frozenset()
+
+
+def cpu_name(cpuinfo: str = CPUINFO) -> str:
+    """The CPU's model name (x86 "model name"), else what ``platform`` knows, else "cpu"."""
+    names = _lines(cpuinfo, ("model name",))
+    return names[0].split(":", 1)[1].strip() if names else (platform.processor() or "cpu")

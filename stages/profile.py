@@ -46,6 +46,7 @@ from pp_runtime.profile_grid import Grid, Layout, Point, grid_points, parse_grid
 from pp_runtime.profile_stats import rows_from_samples, timed_sample
 from pp_runtime.profile_tables import format_summary, format_table, table2, write_csv, write_json
 from stages.attention import build_metadata
+from stages.cpu_info import cpu_name
 from stages.layers import TPContext
 from stages.op_timing import OpTimer, instrument
 from stages.model_source import DEFAULT_MODEL, resolve_model
@@ -56,7 +57,10 @@ from stages.worker import StageWorker, WorkerSpec
 def build_worker(model: str | None, device: str = "cpu", dtype: str = "float32", attention: str = "auto",
                  threads: int = 0, block_size: int = 16, gguf_weights: str = "native",
                  kv_dtype: str = "auto", matmul_precision: str = "highest") -> StageWorker:
-    """A one-stage, one-rank worker of the whole model (no KV cache yet)."""
+    """A one-stage, one-rank worker of the whole model (no KV cache yet). Raises ValueError on a
+    device this machine lacks, or a bad KV dtype."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but CUDA is not available")
     check_kv_dtype(kv_dtype, device, dtype)
     spec = WorkerSpec(resolve_model(model), 0, 0, ParallelConfig(1, 1), CacheConfig(block_size, None, kv_dtype),
                       DeviceConfig(device, dtype, attention, threads, gguf_weights, matmul_precision))
@@ -153,8 +157,6 @@ def run_profile(model: str | None, device: str, dtype: str, out_dir: str, grid: 
     includes loading the model. Raises ValueError (ModelError included) on a bad grid, model,
     device, dtype or attention backend."""
     g = parse_grid(grid)
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda requested but CUDA is not available")
     prev_threads = torch.get_num_threads()
     t_start = time.perf_counter()
     try:
@@ -173,7 +175,7 @@ def run_profile(model: str | None, device: str, dtype: str, out_dir: str, grid: 
         "model": model or DEFAULT_MODEL, "device": device, "dtype": dtype, "kv_cache_dtype": kv_dtype,
         "matmul_precision": matmul_precision, "torch_threads": used_threads,
         "attention": backend, "device_name": (torch.cuda.get_device_name() if device == "cuda"
-                                              else _cpu_name()),
+                                              else cpu_name()),
         "torch_version": torch.__version__, "lm_head_in": "others_ms",
         "grid": grid if isinstance(grid, str) else "custom", "warmup": g.warmup, "reps": g.reps, "stat": g.stat,
         "elapsed_s": round(elapsed, 3),
@@ -186,14 +188,3 @@ def run_profile(model: str | None, device: str, dtype: str, out_dir: str, grid: 
     print(format_summary(t2))
     return {**t2, "rows": rows, "files": [csv_path, json_path]}
 
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or "cpu"

@@ -50,6 +50,18 @@ def test_decode_maximal_smoke(hf_models: dict, tmp_path: Path) -> None:
     lo, hi = r["slope_ms_90"]
     assert lo <= r["slope_ms_per_decode"] <= hi  # the median of all rounds lies inside its own bootstrap interval
     assert row["slope_ratio_90"][0] <= row["slope_ratio_90"][1]
+    assert r["matmul"] == {"dtype": "float32", "size": 256, "flop_s": r["matmul"]["flop_s"]} and r["matmul"]["flop_s"] > 0
+    assert r["decode_maximal"]["batch"] == "mixed2"
+    assert r["decode_maximal"]["flop_s"] == r["achieved_flop_s"]["mixed2"] > 0
+    assert r["flops"]["mixed2"] > r["flops"]["chunk"] > r["flops"]["decode2"] > 0
+
+
+def test_decode_maximal_smoke_bf16(hf_models: dict, tmp_path: Path) -> None:
+    """--dtype bfloat16: the model in bf16, and the device's rate measured on bf16 matmuls."""
+    r = run(["benchmarks/decode_maximal.py", "--smoke", "--model", str(hf_models["llama"]), "--dtype", "bfloat16"],
+            tmp_path)
+    assert r["dtype"] == "bfloat16" and r["matmul"]["dtype"] == "bfloat16"
+    assert r["by_batch"]["2"]["alone_ms"] > 0 and r["decode_maximal"]["fraction_of_matmul"] > 0
 
 
 def test_pp_scaling_smoke(tmp_path: Path) -> None:
@@ -104,6 +116,24 @@ def test_validate_sim_smoke(tmp_path: Path) -> None:
         assert row["throughput_tok_s"]["real"] > 0 and row["throughput_tok_s"]["sim"] > 0
         draws = row["bubble_s_per_request_p50"]["sim_draws"]
         assert len(draws) == 2 and row["bubble_s_per_request_p50"]["sim"] == pytest.approx(sum(draws) / 2)
+
+
+def test_decode_maximal_plan_flops() -> None:
+    """A micro-batch's model FLOPs by hand: linears per token, attention per key seen (the causal
+    half of a chunk), the LM head per sampled row."""
+    from pp_runtime.batch import SeqChunk
+    from pp_runtime.config import ModelConfig
+    dm = _load("decode_maximal")
+    cfg = ModelConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=3, num_heads=2, num_kv_heads=1)
+    linear = 8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16  # q, k, v; o; gate, up, down (head size 4, one KV head)
+    assert cfg.linear_params == linear
+    greedy = object()
+    chunk = SeqChunk(0, 10, (1, 2, 3), (0,), True, greedy)  # positions 10, 11, 12: 11 + 12 + 13 keys
+    decode = SeqChunk(1, 20, (4,), (1, 2), False, greedy)  # position 20: 21 keys
+    quiet = SeqChunk(2, 0, (5, 6), (3,), True, None)  # a non-final chunk: nothing sampled; 1 + 2 keys
+    tokens, keys, sampled = 3 + 1 + 2, 11 + 12 + 13 + 21 + 1 + 2, 2
+    expected = 2 * 3 * linear * tokens + 4 * 3 * 8 * keys + 2 * 8 * 100 * sampled
+    assert dm.plan_flops(cfg, (chunk, decode, quiet)) == pytest.approx(expected, rel=1e-12)
 
 
 def test_decode_maximal_bootstrap_interval() -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from stages import cpu_kernels
-from stages.cpu_info import cpu_flags, host_tag
+from stages.cpu_info import cpu_flags, cpu_name, host_tag
 from stages.layers import RMSNorm, RotaryEmbedding, linear
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")
@@ -176,3 +176,11 @@ def test_cpu_flags_are_the_first_cpus_flags_line(tmp_path) -> None:
     f.write_text("processor\t: 0\nFeatures\t: fp asimd\n")  # Arm: no x86 flags line
     assert cpu_flags(str(f)) == frozenset()
     assert cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+def test_cpu_name_is_the_model_name_line(tmp_path) -> None:
+    """Reports name the CPU they ran on: the first "model name", else something non-empty."""
+    f = tmp_path / "cpuinfo"
+    f.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14 96-Core Processor\n\nprocessor\t: 1\nmodel name\t: other\n")
+    assert cpu_name(str(f)) == "AMD EPYC 9R14 96-Core Processor"
+    assert cpu_name(str(tmp_path / "missing"))  # no cpuinfo (macOS, a sandbox): platform's name or "cpu"
