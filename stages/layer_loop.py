@@ -40,7 +40,10 @@ class LayerLoop:
         CPU kernel: no kernels, another attention backend or head size, tensor parallelism (the
         all-reduces stay in Python), weights torch multiplies, a bias after a row-parallel linear."""
         cfg, layers = model.cfg, list(model.layers)
-        if not (layers and cpu_kernels.available() and type(model.backend) is TorchAttention
+        # a CUDA model never takes it: asked first, so that no CPU kernel build starts (~60 s) for it
+        if not layers or next(model.parameters()).device.type != "cpu":
+            return None
+        if not (cpu_kernels.available() and type(model.backend) is TorchAttention
                 and cfg.head_size % cpu_kernels.TILE == 0):
             return None
         weights, linears = [], []

@@ -31,8 +31,9 @@ class XFormersAttention:
         """Built once per micro-batch and shared by all layers."""
         if "xformers_bias" not in meta.backend_cache:
             from xformers.ops.fmha.attn_bias import BlockDiagonalCausalFromBottomRightMask
+            # on the step's device: xformers' default is "cuda", i.e. the current device, not the tensors'
             meta.backend_cache["xformers_bias"] = BlockDiagonalCausalFromBottomRightMask.from_seqlens(
-                meta.q_lens, meta.ctx_lens)
+                meta.q_lens, meta.ctx_lens, device=meta.positions.device)
         return meta.backend_cache["xformers_bias"]
 
     def packed_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

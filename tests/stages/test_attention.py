@@ -131,6 +131,7 @@ def test_xformers_packing_and_mask_match_torch_backend() -> None:
     meta = build_metadata(chunks, BS, torch.device("cpu"))
     backend = XFormersAttention(D ** -0.5)
     q5, k5, v5 = backend.packed_inputs(q, k, v, kc.clone(), vc.clone(), meta)
+    assert backend.bias(meta).q_seqinfo.seqstart.device == meta.positions.device  # the step's, not xformers' default
     bias = backend.bias(meta).materialize((q5.shape[1], k5.shape[1]))  # (T, ΣL) additive mask
     qf, kf, vf = (x[0].flatten(1, 2).transpose(0, 1) for x in (q5, k5, v5))  # (H, T|ΣL, D)
     dense = torch.softmax(qf @ kf.transpose(1, 2) * D ** -0.5 + bias, -1) @ vf

@@ -133,6 +133,20 @@ def test_not_built_where_an_op_would_leave_the_kernels(hf_models: dict) -> None:
     assert not w.model.layer_loop.takes(torch.zeros(3, src.config.hidden_size, dtype=torch.bfloat16), w.kv_caches)
 
 
+def test_a_model_off_the_cpu_never_asks_for_the_kernels(hf_models: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA model (here: on the meta device) gets no C++ loop, decided before anything would
+    start a CPU kernel build (a minute, and a compiler a GPU image may lack)."""
+    src = resolve_model(str(hf_models["llama"]))
+    with torch.device("meta"):
+        model = StageModel(src.config, (0, 2 * src.config.num_layers), TPContext(), torch.float32, "meta", "torch",
+                           True, True)
+
+    def no_build() -> bool:
+        raise AssertionError("asked for the CPU kernels")
+    monkeypatch.setattr(cpu_kernels, "available", no_build)
+    assert not model.prepare_layer_loop()
+
+
 def test_per_op_timing_inside_the_c_loop(hf_models: dict) -> None:
     """Instrumented, the C++ loop still runs and times the five buckets itself (the hooks fire on
     the Python loop only); the same step through the Python loop fills the same buckets."""
