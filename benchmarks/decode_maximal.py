@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/decode_maximal.py --gguf-weights dequantize   # fp32 weights in memory
     .venv/bin/python benchmarks/decode_maximal.py --matmul-precision medium   # bf16 products (AVX512-BF16)
     .venv/bin/python benchmarks/decode_maximal.py --smoke --model HF_FOLDER   # CI smoke test
+    .venv/bin/python benchmarks/decode_maximal.py --threads 2 --plot table2.png   # and as a figure
     python benchmarks/decode_maximal.py --model llama-7b --device cuda --dtype bfloat16 \
         --chunk 512 --decodes 4,16,64,128 --context 1024 --rounds 10     # a GPU (issue 8's GPU check)
 
@@ -38,6 +39,7 @@ import json
 import random
 import statistics
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -199,6 +201,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
     ap.add_argument("--json", default=None, help="write the figures here too")
+    ap.add_argument("--plot", default=None, help="draw them to this PNG too (decode_maximal_plot.py)")
     ap.add_argument("--gguf-weights", choices=("native", "dequantize"), default="native",
                     help="GGUF matrices as stored blocks (default) or as fp32")
     ap.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="highest",
@@ -246,6 +249,9 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=1)
+    if a.plot:
+        from decode_maximal_plot import plot_table2  # same directory: run as a script
+        print(f"figure: {plot_table2(r, Path(a.plot))}")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ def test_chunk_overhead_smoke(hf_models: dict, tmp_path: Path) -> None:
 
 
 def test_decode_maximal_smoke(hf_models: dict, tmp_path: Path) -> None:
-    r = run(["benchmarks/decode_maximal.py", "--smoke", "--model", str(hf_models["llama"])], tmp_path)
+    png = tmp_path / "table2.png"
+    r = run(["benchmarks/decode_maximal.py", "--smoke", "--model", str(hf_models["llama"]), "--plot", str(png)], tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     row = r["by_batch"]["2"]
     assert r["chunk_ms"] > 0 and row["alone_ms"] > 0 and row["decode_only_ms"] > 0 and row["mixed_ms"] > 0
     lo, hi = r["slope_ms_90"]
