@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/pp_scaling.py --num-requests 96    # the drain amortised, ~16 min
     .venv/bin/python benchmarks/pp_scaling.py --num-requests 48    # configs/runs/pp2_zipf.yaml's size
     .venv/bin/python benchmarks/pp_scaling.py --smoke              # llama-tiny, seconds (CI)
+    .venv/bin/python benchmarks/pp_scaling.py --num-requests 48 --plot pp_scaling.png   # and as a figure
 
 For sarathi and orca: the same requests (total lengths Zipf θ = 0.4 in --min-len..--max-len,
 P:D = 10, all at t = 0) at pp=1 (in process, one thread) and pp=2 (two Ray workers, one
@@ -51,6 +52,7 @@ import contextlib
 import json
 import statistics
 import time
+from pathlib import Path
 
 from pairing import alternating, ratios  # same directory: run as a script
 from pp_runtime import LLM, SamplingParams
@@ -246,6 +248,7 @@ def main() -> None:
                     help="sarathi's chunk budgets to run, comma separated (flops,tokens: both, paired; the "
                          "first is the one reported as sarathi)")
     ap.add_argument("--rounds", type=int, default=2, help="pp=1 / pp=2 pairs per scheduler")
+    ap.add_argument("--plot", default=None, help="draw the rounds and round 0's phases to this PNG (pp_scaling_plot.py)")
     a = ap.parse_args()
     model = smoke_workload(a)
     if a.smoke:
@@ -306,6 +309,9 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=1)
+    if a.plot:
+        from pp_scaling_plot import plot_pp_scaling  # same directory: run as a script
+        print(f"figure: {plot_pp_scaling(r, Path(a.plot))}")
 
 
 if __name__ == "__main__":

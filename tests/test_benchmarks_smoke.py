@@ -68,7 +68,9 @@ def test_decode_maximal_smoke_bf16(hf_models: dict, tmp_path: Path) -> None:
 
 
 def test_pp_scaling_smoke(tmp_path: Path) -> None:
-    r = run(["benchmarks/pp_scaling.py", "--smoke", "--chunk-budgets", "flops,tokens"], tmp_path)
+    png = tmp_path / "pp_scaling.png"
+    r = run(["benchmarks/pp_scaling.py", "--smoke", "--chunk-budgets", "flops,tokens", "--plot", str(png)], tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(r["throughput_tok_s"]) == {"sarathi_pp1", "sarathi_pp2", "sarathi[tokens]_pp1", "sarathi[tokens]_pp2",
                                           "orca_pp1", "orca_pp2"}
     assert set(r["efficiency"]) == {"sarathi", "sarathi[tokens]", "orca"}
