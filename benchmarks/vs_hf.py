@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/vs_hf.py            # embedded SmolLM2-135M: 32 prompts × 64 new tokens, ~4 min
     .venv/bin/python benchmarks/vs_hf.py --smoke --model HF_FOLDER   # tiny sizes (CI smoke test)
+    .venv/bin/python benchmarks/vs_hf.py --rounds 3 --plot vs_hf.png   # and as a figure
 
 Prompts: --num prompts with lengths uniform in [--min-len, --max-len] (seeded). HF gets them
 left-padded in one batch (its usual batched generate) with greedy decoding of exactly
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--hf-child", default=None, help=argparse.SUPPRESS)  # internal: one HF run, see hf_in_fresh_process
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="draw the rounds and every configuration to this PNG (vs_hf_plot.py)")
     a = ap.parse_args()
     if a.hf_child:
         return hf_child(a.hf_child)
@@ -137,6 +139,9 @@ def main() -> None:
           f"({r['ours_pp1_medium_tok_s'] / r['hf_bf16_tok_s']:.2f}x HF bf16)")
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=1))
+    if a.plot:
+        from vs_hf_plot import plot_vs_hf  # same directory: run as a script
+        print(f"figure: {plot_vs_hf(r, Path(a.plot))}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ def run(args: list[str], tmp: Path) -> dict:
 
 
 def test_vs_hf_smoke(hf_models: dict, tmp_path: Path) -> None:
-    r = run(["benchmarks/vs_hf.py", "--smoke", "--model", str(hf_models["llama"])], tmp_path)
+    png = tmp_path / "vs_hf.png"
+    r = run(["benchmarks/vs_hf.py", "--smoke", "--model", str(hf_models["llama"]), "--plot", str(png)], tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert r["hf_tok_s"] > 0 and r["ours_pp1_tok_s"] > 0 and r["ours_pp2_tok_s"] > 0
     assert r["hf_bf16_tok_s"] > 0 and r["ours_pp1_medium_tok_s"] > 0
 
