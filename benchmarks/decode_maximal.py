@@ -6,8 +6,8 @@
     .venv/bin/python benchmarks/decode_maximal.py --matmul-precision medium   # bf16 products (AVX512-BF16)
     .venv/bin/python benchmarks/decode_maximal.py --smoke --model HF_FOLDER   # CI smoke test
     .venv/bin/python benchmarks/decode_maximal.py --threads 2 --plot table2.png   # and as a figure
-    python benchmarks/decode_maximal.py --model llama-7b --device cuda --dtype bfloat16 \
-        --chunk 512 --decodes 4,16,64,128 --context 1024 --rounds 10     # a GPU (issue 8's GPU check)
+    PYTHONPATH=. python3 benchmarks/decode_maximal.py --model llama-7b --device cuda --dtype bfloat16 \
+        --chunk 512 --decodes 4,16,32,64 --context 512 --rounds 10   # one 80 GB GPU (docs/BENCHMARKS.md)
 
 One one-stage worker runs, in alternating rounds, the micro-batches whose difference is the
 answer: a fresh prefill chunk of P tokens alone; the same chunk plus B decodes (each after
@@ -118,9 +118,10 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
     for chunks in plans.values():  # warm-up
         run(chunks)
     times: dict[str, list[float]] = {k: [] for k in plans}
-    # On CUDA the host only queues kernels: where issuing a step takes as long as the step, the GPU
-    # waited on Python's launches (an eager forward is ~40 launches a layer), and the figures
-    # measure the host. On a CPU both are the same.
+    # On CUDA the host only queues kernels. A share of the step well under 1 means the host ran
+    # ahead and the GPU set the pace. Near 1 it proves nothing alone: the host was the bottleneck
+    # (an eager forward is ~40 launches a layer), or it waited on a full launch queue; a profiler
+    # tells which. On a CPU the host does the work: ~1.
     host: dict[str, list[float]] = {k: [] for k in plans}
     for _ in range(rounds):
         for k, chunks in plans.items():
@@ -129,8 +130,9 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
             host[k].append(issued)
     slopes = _round_slopes(times, decodes)
     cfg = w.spec.source.config
-    # the products' dtype: bf16 under "medium" (fp32 models on CPU), else the model's
-    mm_dtype = torch.bfloat16 if matmul_precision == "medium" else getattr(torch, dtype)
+    # against the rate of the products the chunk actually ran: bf16 where "medium" took effect (a
+    # core with AVX512-BF16; batches of <= 12 rows still run fp32), else the model's dtype
+    mm_dtype = torch.bfloat16 if w.bf16_linears else getattr(torch, dtype)
     size = matmul_size or (8192 if w.device.type == "cuda" else 2048)
     rate = matmul_rate(w.device, mm_dtype, size)
     flops = {k: plan_flops(cfg, chunks) for k, chunks in plans.items()}
@@ -241,7 +243,7 @@ def main() -> None:
     print(f"device matmul rate ({mm['dtype']}, {mm['size']}³, torch): {mm['flop_s'] / 1e12:.3f} TFLOP/s; "
           "model FLOPs per batch over its median time:")
     for k, f in r["achieved_flop_s"].items():
-        issue = f"   host issued it in {r['host_issue_fraction'][k]:.2f} of its time" if r["device"] != "cpu" else ""
+        issue = f"   issued by the host in {r['host_issue_fraction'][k]:.2f} of it" if r["device"] != "cpu" else ""
         print(f"   {k:10s} {r['flops'][k] / 1e9:10.2f} GFLOP   {f / 1e12:8.3f} TFLOP/s   {f / mm['flop_s']:6.3f} of matmul"
               + issue)
     print(f"decode-maximal batch ({dm['batch']}): {dm['flop_s'] / 1e12:.3f} TFLOP/s = "

@@ -1,7 +1,7 @@
 """pp_scaling.py's figure: pipeline efficiency and where pp = 2 loses it (matplotlib, Agg).
 
     .venv/bin/python benchmarks/pp_scaling.py --num-requests 48 --plot pp_scaling.png
-    plot_pp_scaling(json.load(open("r.json")), Path("pp_scaling.png"))   # from a saved --json
+    plot_pp_scaling(json.load(open("r.json")), Path("pp_scaling.png"))   # from a --json of this version
 
 1. throughput per paired round, each scheduler at pp = 1 and pp = 2, and the ideal 2 × pp = 1;
 2. efficiency per round (pp = 2 over 2 × pp = 1) against the 0.9 target;

@@ -1,7 +1,7 @@
 """vs_hf.py's figure: our engine against Hugging Face ``generate`` (matplotlib, Agg).
 
     .venv/bin/python benchmarks/vs_hf.py --rounds 3 --plot vs_hf.png
-    plot_vs_hf(json.load(open("r.json")), Path("vs_hf.png"))   # from a saved --json
+    plot_vs_hf(json.load(open("r.json")), Path("vs_hf.png"))   # from a --json of this version
 
 1. tokens/s per alternated round, HF and ours at pp = 1, with the 3 × HF target of each round;
 2. every configuration the run measured once or more (medians), fp32 and reduced precision.
@@ -47,5 +47,5 @@ def plot_vs_hf(r: dict, path: Path, target: float = 3.0) -> str:
     bars.set_xlim(0, 1.15 * max(v for _, v, _ in shown))
     bars.set(xlabel="tokens/s (medians; each configuration but the first and third once)", title="Every configuration")
     fig.suptitle(f"{r['prompts']} prompts ({r['prompt_tokens']} tokens) × {r['new_tokens'] // r['prompts']} new tokens, "
-                 "2 threads each", fontsize=9)
+                 "2 threads per engine (ours at pp = 2: 1 per stage)", fontsize=9)
     return save(fig, path)

@@ -187,4 +187,3 @@ def run_profile(model: str | None, device: str, dtype: str, out_dir: str, grid: 
     print(format_table(rows))
     print(format_summary(t2))
     return {**t2, "rows": rows, "files": [csv_path, json_path]}
-

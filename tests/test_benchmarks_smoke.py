@@ -58,7 +58,8 @@ def test_decode_maximal_smoke(hf_models: dict, tmp_path: Path) -> None:
     assert r["decode_maximal"]["batch"] == "mixed2"
     assert r["decode_maximal"]["flop_s"] == r["achieved_flop_s"]["mixed2"] > 0
     assert r["flops"]["mixed2"] > r["flops"]["chunk"] > r["flops"]["decode2"] > 0
-    assert all(0 < f <= 1 for f in r["host_issue_fraction"].values())  # on a CPU the host does it all: ~1
+    # on a CPU the host does the work and the sync is a no-op: issuing a step is all of it
+    assert all(0.9 < f <= 1 for f in r["host_issue_fraction"].values())
 
 
 def test_decode_maximal_smoke_bf16(hf_models: dict, tmp_path: Path) -> None:

@@ -125,13 +125,16 @@ def test_paged_prefill_matches_gather_sdpa(isa: str, threads: int, hkv: int, grp
     assert buf[0].isnan().all() and buf[n + 1].isnan().all()  # nothing written outside out
 
 
-def test_xformers_packing_and_mask_match_torch_backend() -> None:
-    pytest.importorskip("xformers")
+def test_xformers_packing_and_mask_match_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("xformers.ops.fmha.attn_bias")  # imported before CUDA is faked below
     chunks, q, k, v, kc, vc = mixed_batch(1)
     meta = build_metadata(chunks, BS, torch.device("cpu"))
     backend = XFormersAttention(D ** -0.5)
     q5, k5, v5 = backend.packed_inputs(q, k, v, kc.clone(), vc.clone(), meta)
-    assert backend.bias(meta).q_seqinfo.seqstart.device == meta.positions.device  # the step's, not xformers' default
+    # where CUDA is there, xformers' default device for a bias is "cuda", whatever the step's is
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        assert backend.bias(meta).q_seqinfo.seqstart.device == meta.positions.device
     bias = backend.bias(meta).materialize((q5.shape[1], k5.shape[1]))  # (T, ΣL) additive mask
     qf, kf, vf = (x[0].flatten(1, 2).transpose(0, 1) for x in (q5, k5, v5))  # (H, T|ΣL, D)
     dense = torch.softmax(qf @ kf.transpose(1, 2) * D ** -0.5 + bias, -1) @ vf
