@@ -28,7 +28,7 @@ Each forward is what ``stages.profile`` times: the layers plus the LM head on sa
 Utilisation: each batch's model FLOPs (``plan_flops``: every token's linear layers, its attention
 over the keys it sees, the LM head on sampled rows) over its median time, against the device's
 matmul rate measured in the same run (``matmul_rate``: torch's square matmul in the dtype the
-products run in: the model's, or bf16 under --matmul-precision medium). The decode-maximal batch
+products ran in: bf16 where --matmul-precision medium took effect, else the model's). The decode-maximal batch
 (the chunk plus the most decodes) at that fraction is the issue's MFU on a GPU; on a CPU our own
 GEMM can beat torch's matmul, so the fraction can pass 1 there.
 """
@@ -49,8 +49,7 @@ from pp_runtime.chunk_budget import chunk_cost
 from pp_runtime.config import DTYPES, KV_DTYPES, MATMUL_PRECISIONS, ModelConfig
 from pp_runtime.profile_grid import Grid, Layout, Point, plan_chunks
 from stages.attention import build_metadata
-from stages.cpu_info import cpu_name
-from stages.profile import build_worker, fill_cache, forward_step
+from stages.profile import build_worker, device_name, device_sync, fill_cache, forward_step
 
 
 def plan_flops(cfg: ModelConfig, chunks: tuple[SeqChunk, ...]) -> float:
@@ -67,7 +66,7 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, size: int, reps: int =
     ``reps`` after a warm-up (what the device's matmul rate means here)."""
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    sync = _sync(device)
+    sync = device_sync(device)
     times = []
     for i in range(reps + 1):
         sync()
@@ -79,17 +78,13 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, size: int, reps: int =
     return 2 * size ** 3 / statistics.median(times)
 
 
-def _sync(device: torch.device) -> Callable[[], None]:
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-
 def measure(model: str | None, chunk: int, decodes: list[int], context: int, threads: int, rounds: int,
             gguf_weights: str = "native", matmul_precision: str = "highest", kv_dtype: str = "auto",
             device: str = "cpu", dtype: str = "float32", attention: str = "auto", matmul_size: int = 0) -> dict:
     torch.set_num_threads(threads)
     w = build_worker(model, device=device, dtype=dtype, attention=attention, threads=threads,
                      gguf_weights=gguf_weights, kv_dtype=kv_dtype, matmul_precision=matmul_precision)
-    sync = _sync(w.device)
+    sync = device_sync(w.device)
     grid = Grid(prefill=(chunk,), prefill_with_context=(), decode=tuple(decodes), mixed_decode=tuple(decodes),
                 mixed_prefill=chunk, context=context)
     layout = Layout(grid)
@@ -140,7 +135,7 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
     top = f"mixed{max(decodes)}"
     out: dict = {"chunk": chunk, "context": context, "threads": threads, "rounds": rounds, "gguf_weights": gguf_weights,
                  "matmul_precision": matmul_precision, "kv_cache_dtype": kv_dtype,
-                 "device": str(w.device), "device_name": _device_name(w.device), "dtype": dtype,
+                 "device": str(w.device), "device_name": device_name(w.device), "dtype": dtype,
                  "attention": type(w.model.backend).__name__,
                  "matmul": {"dtype": str(mm_dtype).removeprefix("torch."), "size": size, "flop_s": rate},
                  "flops": flops, "achieved_flop_s": achieved,
@@ -164,12 +159,6 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
                               "slope_ratio_90": _bootstrap(lambda ix: statistics.median(slopes[i] for i in ix)
                                                            / statistics.median(alone[i] for i in ix), rounds)}
     return out
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return cpu_name()
 
 
 def _bootstrap(stat: Callable[[list[int]], float], rounds: int, draws: int = 2000) -> list[float]:

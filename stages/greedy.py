@@ -88,15 +88,10 @@ def prepare(w: torch.Tensor) -> Int8Head | Bf16Head | None:
 
 def _exact_argmax(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
     """Each row's argmax of the fp32 product over its candidates (ids, marked by member)."""
-    if ids.numel() * MAX_SHARE > panel_rows(w):
+    if ids.numel() * MAX_SHARE > w.shape[0] * cpu_kernels.PANEL:  # V: 16 columns a panel
         return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
     exact = cpu_kernels.panel_linear(x, cpu_kernels.gather_columns(w, ids))[:, :ids.numel()]  # (M, U): the full product's values there
     return ids[exact.masked_fill_(~member, float("-inf")).argmax(dim=-1)]
-
-
-def panel_rows(w: torch.Tensor) -> int:
-    """V of a (V, K) weight held as panels."""
-    return w.shape[0] * cpu_kernels.PANEL
 
 
 def _sums_may_overflow(xnorm: torch.Tensor, wmax: float) -> bool:

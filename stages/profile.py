@@ -67,6 +67,17 @@ def build_worker(model: str | None, device: str = "cpu", dtype: str = "float32",
     return StageWorker(spec, TPContext(), None)
 
 
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What makes a timer's stop mean the device's work is done: CUDA queues kernels, a CPU has
+    none left by the time a call returns."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's or the CPU's name, for reports."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
 def forward_step(model: torch.nn.Module, ids: torch.Tensor, meta: object,
                  kv_caches: list) -> torch.Tensor | None:
     """What the last (= only) stage computes for one micro-batch of greedy rows (the profile's
@@ -102,7 +113,7 @@ def measure(worker: StageWorker, grid: Grid, progress: bool = False, seed: int =
     worker.allocate_cache(layout.num_blocks)
     fill_cache(worker, seed)
     model, device = worker.model, worker.device
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = device_sync(device)
     timer = OpTimer(sync)
     rng = random.Random(seed)
     points = grid_points(grid)
@@ -174,8 +185,7 @@ def run_profile(model: str | None, device: str, dtype: str, out_dir: str, grid: 
     t2.update({
         "model": model or DEFAULT_MODEL, "device": device, "dtype": dtype, "kv_cache_dtype": kv_dtype,
         "matmul_precision": matmul_precision, "torch_threads": used_threads,
-        "attention": backend, "device_name": (torch.cuda.get_device_name() if device == "cuda"
-                                              else cpu_name()),
+        "attention": backend, "device_name": device_name(torch.device(device)),
         "torch_version": torch.__version__, "lm_head_in": "others_ms",
         "grid": grid if isinstance(grid, str) else "custom", "warmup": g.warmup, "reps": g.reps, "stat": g.stat,
         "elapsed_s": round(elapsed, 3),
