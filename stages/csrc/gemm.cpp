@@ -38,11 +38,12 @@ constexpr int64_t KC = 256;   // deepest K slab: a panel's slab (<= 16 KB) stays
 constexpr int64_t MC = 72;    // rows per block: their K slab (72 KB) stays in L2
 constexpr int64_t WHOLE_K_TILES = 2;  // up to this many row tiles: the 8-lane few-row paths (see packed_linear)
 // up to this many row tiles K is one slab (slab_depth), and with AVX-512 a quantized product runs
-// from codes to registers, <= GROUP_TILES tiles per walk over the codes (quant_product; at two
+// from codes to registers, <= GROUP_ROWS rows per walk over the codes (few_row_product; at two
 // tiles a walk 13-36 rows took 0.61-0.87 of the slab path's time, docs/BENCHMARKS.md)
 #ifdef PP_AVX512
 constexpr int64_t FEW_ROW_TILES = 6;
-constexpr int GROUP_TILES = 4;  // row tiles at most in one walk over the codes (quant_product)
+constexpr int64_t FEW_ROWS = 36;  // what FEW_ROW_TILES tiles hold (tile_rows): few_row_product's rows at most
+constexpr int GROUP_ROWS = 24;  // rows at most in one walk over the codes (qrows_zmm: 24 accumulators)
 #else
 constexpr int64_t FEW_ROW_TILES = WHOLE_K_TILES;
 #endif
@@ -544,28 +545,22 @@ inline void dequant_pair_zmm(const uint8_t* codes, int64_t i, __m512 d, __m512 m
 
 inline __m512 u4_levels() { return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
 
-// rows of the group's tiles before tile t, for the row -> tile arithmetic below (folded at compile time)
-template <int... Ms>
-constexpr int rows_before(int t) {
-  constexpr int ms[] = {Ms...};
-  int r = 0;
-  for (int u = 0; u < t; ++u) r += ms[u];
-  return r;
-}
-template <int... Ms>
-constexpr int tile_of(int i) {
-  constexpr int ms[] = {Ms...};
-  int t = 0;
-  while (i >= ms[t]) i -= ms[t++];
-  return t;
-}
-
-template <int P, bool U4, int... Ms>
-void qtile_zmm(const float* const* x, const uint8_t* panel, int64_t pbytes, int64_t K, float* const* c, int64_t ldc,
+// R rows of x, packed k-major as one (K, R) block (pack_groups), against P adjacent quantized
+// panels over the whole K, into rows c, c + ldc, ...: each weight row from codes to a 16-lane register and
+// straight into the FMAs of every row. Each output sums its k terms in one chain of dependent FMAs,
+// k after k, as every other path does (bit-identical), so a panel at a time with 1-4 rows waited
+// on the FMA's latency, ~4 cycles per k step: ~14 GB/s of codes. P panels keep P · R chains in
+// flight (up to 24 accumulators at P = 1, beside the block's scale and offset, the levels and two
+// weight rows: 29 of the 32 registers). The codes stream, a panel after the next, and the blocks
+// PF_BLOCKS ahead are asked for in the same walk, across into the next P panels: the hardware
+// prefetcher alone left 1-4-row products at 17-20 GB/s of codes. One base pointer for all R rows,
+// x's offsets constants: when the rows sat in up to four register tiles (a pointer each and one
+// shared index), GCC gave every FMA an indexed memory operand, which Intel cores split into two
+// uops (un-lamination); on the Xeon box a 16-row walk ran 1.19x faster this way (docs/BENCHMARKS.md).
+template <int P, bool U4, int R>
+void qrows_zmm(const float* x, const uint8_t* panel, int64_t pbytes, int64_t K, float* c, int64_t ldc,
                const float* bias) {
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
-  constexpr int ms[] = {Ms...};
-  constexpr int R = rows_before<Ms...>(sizeof...(Ms));
   const int64_t nb = K / QK;
   const __m512 levels = u4_levels();
   __m512 acc[P][R];
@@ -583,15 +578,11 @@ void qtile_zmm(const float* const* x, const uint8_t* panel, int64_t pbytes, int6
       // a prefetch never faults: past the last panel it asks for lines nobody reads, no harm
       prefetch_bytes(kb + PF_BLOCKS < nb ? blk + PF_BLOCKS * QB : panel + (P + p) * pbytes + (kb + PF_BLOCKS - nb) * QB, QB);
     }
-    // w's row k into every row's sum, k after k as everywhere else; row i is row i - rows_before(t)
-    // of tile t, whose K x ms[t] slice of x is k-major
+    const float* xb = x + kb * QK * R;  // (QK, R): this block's k of every row
+    // w's row k into every row's sum, k after k as everywhere else
     auto step = [&](int p, int64_t k, __m512 w) {
 #pragma GCC unroll 24
-      for (int i = 0; i < R; ++i) {
-        const int t = tile_of<Ms...>(i);
-        const float xi = x[t][(kb * QK + k) * ms[t] + i - rows_before<Ms...>(t)];
-        acc[p][i] = _mm512_fmadd_ps(_mm512_set1_ps(xi), w, acc[p][i]);
-      }
+      for (int i = 0; i < R; ++i) acc[p][i] = _mm512_fmadd_ps(_mm512_set1_ps(xb[k * R + i]), w, acc[p][i]);
     };
 #pragma GCC unroll 2
     for (int64_t k = 0; k < QK; k += 2) {
@@ -608,55 +599,76 @@ void qtile_zmm(const float* const* x, const uint8_t* panel, int64_t pbytes, int6
   for (int p = 0; p < P; ++p) {
     const __m512 bv = bias ? _mm512_loadu_ps(bias + p * NR) : _mm512_setzero_ps();
 #pragma GCC unroll 24
-    for (int i = 0; i < R; ++i) {
-      const int t = tile_of<Ms...>(i);
-      _mm512_storeu_ps(c[t] + (i - rows_before<Ms...>(t)) * ldc + p * NR, _mm512_add_ps(acc[p][i], bv));
-    }
+    for (int i = 0; i < R; ++i) _mm512_storeu_ps(c + i * ldc + p * NR, _mm512_add_ps(acc[p][i], bv));
   }
 }
 
-using QZFn = void (*)(const float* const*, const uint8_t*, int64_t, int64_t, float* const*, int64_t, const float*);
+using QZFn = void (*)(const float*, const uint8_t*, int64_t, int64_t, float*, int64_t, const float*);
 struct QZ {
   QZFn wide;  // P panels at once
   int P;
   QZFn one;   // one panel: what is left of a thread's panels past a multiple of P
 };
-template <bool U4, int... Ms>
+template <bool U4, int R>
 constexpr QZ qz_entry() {
-  constexpr int P = panels_at_once(rows_before<Ms...>(sizeof...(Ms)));
-  return {qtile_zmm<P, U4, Ms...>, P, qtile_zmm<1, U4, Ms...>};
+  constexpr int P = panels_at_once(R);
+  return {qrows_zmm<P, U4, R>, P, qrows_zmm<1, U4, R>};
 }
-// by the rows of a group's tiles (m[0] m[1] m[2] m[3] as digits, 0: none): one to four of the
-// tiles tile_rows cuts 1-36 rows into (quant_product's grouping)
+template <bool U4, int... Rm1>
+constexpr std::array<QZ, sizeof...(Rm1)> qz_table(std::integer_sequence<int, Rm1...>) {
+  return {qz_entry<U4, Rm1 + 1>()...};
+}
+// by the rows of a group, 1..GROUP_ROWS
 template <bool U4>
-QZ qz_for(const int* m) {
-  switch (((m[0] * 10 + m[1]) * 10 + m[2]) * 10 + m[3]) {
-    case 1000: return qz_entry<U4, 1>();
-    case 2000: return qz_entry<U4, 2>();
-    case 3000: return qz_entry<U4, 3>();
-    case 4000: return qz_entry<U4, 4>();
-    case 5000: return qz_entry<U4, 5>();
-    case 6000: return qz_entry<U4, 6>();
-    case 3400: return qz_entry<U4, 3, 4>();
-    case 4400: return qz_entry<U4, 4, 4>();
-    case 5400: return qz_entry<U4, 5, 4>();
-    case 6400: return qz_entry<U4, 6, 4>();
-    case 6500: return qz_entry<U4, 6, 5>();
-    case 6600: return qz_entry<U4, 6, 6>();
-    case 6340: return qz_entry<U4, 6, 3, 4>();
-    case 6440: return qz_entry<U4, 6, 4, 4>();
-    case 6540: return qz_entry<U4, 6, 5, 4>();
-    case 6640: return qz_entry<U4, 6, 6, 4>();
-    case 6650: return qz_entry<U4, 6, 6, 5>();
-    case 6660: return qz_entry<U4, 6, 6, 6>();
-    case 6634: return qz_entry<U4, 6, 6, 3, 4>();
-    case 6644: return qz_entry<U4, 6, 6, 4, 4>();
-    case 6654: return qz_entry<U4, 6, 6, 5, 4>();
-    case 6664: return qz_entry<U4, 6, 6, 6, 4>();
-    case 6665: return qz_entry<U4, 6, 6, 6, 5>();
-    case 6666: return qz_entry<U4, 6, 6, 6, 6>();
-    default: return {nullptr, 0, nullptr};
+constexpr auto kQZ = qz_table<U4>(std::make_integer_sequence<int, GROUP_ROWS>{});
+
+// x's M rows (any row stride) in groups of R_g rows, each group k-major as one (K, R_g) block at
+// out + r0 * K (r0 its first row); sizes[g] gets R_g. As few groups of up to GROUP_ROWS rows as hold
+// M, as even as can be (32 rows: 16 + 16).
+int pack_groups(const torch::Tensor& x, float* out, int* sizes) {
+  const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0);
+  const float* a = x.data_ptr<float>();
+  int ng = 0;
+  for (int64_t r0 = 0, left = (M + GROUP_ROWS - 1) / GROUP_ROWS; r0 < M; --left) {
+    const int64_t R = (M - r0 + left - 1) / left;
+    float* dst = out + r0 * K;
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t k = 0; k < K; ++k) dst[k * R + i] = a[(r0 + i) * lda + k];
+    sizes[ng++] = static_cast<int>(R);
+    r0 += R;
   }
+  return ng;
+}
+
+// The product of a few rows (<= FEW_ROWS) over quantized panels: every weight row dequantized
+// once per group of up to GROUP_ROWS rows, from codes to registers (qrows_zmm). With groups of a
+// dozen rows, 13-36 rows walked the codes and paid the two dequantizing FMAs per k pair up to three
+// times (docs/BENCHMARKS.md). Every group runs over the same 4 panels before the next 4, whose codes
+// (28-74 KB) are then still in L1/L2 for the groups after the first.
+template <bool U4>
+void few_row_product(const torch::Tensor& x, const uint8_t* q, int64_t NP, float* c, const float* bias) {
+  constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
+  const int64_t M = x.size(0), K = x.size(1), N = NP * NR, pbytes = K / QK * QB;
+  std::unique_ptr<float[]> xg(new float[M * K]);
+  std::array<int, (FEW_ROWS + GROUP_ROWS - 1) / GROUP_ROWS> sizes{};
+  const int ng = pack_groups(x, xg.get(), sizes.data());
+  // one row: chunks of whole P = 4 walks (x0.946 of a 1-row decode step at 2 threads, Zen 4);
+  // at 2-4 rows the one-panel walk has enough chains and smaller chunks balance better (0.98-1.02)
+  const int align = M == 1 ? kQZ<U4>[0].P : 1;
+  for_panel_chunks(NP, 0, [&](int64_t j0, int64_t j1, float*) {
+    for (int64_t j = j0; j < j1; j += 4) {  // 4: a multiple of every group's P
+      const int64_t je = std::min(j + 4, j1);
+      for (int g = 0, r0 = 0; g < ng; r0 += sizes[g++]) {
+        const QZ& qz = kQZ<U4>[sizes[g] - 1];
+        for (int64_t i = j; i < je;) {
+          const int64_t n = i + qz.P <= je ? qz.P : 1;
+          (n > 1 ? qz.wide : qz.one)(xg.get() + r0 * K, q + i * pbytes, pbytes, K, c + r0 * N + i * NR, N,
+                                     bias ? bias + i * NR : nullptr);
+          i += n;
+        }
+      }
+    }
+  }, align);
 }
 #endif
 
@@ -670,7 +682,7 @@ constexpr int64_t MCQ = 288;  // rows per block over one dequantized slab (their
 // Ask for bytes [p, p + n) of a panel's codes ahead of their use (into L2, as the fp32 tiles'
 // prefetch): without it the quantized products ran 7% slower than fp32 in decode steps of 32
 // rows in the model, though not in a loop of GEMMs alone. Not in the few-row path: the next
-// whole panel asked for there made 1-4 rows at 1 thread 15-23% slower; qtile_zmm asks for its
+// whole panel asked for there made 1-4 rows at 1 thread 15-23% slower; qrows_zmm asks for its
 // blocks one at a time, PF_BLOCKS ahead, instead.
 inline void prefetch_panel(const uint8_t* p, int64_t n) {
   for (int64_t b = 0; b < n; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + b), PF_HINT);
@@ -680,53 +692,6 @@ template <bool U4>
 void quant_product(const RowTiles& rt, const uint8_t* q, int64_t NP, int64_t K, float* c, const float* bias) {
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
   const int64_t N = NP * NR, T = rt.size(), pbytes = K / QK * QB;
-#ifdef PP_AVX512
-  if (T <= FEW_ROW_TILES) {
-    // row tiles in as few groups of up to GROUP_TILES as hold them, as even as can be (5 tiles:
-    // 3 + 2), each group one qtile_zmm walk that dequantizes every weight row once for all its
-    // rows: with groups of two, 13-36 rows walked the codes and paid the two dequantizing FMAs per
-    // k pair up to three times (docs/BENCHMARKS.md). Every group runs over the same 4 panels
-    // before the next 4, whose codes (28-74 KB) are then still in L1/L2 for the groups after the
-    // first.
-    struct Group { QZ qz; int n; const float* x[GROUP_TILES]; float* c[GROUP_TILES]; };  // n tiles
-    std::array<Group, (FEW_ROW_TILES + GROUP_TILES - 1) / GROUP_TILES> groups;  // no allocation per product
-    int ng = 0;
-    for (int64_t t = 0, left = (T + GROUP_TILES - 1) / GROUP_TILES; t < T; --left) {
-      const int64_t n = (T - t + left - 1) / left;  // tiles in this group
-      int m[GROUP_TILES] = {};
-      Group& g = groups[ng++] = Group{};
-      g.n = static_cast<int>(n);
-      for (int64_t u = 0; u < n; ++u) {
-        m[u] = rt.mt[t + u];
-        g.x[u] = rt.ap + rt.r0[t + u] * K;
-        g.c[u] = c + rt.r0[t + u] * N;
-      }
-      g.qz = qz_for<U4>(m);
-      TORCH_CHECK(g.qz.wide != nullptr, "quant_linear: no few-row tile for ", m[0], " + ", m[1], " + ", m[2], " + ",
-                  m[3], " rows");
-      t += n;
-    }
-    // one row: chunks of whole P = 4 walks (x0.946 of a 1-row decode step at 2 threads, Zen 4);
-    // at 2-4 rows the one-panel walk has enough chains and smaller chunks balance better (0.98-1.02)
-    const int align = rt.r0[T - 1] + rt.mt[T - 1] == 1 ? groups[0].qz.P : 1;
-    for_panel_chunks(NP, 0, [&](int64_t j0, int64_t j1, float*) {
-      for (int64_t j = j0; j < j1; j += 4) {  // 4: a multiple of every group's P
-        const int64_t je = std::min(j + 4, j1);
-        for (int gi = 0; gi < ng; ++gi) {
-          const Group& g = groups[gi];
-          for (int64_t i = j; i < je;) {
-            const int64_t n = i + g.qz.P <= je ? g.qz.P : 1;
-            float* ci[GROUP_TILES] = {};
-            for (int u = 0; u < g.n; ++u) ci[u] = g.c[u] + i * NR;
-            (n > 1 ? g.qz.wide : g.qz.one)(g.x, q + i * pbytes, pbytes, K, ci, N, bias ? bias + i * NR : nullptr);
-            i += n;
-          }
-        }
-      }
-    }, align);
-    return;
-  }
-#endif
   if (T <= WHOLE_K_TILES) {
     for_panel_chunks(NP, K * NR, [&](int64_t j0, int64_t j1, float* w) {
       for (int64_t j = j0; j < j1; ++j) {
@@ -1020,6 +985,15 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch
       panel_pairs(qp, qb, K, j, pc, kc, o);
       return static_cast<const uint32_t*>(o);
     });
+    return y;
+  }
+#endif
+#ifdef PP_AVX512
+  if (M <= FEW_ROWS) {
+    if (q.size(2) == QB_U4)
+      few_row_product<true>(x, q.data_ptr<uint8_t>(), NP, y.data_ptr<float>(), bias);
+    else
+      few_row_product<false>(x, q.data_ptr<uint8_t>(), NP, y.data_ptr<float>(), bias);
     return y;
   }
 #endif
