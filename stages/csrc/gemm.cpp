@@ -44,6 +44,8 @@ constexpr int64_t WHOLE_K_TILES = 2;  // up to this many row tiles: the 8-lane f
 constexpr int64_t FEW_ROW_TILES = 6;
 constexpr int64_t FEW_ROWS = 36;  // what FEW_ROW_TILES tiles hold (tile_rows): few_row_product's rows at most
 constexpr int GROUP_ROWS = 24;  // rows at most in one walk over the codes (qrows_zmm: 24 accumulators)
+// few_row_product must take exactly the row counts that slab_depth keeps K whole for (same bits)
+static_assert(FEW_ROWS == FEW_ROW_TILES * MR, "FEW_ROWS is what FEW_ROW_TILES tiles of MR rows hold");
 #else
 constexpr int64_t FEW_ROW_TILES = WHOLE_K_TILES;
 #endif
@@ -501,16 +503,10 @@ void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, 
 
 #ifdef PP_AVX512
 
-// Up to four row tiles (tile t: Ms[t] rows of x[t], k-major, into c[t]; a group of quant_product's
-// few-row tiles) against P adjacent quantized panels over the whole K, each weight row from codes
-// to a 16-lane register and straight into the FMAs of every row. Each output sums its k terms in one chain of dependent
-// FMAs, k after k, as every other path does (bit-identical), so a panel at a time with 1-4 rows
-// waited on the FMA's latency, ~4 cycles per k step: ~14 GB/s of codes. P panels keep
-// P · (rows) chains in flight (up to 24 accumulators at P = 1, beside the block's scale and offset,
-// the levels and two weight rows: 29 of the 32 registers). The codes stream, a panel after the next, and the blocks PF_BLOCKS ahead are asked
-// for in the same walk, across into the next P panels: the hardware prefetcher alone left 1-4-row
-// products at 17-20 GB/s of codes. 30 layers' four shapes + a Q8_0 LM head, from memory, 1
-// thread: M = 1 7.9 -> 4.2 ms (docs/BENCHMARKS.md).
+// qrows_zmm asks for the codes PF_BLOCKS blocks ahead of its walk; panels_at_once: how many panels
+// one walk of that many rows takes (enough FMA chains in flight at 1-8 rows). The prefetch took 30
+// layers' four shapes + a Q8_0 LM head, from memory, 1 thread, M = 1 from 7.9 to 4.2 ms
+// (docs/BENCHMARKS.md).
 constexpr int64_t PF_BLOCKS = 6;
 
 constexpr int panels_at_once(int rows) { return rows <= 4 ? 4 : (rows <= 8 ? 2 : 1); }
