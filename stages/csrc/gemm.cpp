@@ -42,10 +42,10 @@ constexpr int64_t WHOLE_K_TILES = 2;  // up to this many row tiles: the 8-lane f
 // tiles a walk 13-36 rows took 0.61-0.87 of the slab path's time, docs/BENCHMARKS.md)
 #ifdef PP_AVX512
 constexpr int64_t FEW_ROW_TILES = 6;
-constexpr int64_t FEW_ROWS = 36;  // what FEW_ROW_TILES tiles hold (tile_rows): few_row_product's rows at most
+// few_row_product's rows at most: exactly the row counts slab_depth keeps K whole for (same bits),
+// what FEW_ROW_TILES tiles of MR rows hold (tile_rows)
+constexpr int64_t FEW_ROWS = FEW_ROW_TILES * MR;
 constexpr int GROUP_ROWS = 24;  // rows at most in one walk over the codes (qrows_zmm: 24 accumulators)
-// few_row_product must take exactly the row counts that slab_depth keeps K whole for (same bits)
-static_assert(FEW_ROWS == FEW_ROW_TILES * MR, "FEW_ROWS is what FEW_ROW_TILES tiles of MR rows hold");
 #else
 constexpr int64_t FEW_ROW_TILES = WHOLE_K_TILES;
 #endif
@@ -241,6 +241,12 @@ RowTiles row_tiles(int64_t M) {
   return rt;
 }
 
+// dst (K, m) = the m rows at src (row stride lda), k-major: a register tile's (or a row group's) x
+inline void pack_kmajor(const float* src, int64_t lda, int64_t m, int64_t K, float* dst) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t i = 0; i < m; ++i) dst[k * m + i] = src[i * lda + k];
+}
+
 RowTiles pack_rows(const torch::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0);
   RowTiles rt = row_tiles(M);
@@ -248,13 +254,7 @@ RowTiles pack_rows(const torch::Tensor& x) {
   float* ap = rt.buf.data_ptr<float>();
   const float* a = x.data_ptr<float>();
   at::parallel_for(0, rt.size(), 4, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int m = rt.mt[t];
-      float* dst = ap + rt.r0[t] * K;
-      const float* src = a + rt.r0[t] * lda;
-      for (int64_t k = 0; k < K; ++k)
-        for (int i = 0; i < m; ++i) dst[k * m + i] = src[i * lda + k];
-    }
+    for (int64_t t = t0; t < t1; ++t) pack_kmajor(a + rt.r0[t] * lda, lda, rt.mt[t], K, ap + rt.r0[t] * K);
   });
   rt.ap = ap;
   return rt;
@@ -627,9 +627,7 @@ int pack_groups(const torch::Tensor& x, float* out, int* sizes) {
   int ng = 0;
   for (int64_t r0 = 0, left = (M + GROUP_ROWS - 1) / GROUP_ROWS; r0 < M; --left) {
     const int64_t R = (M - r0 + left - 1) / left;
-    float* dst = out + r0 * K;
-    for (int64_t i = 0; i < R; ++i)
-      for (int64_t k = 0; k < K; ++k) dst[k * R + i] = a[(r0 + i) * lda + k];
+    pack_kmajor(a + r0 * lda, lda, R, K, out + r0 * K);
     sizes[ng++] = static_cast<int>(R);
     r0 += R;
   }
