@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/decode_maximal.py --threads 2
     .venv/bin/python benchmarks/decode_maximal.py --gguf-weights dequantize   # fp32 weights in memory
     .venv/bin/python benchmarks/decode_maximal.py --matmul-precision medium   # bf16 products (AVX512-BF16)
+    .venv/bin/python benchmarks/decode_maximal.py --matmul-precision int8     # int8 products (AVX512-VNNI)
     .venv/bin/python benchmarks/decode_maximal.py --smoke --model HF_FOLDER   # CI smoke test
     .venv/bin/python benchmarks/decode_maximal.py --threads 2 --plot table2.png   # and as a figure
     PYTHONPATH=. python3 benchmarks/decode_maximal.py --model llama-7b --device cuda --dtype bfloat16 \
@@ -28,7 +29,8 @@ Each forward is what ``stages.profile`` times: the layers plus the LM head on sa
 Utilisation: each batch's model FLOPs (``plan_flops``: every token's linear layers, its attention
 over the keys it sees, the LM head on sampled rows) over its median time, against the device's
 matmul rate measured in the same run (``matmul_rate``: torch's square matmul in the dtype the
-products ran in: bf16 where --matmul-precision medium took effect, else the model's). The decode-maximal batch
+products ran in: bf16 where --matmul-precision medium took effect, else the model's; int8 products
+are set against the fp32 rate too, torch having no int8 matmul of the same kind). The decode-maximal batch
 (the chunk plus the most decodes) at that fraction is the issue's MFU on a GPU; on a CPU our own
 GEMM can beat torch's matmul, so the fraction can pass 1 there.
 """
@@ -127,7 +129,7 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
     cfg = w.spec.source.config
     # against the rate of the products the chunk actually ran: bf16 where "medium" took effect (a
     # core with AVX512-BF16; batches of <= 12 rows still run fp32), else the model's dtype
-    mm_dtype = torch.bfloat16 if w.bf16_linears else getattr(torch, dtype)
+    mm_dtype = torch.bfloat16 if w.reduced_linears["bf16"] else getattr(torch, dtype)
     size = matmul_size or (8192 if w.device.type == "cuda" else 2048)
     rate = matmul_rate(w.device, mm_dtype, size)
     flops = {k: plan_flops(cfg, chunks) for k, chunks in plans.items()}

@@ -9,8 +9,8 @@ left-padded in one batch (its usual batched generate) with greedy decoding of ex
 --new-tokens tokens; we get the same prompts and max_tokens with ignore_eos. Total tokens/s
 = (prompt tokens + generated tokens) / wall seconds, for both, 2 threads each.
 
-HF and our pp=1 engine alternate for --rounds rounds (HF first, then us first, ...), and the
-ratio printed is the median of each round's ours / HF: on this box either side swings by 10-30%
+HF, our pp=1 engine and the same at --matmul-precision int8 alternate for --rounds rounds (HF
+first, then int8 first, ...), and each ratio printed is the median of each round's ours / HF: on this box either side swings by 10-30%
 between runs minutes apart (HF alone has ranged 148-206 tok/s), more than most changes measured.
 Every HF run is a fresh process, as a user would run it: our workers change the process's
 allocator (stages/worker.py: tune_cpu_allocator), and one more HF run with that setting shows
@@ -18,7 +18,11 @@ that part of the gap. Once each after the rounds: ours with fp32 weights, ours a
 reduced-precision pair: HF with its weights in bf16 (its fastest CPU setting we found: torch's
 bf16 matmuls, bf16 activations) against ours at --matmul-precision medium --kv-cache-dtype float16
 (bf16 products of > 12 rows with fp32 sums, fp32 activations, fp16 K/V). The target compares the
-fp32 runs; the bf16 pair shows what each side gains from the core's bf16 dot products.
+fp32 runs; the bf16 pair shows what each side gains from the core's bf16 dot products. The int8
+rounds (GGUF Q4/Q8 linears on int8-rounded activations, llama.cpp's scheme, where the core has
+AVX512-VNNI; elsewhere they compute as fp32) show what a user who takes that rounding gets, against
+HF fp32: torch's own dynamic int8 quantization rounds each activation tensor on one scale, which
+we measured far less faithful (docs/BENCHMARKS.md), so it is not the like-for-like baseline.
 """
 from __future__ import annotations
 
@@ -99,19 +103,24 @@ def main() -> None:
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
     total = sum(lens) + a.num * a.new_tokens
     r = {"prompts": a.num, "prompt_tokens": sum(lens), "new_tokens": a.num * a.new_tokens}
-    hf_s, ours_s = [], []
-    r["rounds"] = {"hf_s": hf_s, "ours_pp1_s": ours_s}
-    for k, who in alternating(a.rounds, ("hf", "ours")):
+    hf_s, ours_s, int8_s = [], [], []
+    r["rounds"] = {"hf_s": hf_s, "ours_pp1_s": ours_s, "ours_pp1_int8_s": int8_s}
+    for k, who in alternating(a.rounds, ("hf", "ours", "int8")):
         if who == "hf":
             hf_s.append(hf_in_fresh_process(a.model, prompts, a.new_tokens, tuned=False))
         else:
-            ours_s.append(ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk, max_batch_size=a.num + 1))
-        if len(hf_s) == len(ours_s):  # the round's pair is complete
-            print(f"round {k}: HF {total / hf_s[-1]:.1f} tok/s, ours {total / ours_s[-1]:.1f} tok/s", flush=True)
+            (ours_s if who == "ours" else int8_s).append(
+                ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk, max_batch_size=a.num + 1,
+                     matmul_precision="highest" if who == "ours" else "int8"))
+        if len(hf_s) == len(ours_s) == len(int8_s):  # the round is complete
+            print(f"round {k}: HF {total / hf_s[-1]:.1f} tok/s, ours {total / ours_s[-1]:.1f} tok/s, "
+                  f"ours int8 {total / int8_s[-1]:.1f} tok/s", flush=True)
     r["rounds"]["ratio"] = ratios(hf_s, ours_s)
+    r["rounds"]["ratio_int8"] = ratios(hf_s, int8_s)
     r["ratio_pp1"] = statistics.median(r["rounds"]["ratio"])
-    r["hf_s"] = statistics.median(r["rounds"]["hf_s"])
-    r["ours_pp1_s"] = statistics.median(r["rounds"]["ours_pp1_s"])
+    r["ratio_pp1_int8"] = statistics.median(r["rounds"]["ratio_int8"])
+    for k in ("hf_s", "ours_pp1_s", "ours_pp1_int8_s"):
+        r[k] = statistics.median(r["rounds"][k])
     r["hf_tuned_s"] = hf_in_fresh_process(a.model, prompts, a.new_tokens, tuned=True)
     # the same with GGUF matrices loaded as fp32 (before --gguf-weights native)
     r["ours_pp1_fp32_s"] = ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk, max_batch_size=a.num + 1,
@@ -121,7 +130,7 @@ def main() -> None:
     r["hf_bf16_s"] = hf_in_fresh_process(a.model, prompts, a.new_tokens, tuned=False, dtype="bfloat16")
     r["ours_pp1_medium_s"] = ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk, max_batch_size=a.num + 1,
                                   matmul_precision="medium", kv_cache_dtype="float16")
-    for k in ("hf", "hf_tuned", "ours_pp1", "ours_pp1_fp32", "ours_pp2", "hf_bf16", "ours_pp1_medium"):
+    for k in ("hf", "hf_tuned", "ours_pp1", "ours_pp1_fp32", "ours_pp2", "hf_bf16", "ours_pp1_medium", "ours_pp1_int8"):
         r[f"{k}_tok_s"] = total / r[f"{k}_s"]
     print(f"{a.num} prompts ({sum(lens)} tokens, lengths {a.min_len}-{a.max_len}) × {a.new_tokens} new tokens, "
           f"2 threads in all")
@@ -134,6 +143,9 @@ def main() -> None:
           f"({r['ours_pp1_fp32_tok_s'] / r['hf_tok_s']:.2f}x HF)")
     print(f"  pp_runtime pp=2, 1 thread/stage: {r['ours_pp2_tok_s']:8.1f} tok/s  "
           f"({r['ours_pp2_tok_s'] / r['hf_tok_s']:.2f}x HF)")
+    print(f"  pp_runtime pp=1, int8 products:  {r['ours_pp1_int8_tok_s']:8.1f} tok/s  (median of {a.rounds}; "
+          f"paired rounds {', '.join(f'{x:.2f}' for x in r['rounds']['ratio_int8'])}x HF -> median "
+          f"{r['ratio_pp1_int8']:.2f}x)")
     print(f"  HF, bf16 weights:                {r['hf_bf16_tok_s']:8.1f} tok/s")
     print(f"  pp_runtime pp=1, medium + fp16 KV: {r['ours_pp1_medium_tok_s']:6.1f} tok/s  "
           f"({r['ours_pp1_medium_tok_s'] / r['hf_bf16_tok_s']:.2f}x HF bf16)")

@@ -249,8 +249,10 @@ class CacheConfig:
 
 GGUF_WEIGHTS = ("native", "dequantize")
 # torch.set_float32_matmul_precision's names: "highest" sums fp32 products of fp32 inputs;
-# "medium" lets them take bf16 inputs (fp32 sums), which the CPU GEMM does where AVX512-BF16 is
-MATMUL_PRECISIONS = ("highest", "medium")
+# "medium" lets them take bf16 inputs (fp32 sums), which the CPU GEMM does where AVX512-BF16 is.
+# Ours beside them: "int8" rounds x to int8 per block of 32 against GGUF weights' own codes
+# (llama.cpp's scheme), where the CPU has AVX512-VNNI
+MATMUL_PRECISIONS = ("highest", "medium", "int8")
 
 
 @dataclass(frozen=True)
@@ -264,7 +266,10 @@ class DeviceConfig:
     gguf_weights: str = "native"
     # "medium": fp32 products of more than 12 rows (prefill chunks, decode-only batches of 13+
     # sequences) on bf16-rounded x and W with fp32 sums, by AVX512-BF16 dot products (~1.6x the
-    # fp32 GEMM at 256 rows here); products of up to 12 rows stay fp32
+    # fp32 GEMM at 256 rows here); products of up to 12 rows stay fp32. "int8": every linear whose
+    # weight is GGUF Q4_0/Q4_1/Q8_0 kept native takes int8 products (x's blocks of 32 rounded to
+    # int8 codes with one scale each, exact int32 sums; ~2x the fp32 GEMM at every row count on a
+    # core with AVX512-VNNI); elsewhere both compute as "highest"
     matmul_precision: str = "highest"
 
     def __post_init__(self) -> None:
@@ -279,10 +284,10 @@ class DeviceConfig:
         if self.gguf_weights not in GGUF_WEIGHTS:
             raise ValueError(f"DeviceConfig.gguf_weights must be {' or '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
-            raise ValueError(f"DeviceConfig.matmul_precision must be {' or '.join(MATMUL_PRECISIONS)}, "
+            raise ValueError(f"DeviceConfig.matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, "
                              f"got {self.matmul_precision!r}")
-        if self.matmul_precision == "medium" and (self.device, self.dtype) != ("cpu", "float32"):
-            raise ValueError(f"DeviceConfig.matmul_precision medium is for float32 models on CPU (got device "
+        if self.matmul_precision != "highest" and (self.device, self.dtype) != ("cpu", "float32"):
+            raise ValueError(f"DeviceConfig.matmul_precision {self.matmul_precision} is for float32 models on CPU (got device "
                              f"{self.device}, dtype {self.dtype})")
 
 

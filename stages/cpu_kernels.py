@@ -56,7 +56,7 @@ from stages.cpu_info import host_tag
 
 _SOURCES = [str(Path(__file__).with_name("csrc") / f)
             for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp",
-                      "greedy.cpp", "stack.cpp")]
+                      "greedy.cpp", "int8_gemm.cpp", "stack.cpp")]
 TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a multiple of it
 PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a multiple of it
 
@@ -212,6 +212,20 @@ def panel_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     return _load().panel_linear(x, w, bias, bf16)
 
 
+def int8_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) times the transpose of block-quantized panels (Q4_0, Q4_1, Q8_0) in int8 products:
+    each row's block of 32 rounded to int8 codes with one scale (``quantize_rows``), exact int32
+    sums against the weight's codes, fp32 across blocks (matmul precision "int8"; int8_products())."""
+    return _load().int8_linear(x, panels, bias)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, K) fp32 -> (codes (M, K) int8, scales (M, K/32), scale · Σ codes (M, K/32)): per block
+    of 32, codes round(x · 127 / max|x|) and scale max|x| / 127, as int8_linear quantizes x."""
+    xq, xs, xc = _load().quantize_rows(x)
+    return xq, xs, xc
+
+
 def pack_weight_bf16(w: torch.Tensor) -> torch.Tensor:
     """Panels (fp32 from ``pack_weight`` or block-quantized uint8) -> (N/16, K/2, 16) int32 words of
     bf16 pairs, the words the bf16 path converts each slab to on every call, kept (2 bytes a weight;
@@ -256,10 +270,10 @@ def gather_columns(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def layer_stack(weights: list[torch.Tensor], heads: int, kv_heads: int, head_dim: int, scale: float, eps: float,
-                bf16: bool, cos: torch.Tensor, sin: torch.Tensor) -> object:
+                products: str, cos: torch.Tensor, sin: torch.Tensor) -> object:
     """stack.cpp's LayerStack over 7 tensors a layer (stages/layer_loop.py): ``.forward(h, caches,
-    step_meta(...))`` runs them all in one call."""
-    return _load().LayerStack(weights, heads, kv_heads, head_dim, scale, eps, bf16, cos, sin)
+    step_meta(...))`` runs them all in one call; products: the linears' ("fp32", "bf16", "int8")."""
+    return _load().LayerStack(weights, heads, kv_heads, head_dim, scale, eps, products, cos, sin)
 
 
 def step_meta(positions: torch.Tensor, slots: torch.Tensor, q_lens: list[int], ctx_lens: list[int],
@@ -276,7 +290,8 @@ def bf16_products() -> bool:
 
 
 def int8_products() -> bool:
-    """Whether int8_candidates runs here (built with AVX512-VNNI and VBMI)."""
+    """Whether int8_candidates and int8_linear run here (built with AVX512-VNNI and VBMI; matmul
+    precision "int8" uses them, without it computes as "highest")."""
     return available() and _load().int8_products()
 
 

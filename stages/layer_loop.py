@@ -60,15 +60,19 @@ class LayerLoop:
             linears += ([attn.qkv_proj, attn.o_proj] if attn else []) + ([mlp.gate_up_proj, mlp.down_proj] if mlp else [])
             weights += [p.detach() for p in parts]
         row_parallel = [m for m in linears if isinstance(m, RowParallelLinear)]
+        # one products setting for the stack: "int8" leaves fp32 panels (a QKV fused from two GGUF
+        # types) on fp32 products in stack.cpp as set_matmul_precision does, so that mix is one too
+        kinds = {m.products for m in linears}
+        products = kinds.pop() if len(kinds) == 1 else "int8" if kinds == {"fp32", "int8"} else None
         if any(m.weight.dim() != 3 or m.weight.device.type != "cpu" for m in linears) \
                 or any(m.ctx.size != 1 or m.bias is not None for m in row_parallel) \
-                or len({m.bf16 for m in linears}) != 1 \
+                or products is None \
                 or any(p.numel() and p.dim() == 1 and (p.dtype != torch.float32 or not p.is_contiguous())
                        for p in weights):
             return None
         rope = model.rope
         return LayerLoop(cpu_kernels.layer_stack(weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_size,
-                                                 model.backend.scale, cfg.rms_norm_eps, linears[0].bf16,
+                                                 model.backend.scale, cfg.rms_norm_eps, products,
                                                  rope.cos, rope.sin))
 
     @staticmethod

@@ -118,12 +118,16 @@ def skinny(rows: int) -> bool:
     return lo <= rows <= hi
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, bf16: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, products: str = "fp32") -> torch.Tensor:
     """F.linear(x, w, bias) for x (T, in), w (out, in), packed (see pack_linears) or block-quantized
-    panels (stages.quant) -> (T, out), contiguous. bf16: the GEMM kernel may round x and w to bf16
-    (matmul precision "medium", see cpu_kernels.packed_linear)."""
+    panels (stages.quant) -> (T, out), contiguous. products (set_matmul_precision): "bf16" lets the
+    GEMM kernel round x and w to bf16 (see cpu_kernels.packed_linear); "int8" takes int8 products
+    over block-quantized panels (cpu_kernels.int8_linear); "fp32" neither."""
     if w.dim() == 3:  # the GEMM kernel's layouts: rows of x must be contiguous
-        return cpu_kernels.panel_linear(x if x.stride(-1) == 1 else x.contiguous(), w, bias, bf16)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        if products == "int8" and quant.is_panels(w):
+            return cpu_kernels.int8_linear(x, w, bias)
+        return cpu_kernels.panel_linear(x, w, bias, products == "bf16")
     if x.device.type == "cpu" and x.dim() == 2 and skinny(x.shape[0]):
         y = torch.mm(w, x.t())  # (out, T)
         y = cpu_kernels.transpose(y) if cpu_kernels.usable(y) else y.t().contiguous()  # (T, out)
@@ -145,12 +149,12 @@ class ColumnParallelLinear(nn.Module):
         for p in out_parts:
             shard_range(p, ctx)  # raises when tp does not divide a part
         out = sum(self.out_parts)
-        self.bf16 = False  # set_matmul_precision
+        self.products = "fp32"  # set_matmul_precision
         self.weight = nn.Parameter(torch.empty(out, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out/tp)
-        return linear(x, self.weight, self.bias, self.bf16)
+        return linear(x, self.weight, self.bias, self.products)
 
 
 class RowParallelLinear(nn.Module):
@@ -165,12 +169,12 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         lo, hi = shard_range(in_features, ctx)
         self.ctx = ctx
-        self.bf16 = False  # set_matmul_precision
+        self.products = "fp32"  # set_matmul_precision
         self.weight = nn.Parameter(torch.empty(out_features, hi - lo, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in/tp) -> (T, out)
-        y = self.ctx.all_reduce(linear(x, self.weight, bf16=self.bf16))
+        y = self.ctx.all_reduce(linear(x, self.weight, products=self.products))
         return y if self.bias is None else y + self.bias
 
 
@@ -210,7 +214,7 @@ class ParallelLMHead(nn.Module):
         super().__init__()
         lo, hi = shard_range(vocab, ctx)
         self.ctx = ctx
-        self.bf16 = False  # set_matmul_precision
+        self.products = "fp32"  # set_matmul_precision
         self.weight = nn.Parameter(torch.empty(hi - lo, hidden, dtype=dtype), requires_grad=False)
         self.greedy: greedy.Int8Head | greedy.Bf16Head | None = None  # prepare_argmax
 
@@ -220,7 +224,7 @@ class ParallelLMHead(nn.Module):
         for, the weight in the GEMM's panels, kernels with either product. Call once the weight is
         final. Returns the bytes it keeps beside the weight (0: it cannot)."""
         self.greedy = None
-        if self.ctx.size == 1 and not self.bf16:
+        if self.ctx.size == 1 and self.products == "fp32":
             self.greedy = greedy.prepare(self.weight)
         return self.greedy.nbytes if self.greedy is not None else 0
 
@@ -229,7 +233,7 @@ class ParallelLMHead(nn.Module):
         values (the same ids, computed without the full fp32 product where prepare_argmax said so)."""
         if argmax_only and self.greedy is not None and cpu_kernels.usable(h):
             return self.greedy.argmax(h)
-        logits = self.ctx.all_gather_last_dim(linear(h, self.weight, bf16=self.bf16))
+        logits = self.ctx.all_gather_last_dim(linear(h, self.weight, products=self.products))
         return logits.float().argmax(dim=-1) if argmax_only else logits
 
 
@@ -256,14 +260,18 @@ def pack_linears(model: nn.Module) -> int:
     return len(packed)
 
 
-def set_matmul_precision(model: nn.Module, precision: str) -> int:
-    """"medium" lets every linear of ``model`` whose weight the GEMM kernel reads (packed or
-    block-quantized) take bf16 products for many rows; "highest" keeps fp32. Returns how many
-    linears now may (0 where the kernels lack AVX512-BF16: "medium" then computes as "highest")."""
-    on = precision == "medium" and cpu_kernels.bf16_products()
-    n = 0
+def set_matmul_precision(model: nn.Module, precision: str) -> dict[str, int]:
+    """Sets each linear's products: "medium" gives bf16 ones (for many rows) to every linear whose
+    weight the GEMM kernel reads (packed or block-quantized) where the kernels have AVX512-BF16;
+    "int8" gives int8 ones to every block-quantized (GGUF Q4_0/Q4_1/Q8_0) weight where they have
+    AVX512-VNNI; "highest", and any linear the asked products do not apply to, keeps fp32.
+    Returns how many linears took each reduced product: {"bf16": n, "int8": n}."""
+    bf16 = precision == "medium" and cpu_kernels.bf16_products()
+    int8 = precision == "int8" and cpu_kernels.int8_products()
+    n = {"bf16": 0, "int8": 0}
     for mod in model.modules():
         if isinstance(mod, LINEARS):
-            mod.bf16 = on and mod.weight.dim() == 3
-            n += mod.bf16
-    return n
+            w = mod.weight
+            mod.products = "bf16" if bf16 and w.dim() == 3 else "int8" if int8 and quant.is_panels(w) else "fp32"
+            n[mod.products] = n.get(mod.products, 0) + 1
+    return {"bf16": n["bf16"], "int8": n["int8"]}

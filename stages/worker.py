@@ -104,7 +104,7 @@ class StageWorker:
             and self.dtype == torch.float32 and cpu_kernels.available()
         self.weight_bytes = load_weights(self.model, spec.source, tp, native=native)
         pack_linears(self.model)  # CPU fp32: the GEMM kernel's layout, packed once here, not per call
-        self.bf16_linears = set_matmul_precision(self.model, spec.device.matmul_precision)
+        self.reduced_linears = set_matmul_precision(self.model, spec.device.matmul_precision)  # {bf16, int8}: counts
         if self.model.lm_head is not None:  # greedy rows: int8 or bf16 products, the fp32 argmax exactly
             self.weight_bytes += self.model.lm_head.prepare_argmax()  # what it keeps is resident too: M_S
         self.model.prepare_layer_loop()  # CPU kernels: the layers as one C++ call
@@ -123,7 +123,7 @@ class StageWorker:
                 "node": os.uname().nodename, "device": str(self.device), "layers": [u / 2 if u % 2 else u // 2 for u in self.units],
                 "weight_bytes": self.weight_bytes, "layer_weight_bytes": self._layer_bytes(),
                 "attention": self.model.backend.name, "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
-                "bf16_linears": self.bf16_linears}
+                "bf16_linears": self.reduced_linears["bf16"], "int8_linears": self.reduced_linears["int8"]}
 
     def _layer_bytes(self) -> int:
         """Resident bytes of the decoder layers alone (embedding and LM head excluded)."""

@@ -27,6 +27,7 @@ def test_vs_hf_smoke(hf_models: dict, tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert r["hf_tok_s"] > 0 and r["ours_pp1_tok_s"] > 0 and r["ours_pp2_tok_s"] > 0
     assert r["hf_bf16_tok_s"] > 0 and r["ours_pp1_medium_tok_s"] > 0
+    assert r["ours_pp1_int8_tok_s"] > 0 and len(r["rounds"]["ratio_int8"]) == len(r["rounds"]["ratio"]) == 1
 
 
 def test_pipeline_smoke(tmp_path: Path) -> None:

@@ -25,6 +25,9 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
 torch::Tensor pack_weight_bf16(torch::Tensor w);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wb);
 bool bf16_products();
+// int8 products over block-quantized panels (int8_gemm.cpp): x rounded per block of 32 to int8
+std::vector<torch::Tensor> quantize_rows(torch::Tensor x);
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias);
 std::string isa();
 std::vector<torch::Tensor> greedy_candidates(torch::Tensor approx, torch::Tensor xn, torch::Tensor wn,
                                              double c, double floor);  // greedy.cpp

@@ -1,6 +1,7 @@
 // A stage's decoder layers as one call from Python (stages/layer_loop.py says when it applies).
 //
-//   stack = LayerStack(weights, heads, kv_heads, head_dim, scale, eps, bf16, cos, sin)
+//   stack = LayerStack(weights, heads, kv_heads, head_dim, scale, eps, products, cos, sin)
+//   products: "fp32", "bf16" or "int8", the linears' products (stages/layers.py: set_matmul_precision)
 //   h = stack.forward(h, caches, StepMeta(positions, slots, q_lens, ctx_lens, prefill_tables, decode_tables,
 //                                         decode_lens), times)
 //   times: None, or a float64 (5,) tensor that each op's seconds are added to (preproj, attn, postproj,
@@ -33,11 +34,22 @@ auto timed(double* t, Op op, const F& f) {
   return out;
 }
 
-// x wᵀ (+ bias); bias: an empty tensor for none
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, bool bf16) {
+enum Products { FP32, BF16, INT8 };
+
+Products products_of(const std::string& name) {
+  if (name == "fp32") return FP32;
+  if (name == "bf16") return BF16;
+  TORCH_CHECK(name == "int8", "LayerStack: products must be fp32, bf16 or int8, got ", name);
+  return INT8;
+}
+
+// x wᵀ (+ bias); bias: an empty tensor for none. INT8 applies to block-quantized panels only (as
+// stages/layers.py's linear: other weights keep fp32 products)
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, Products p) {
   c10::optional<torch::Tensor> b;
   if (bias.numel()) b = bias;
-  return panel_linear(x, w, b, bf16);
+  if (p == INT8 && w.scalar_type() == torch::kUInt8) return int8_linear(x, w, b);
+  return panel_linear(x, w, b, p == BF16);
 }
 
 }  // namespace
@@ -53,8 +65,9 @@ struct StepMeta {
 class LayerStack {
  public:
   LayerStack(std::vector<torch::Tensor> weights, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
-             double eps, bool bf16, torch::Tensor cos, torch::Tensor sin)
-      : w_(std::move(weights)), h_(heads), hkv_(kv_heads), d_(head_dim), scale_(scale), eps_(eps), bf16_(bf16),
+             double eps, const std::string& products, torch::Tensor cos, torch::Tensor sin)
+      : w_(std::move(weights)), h_(heads), hkv_(kv_heads), d_(head_dim), scale_(scale), eps_(eps),
+        products_(products_of(products)),
         cos_(std::move(cos)), sin_(std::move(sin)) {
     TORCH_CHECK(!w_.empty() && w_.size() % PER_LAYER == 0, "LayerStack: ", int(PER_LAYER), " weights a layer");
   }
@@ -96,13 +109,13 @@ class LayerStack {
   torch::Tensor attention(const torch::Tensor& x, const torch::Tensor* w, const torch::Tensor& kc,
                           const torch::Tensor& vc, const StepMeta& m, double* tm) const {
     const int64_t t = x.size(0), h = h_, hkv = hkv_, d = d_;
-    torch::Tensor qkv = timed(tm, PREPROJ, [&] { return linear(x, w[QKV], w[QKV_BIAS], bf16_); });  // (T, (H + 2 Hkv) D)
+    torch::Tensor qkv = timed(tm, PREPROJ, [&] { return linear(x, w[QKV], w[QKV_BIAS], products_); });  // (T, (H + 2 Hkv) D)
     torch::Tensor qk = qkv.narrow(1, 0, (h + hkv) * d).view({t, h + hkv, d});
     rope_(qk, m.positions, cos_, sin_);
     torch::Tensor q = qk.narrow(1, 0, h), k = qk.narrow(1, h, hkv);  // (T, H, D), (T, Hkv, D)
     torch::Tensor v = qkv.narrow(1, (h + hkv) * d, hkv * d).view({t, hkv, d});
     torch::Tensor out = timed(tm, ATTN, [&] { return attend(q, k, v, kc, vc, m); });  // (T, H, D)
-    return timed(tm, POSTPROJ, [&] { return linear(out.view({t, h * d}), w[O], torch::Tensor(), bf16_); });
+    return timed(tm, POSTPROJ, [&] { return linear(out.view({t, h * d}), w[O], torch::Tensor(), products_); });
   }
 
   // write_kv_, then each prefill chunk's causal attention and every decode's: the torch backend's
@@ -132,15 +145,15 @@ class LayerStack {
 
   // down(silu(gate(x)) · up(x)), model.MLP's steps
   torch::Tensor ffn(const torch::Tensor& x, const torch::Tensor* w, double* tm) const {
-    torch::Tensor gu = timed(tm, FFN_LN1, [&] { return linear(x, w[GATE_UP], torch::Tensor(), bf16_); });
+    torch::Tensor gu = timed(tm, FFN_LN1, [&] { return linear(x, w[GATE_UP], torch::Tensor(), products_); });
     torch::Tensor a = silu_mul(gu);
-    return timed(tm, FFN_LN2, [&] { return linear(a, w[DOWN], torch::Tensor(), bf16_); });
+    return timed(tm, FFN_LN2, [&] { return linear(a, w[DOWN], torch::Tensor(), products_); });
   }
 
   std::vector<torch::Tensor> w_;
   int64_t h_, hkv_, d_;
   double scale_, eps_;
-  bool bf16_;
+  Products products_;
   torch::Tensor cos_, sin_;
 };
 
@@ -153,7 +166,7 @@ void bind_layer_stack(pybind11::module& m) {
         return StepMeta{positions, slots, q_lens, ctx_lens, tables, decode_tables, decode_lens};
       }));
   py::class_<LayerStack>(m, "LayerStack", py::module_local())
-      .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, bool, torch::Tensor,
+      .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, std::string, torch::Tensor,
                     torch::Tensor>())
       .def("forward", &LayerStack::forward, py::arg("h"), py::arg("caches"), py::arg("meta"),
            py::arg("times") = py::none(), py::call_guard<py::gil_scoped_release>(),

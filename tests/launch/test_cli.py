@@ -185,6 +185,8 @@ BAD_CONFIGS = {  # name: (extra arguments, message); {llama} {gguf} {dir} {missi
                          "argument --matmul-precision: invalid choice"),
     "matmul_medium_on_bf16": (["--model", "{llama}", "--dtype", "bfloat16", "--matmul-precision", "medium"],
                               "matmul_precision medium is for float32 models on CPU"),
+    "matmul_int8_on_bf16": (["--model", "{llama}", "--dtype", "bfloat16", "--matmul-precision", "int8"],
+                            "matmul_precision int8 is for float32 models on CPU"),
     "missing_model": (["--model", "{missing}"], "not found"),
     "not_a_model": (["--model", "{dir}"], "is not a model"),
     "gguf_arch": (["--model", "{gguf}"], "GGUF architecture 'gpt2'"),

@@ -78,6 +78,33 @@ def test_bf16_products_keep_the_answer(prompts: list[list[int]], tmp_path: Path,
     assert [w["bf16_linears"] for w in workers] == [4 * 30 + 1]
 
 
+PASSAGE = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
+           "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. "
+           "Locally nicknamed the Iron Lady, it was constructed as the centrepiece of the 1889 World's Fair, and "
+           "to crown the centennial anniversary of the French Revolution. Although initially criticised by some "
+           "of France's leading artists and intellectuals for its design, it has since become a global cultural "
+           "icon of France and one of the most recognisable structures in the world.")
+
+
+@pytest.mark.skipif(not cpu_kernels.int8_products(), reason="no AVX512-VNNI + VBMI in this build")
+def test_int8_products_keep_the_model(llm: LLM, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--matmul-precision int8 on the embedded model: every Q4_1 layer linear and the Q8_0 LM head
+    take int8 products; fed a passage, its next-token perplexity is within 2% of the fp32 model's
+    and its top token the same at ≥ 90% of positions (measured on this box: +0.9% and 96.9%)."""
+    assert main(["generate", "--matmul-precision", "int8", "--prompt", TEXTS[0], "--max-tokens", "8",
+                 "--run-dir", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out.strip()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["matmul_precision"] == "int8"
+    assert [w["int8_linears"] for w in json.loads((tmp_path / "run" / "workers.json").read_text())] == [4 * 30 + 1]
+    from tests.stages.test_int8_gemm import prefill_logits, worker
+    ids = llm.tokenizer.encode(PASSAGE)[:250]
+    fp32, int8 = (prefill_logits(worker(Path(resolve_model(None).path), p), ids) for p in ("highest", "int8"))
+    target = torch.tensor(ids[1:])
+    ppl = [torch.nn.functional.cross_entropy(x[:-1], target).exp().item() for x in (fp32, int8)]
+    assert ppl[1] < 1.02 * ppl[0]
+    assert (fp32.argmax(-1) == int8.argmax(-1)).float().mean() >= 0.9
+
+
 def test_eos_stops_the_chat_answer(llm: LLM, prompts: list[list[int]]) -> None:
     out = llm.generate([prompts[0]], SamplingParams(max_tokens=48))[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] in llm.source.config.eos_token_ids

@@ -108,11 +108,14 @@ def test_every_kernel_build(hf_models: dict, isa: str) -> None:
         both_loops(w, chunks)
 
 
-def test_gguf_panels(tmp_path: Path) -> None:
-    """Block-quantized panels, and fp32 ones where a fused QKV mixes two types, in one stack."""
+@pytest.mark.parametrize("precision", ["highest", "int8"])
+def test_gguf_panels(tmp_path: Path, precision: str) -> None:
+    """Block-quantized panels, and fp32 ones where a fused QKV mixes two types, in one stack; at
+    "int8" the panels take int8 products and the fp32 ones keep fp32, in both loops alike."""
     from tests.stages.test_quant import VARIANTS, write_gguf
     pytest.importorskip("gguf")
-    w = worker(str(write_gguf(tmp_path / "mixed.gguf", VARIANTS["mixed"])))
+    w = worker(str(write_gguf(tmp_path / "mixed.gguf", VARIANTS["mixed"])), precision=precision)
+    assert w.info()["int8_linears"] == (7 if precision == "int8" and cpu_kernels.int8_products() else 0)
     assert {p.dtype for layer in w.model.layers for p in layer.parameters() if p.dim() == 3} == {torch.uint8, torch.float32}
     for chunks in STEPS.values():
         both_loops(w, chunks)

@@ -159,9 +159,11 @@ def test_matmul_precision_medium_rounds_only_many_row_products(hf_models: dict) 
 
 
 def test_matmul_precision_is_checked_by_name() -> None:
-    with pytest.raises(ValueError, match="DeviceConfig.matmul_precision must be highest or medium, got 'low'"):
+    with pytest.raises(ValueError, match="DeviceConfig.matmul_precision must be one of highest, medium, int8, got 'low'"):
         DeviceConfig(matmul_precision="low")
     with pytest.raises(ValueError, match="matmul_precision medium is for float32 models on CPU"):
         DeviceConfig("cpu", "bfloat16", matmul_precision="medium")
+    with pytest.raises(ValueError, match="matmul_precision int8 is for float32 models on CPU"):
+        DeviceConfig("cuda", "float32", matmul_precision="int8")
     with pytest.raises(ValueError, match="matmul_precision medium is for float32 models on CPU"):
         DeviceConfig("cuda", matmul_precision="medium")
