@@ -38,7 +38,8 @@ def plot_vs_hf(r: dict, path: Path, target: float = 3.0) -> str:
     rounds.set_xticks(xs)
     rounds.margins(x=0.12, y=0.1)  # room for the ratios above the points
     rounds.set(xlabel="alternated round", ylabel="tokens/s (prompt + generated)",
-               title=f"Paired rounds: median {r['ratio_pp1']:.2f}× HF")
+               title=f"Paired rounds: median {r['ratio_pp1']:.2f}× HF"
+               + (f" (int8 products {r['ratio_pp1_int8']:.2f}×)" if "ratio_pp1_int8" in r else ""))
     rounds.legend(fontsize=8)
 
     shown = [(label, r[f"{key}_tok_s"], color) for key, label, color in BARS if f"{key}_tok_s" in r]

@@ -75,7 +75,7 @@ def test_bf16_products_keep_the_answer(prompts: list[list[int]], tmp_path: Path,
     assert "Paris" in capsys.readouterr().out
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["matmul_precision"] == "medium"
     workers = json.loads((tmp_path / "run" / "workers.json").read_text())
-    assert [w["bf16_linears"] for w in workers] == [4 * 30 + 1]
+    assert [w["bf16_linears"] for w in workers] == [4 * 30]
 
 
 PASSAGE = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
@@ -88,14 +88,14 @@ PASSAGE = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mar
 
 @pytest.mark.skipif(not cpu_kernels.int8_products(), reason="no AVX512-VNNI + VBMI in this build")
 def test_int8_products_keep_the_model(llm: LLM, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """--matmul-precision int8 on the embedded model: every Q4_1 layer linear and the Q8_0 LM head
-    take int8 products; fed a passage, its next-token perplexity is within 2% of the fp32 model's
-    and its top token the same at ≥ 90% of positions (measured on this box: +0.9% and 96.9%)."""
+    """--matmul-precision int8 on the embedded model: every Q4_1 layer linear takes int8 products
+    (the Q8_0 LM head keeps the exact greedy head); fed a passage, its next-token perplexity is within 2% of the fp32 model's
+    and its top token the same at ≥ 90% of positions (measured on this box: +1.2% and 96.1%)."""
     assert main(["generate", "--matmul-precision", "int8", "--prompt", TEXTS[0], "--max-tokens", "8",
                  "--run-dir", str(tmp_path / "run")]) == 0
     assert capsys.readouterr().out.strip()
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["matmul_precision"] == "int8"
-    assert [w["int8_linears"] for w in json.loads((tmp_path / "run" / "workers.json").read_text())] == [4 * 30 + 1]
+    assert [w["int8_linears"] for w in json.loads((tmp_path / "run" / "workers.json").read_text())] == [4 * 30]
     from tests.stages.test_int8_gemm import prefill_logits, worker
     ids = llm.tokenizer.encode(PASSAGE)[:250]
     fp32, int8 = (prefill_logits(worker(Path(resolve_model(None).path), p), ids) for p in ("highest", "int8"))

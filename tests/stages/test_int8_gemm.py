@@ -137,13 +137,15 @@ def prefill_logits(w: StageWorker, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_int8_stage_takes_every_block_quantized_linear(gguf_models: dict, variant: str) -> None:
-    """Every linear held as panels (4 a layer and the tied LM head; "mixed" fuses one QKV from two
-    types into fp32, which keeps fp32 products), where the build has the products."""
+    """Every layer linear held as panels (4 a layer; "mixed" fuses one QKV from two types into fp32,
+    which keeps fp32 products), where the build has the products; the LM head keeps fp32 ones (its
+    greedy rows: the exact greedy head)."""
     fp32, int8 = worker(gguf_models[variant], "highest"), worker(gguf_models[variant], "int8")
     assert fp32.info()["int8_linears"] == 0 and fp32.info()["bf16_linears"] == 0
-    panels = LAYERS * (3 if variant == "mixed" else 4) + 1
+    panels = LAYERS * (3 if variant == "mixed" else 4)
     assert int8.info()["int8_linears"] == (panels if cpu_kernels.int8_products() else 0)
-    assert int8.model.lm_head.greedy is None or not cpu_kernels.int8_products()  # its own products, not the exact head
+    assert int8.model.lm_head.products == "fp32"
+    assert (int8.model.lm_head.greedy is None) == (fp32.model.lm_head.greedy is None)
     ids = [(7 * i) % 250 + 3 for i in range(40)]
     a, b = prefill_logits(fp32, ids), prefill_logits(int8, ids)
     if not cpu_kernels.int8_products():
