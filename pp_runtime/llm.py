@@ -35,6 +35,22 @@ RECONFIGURABLE = ("policy", "chunk_size", "max_batch_size", "tile_align", "chunk
 SHUT_DOWN = "shut down"
 
 
+# what each reduced --matmul-precision needs, for the line that says it changed nothing
+PRECISION_NEEDS = {"medium": ("bf16_linears", "a CPU with AVX512-BF16"),
+                   "int8": ("int8_linears", "a CPU with AVX512-VNNI and GGUF Q4_0/Q4_1/Q8_0 weights kept native")}
+
+
+def precision_note(precision: str, workers: list[dict]) -> str | None:
+    """One line for a run whose reduced matmul precision no linear took (it then computes as
+    "highest", as the flag's help says); None where some did, or none was asked for."""
+    if precision not in PRECISION_NEEDS:
+        return None
+    key, needs = PRECISION_NEEDS[precision]
+    if any(w.get(key) for w in workers):
+        return None
+    return f"pp-runtime: --matmul-precision {precision} changes no product here (it needs {needs}): computing as highest"
+
+
 class LLM:
     def __init__(self, model: str | None = None, pp: int = 1, tp: int = 1, launcher: str | None = None,
                  scheduler: str = "sarathi", chunk_size: int = 256, max_batch_size: int | None = None,
@@ -70,6 +86,9 @@ class LLM:
             raise
         if verbose:
             print(self.memory.describe(), file=sys.stderr)
+            note = precision_note(self.config.device.matmul_precision, self.executor.workers_info())
+            if note:
+                print(note, file=sys.stderr)
         self._tokenizer = None
         self._next_seq = 0
         self.broken: str | None = None  # set when a worker died or a run was interrupted: workers are gone

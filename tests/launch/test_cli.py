@@ -129,6 +129,23 @@ def test_verbose_run_prints_memory_plan(hf_models: dict, tmp_path: Path, capsys:
     rc, out, err = run_main(["generate", "--model", str(hf_models["llama"]), "--input", str(inp), *FAST], capsys)
     assert rc == 0 and "B = ⌊(M_G − M_S)/(L·m_kv)⌋" in err
     assert json.loads(out)["finish_reason"] == "length"
+    assert "--matmul-precision" not in err
+
+
+@pytest.mark.parametrize("precision", ["medium", "int8"])
+def test_a_precision_that_changes_nothing_says_so(precision: str, hf_models: dict, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    """An HF folder's fp32 weights take no int8 products (they are for GGUF blocks), nor bf16 ones
+    on a CPU without AVX512-BF16: the run goes on as "highest" and one line says so."""
+    from stages import cpu_kernels
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt_token_ids": [1, 2], "max_tokens": 2}\n')
+    rc, out, err = run_main(["generate", "--model", str(hf_models["llama"]), "--input", str(inp),
+                             "--matmul-precision", precision, *FAST], capsys)
+    assert rc == 0 and json.loads(out)["finish_reason"] == "length"
+    took = precision == "medium" and cpu_kernels.bf16_products()
+    line = f"pp-runtime: --matmul-precision {precision} changes no product here"
+    assert (line in err) != took
 
 
 # ---- bad command lines and configurations ----------------------------------------------------

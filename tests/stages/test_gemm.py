@@ -63,11 +63,12 @@ def test_medium_computes_as_highest_without_avx512_bf16(monkeypatch: pytest.Monk
     m = _model(str(hf_models["llama"]))
     pack_linears(m)
     if cpu_kernels.bf16_products():
-        assert set_matmul_precision(m, "medium") == 4 * m.cfg.num_layers + 1
-        assert set_matmul_precision(m, "highest") == 0
+        assert set_matmul_precision(m, "medium") == {"bf16": 4 * m.cfg.num_layers + 1, "int8": 0}
+        assert set_matmul_precision(m, "highest") == {"bf16": 0, "int8": 0}
     monkeypatch.setattr(cpu_kernels, "bf16_products", lambda: False)
-    assert set_matmul_precision(m, "medium") == 0
-    assert not any(getattr(mod, "bf16", False) for mod in m.modules())
+    assert set_matmul_precision(m, "medium") == {"bf16": 0, "int8": 0}
+    assert all(getattr(mod, "products", "fp32") == "fp32" for mod in m.modules())
+    assert set_matmul_precision(m, "int8") == {"bf16": 0, "int8": 0}  # packed fp32 weights: not GGUF blocks
 
 
 @bf16_only
