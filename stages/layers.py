@@ -276,5 +276,6 @@ def set_matmul_precision(model: nn.Module, precision: str) -> dict[str, int]:
             w = mod.weight
             int8_here = int8 and quant.is_panels(w) and not isinstance(mod, ParallelLMHead)
             mod.products = "bf16" if bf16 and w.dim() == 3 else "int8" if int8_here else "fp32"
-            n[mod.products] = n.get(mod.products, 0) + 1
-    return {"bf16": n["bf16"], "int8": n["int8"]}
+            if mod.products != "fp32":
+                n[mod.products] += 1
+    return n

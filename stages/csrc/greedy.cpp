@@ -140,11 +140,7 @@ struct RowScan {
 template <int R>
 void q8_tile(const uint8_t* panel, const int32_t* cs, const float* bn, int64_t KB, const uint8_t* xu, const float* xs,
              const float* eb, const float* bmax, int64_t K, float floor, int64_t v0, RowScan* scan) {
-  alignas(64) static const uint8_t order[64] = {  // out byte 4j + t <- in byte 16t + j
-      0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
-      6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
-      12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
-  const __m512i perm = _mm512_load_si512(order);
+  const __m512i perm = _mm512_load_si512(LANE_ORDER.s8);
   __m512 acc[R], bnd[R];
   for (int r = 0; r < R; ++r) acc[r] = bnd[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {

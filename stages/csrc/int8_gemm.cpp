@@ -18,7 +18,7 @@
 //
 // Layout: a (panel, block) holds d[16], m[16] (fp32), then the codes row by row of k: u4 two rows
 // a 16-byte line (low nibble: row 2i), s8 one row a line. vpdpbusd wants each column's 4 k in one
-// 32-bit lane: a byte permute (VBMI) puts them there from 4 rows of 16 columns.
+// 32-bit lane: a byte permute (VBMI, panels.h: LANE_ORDER) puts them there from 4 rows of 16 columns.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -67,22 +67,6 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* xs, float* xc) {
 // rows, and each row's sum split in two chains, measured no faster on the model's shapes)
 constexpr int ROWS = 8;
 
-// out byte 4j + t of a permute: column j's k = t of 4 rows (s8: in byte 16t + j of one line;
-// u4: rows 2p / 2p + 1 in the low / high nibbles of line p, lines 0-1 for k 0-3, 2-3 for k 4-7)
-struct Perms {
-  __m512i s8, u4a, u4b;
-  Perms() {
-    alignas(64) uint8_t s[64], a[64], b[64];
-    for (int j = 0; j < 16; ++j)
-      for (int t = 0; t < 4; ++t) {
-        s[4 * j + t] = static_cast<uint8_t>(16 * t + j);
-        a[4 * j + t] = static_cast<uint8_t>((t & 1 ? 64 : 0) + 16 * (t >> 1) + j);  // 64+: from the high nibbles
-        b[4 * j + t] = static_cast<uint8_t>(a[4 * j + t] + 32);
-      }
-    s8 = _mm512_load_si512(s), u4a = _mm512_load_si512(a), u4b = _mm512_load_si512(b);
-  }
-};
-
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -95,7 +79,7 @@ inline __m512i bcast4(const int8_t* p) {
 // left the int8 product at 1 row slower than the fp32 one, which prefetches.
 template <int R, bool U4>
 void tile(const uint8_t* panel, int64_t KB, const int8_t* xq, int64_t K, const float* xs, const float* xc,
-          float* y, int64_t N, const float* bias, const Perms& pm, const uint8_t* pf) {
+          float* y, int64_t N, const float* bias, const uint8_t* pf) {
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -108,18 +92,20 @@ void tile(const uint8_t* panel, int64_t KB, const int8_t* xq, int64_t K, const f
     __m512i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
     if constexpr (U4) {
+      const __m512i u4a = _mm512_load_si512(LANE_ORDER.u4a), u4b = _mm512_load_si512(LANE_ORDER.u4b);
       for (int i = 0; i < 4; ++i) {  // k = 8i .. 8i + 7
         const __m512i v = _mm512_loadu_si512(blk + 128 + 64 * i);
         const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        const __m512i w0 = _mm512_permutex2var_epi8(lo, pm.u4a, hi), w1 = _mm512_permutex2var_epi8(lo, pm.u4b, hi);
+        const __m512i w0 = _mm512_permutex2var_epi8(lo, u4a, hi), w1 = _mm512_permutex2var_epi8(lo, u4b, hi);
         for (int r = 0; r < R; ++r) {
           s[r] = _mm512_dpbusd_epi32(s[r], w0, bcast4(xb + r * K + 8 * i));
           s[r] = _mm512_dpbusd_epi32(s[r], w1, bcast4(xb + r * K + 8 * i + 4));
         }
       }
     } else {
+      const __m512i s8 = _mm512_load_si512(LANE_ORDER.s8);
       for (int i = 0; i < 8; ++i) {  // k = 4i .. 4i + 3, codes + 128 as unsigned bytes
-        const __m512i w = _mm512_xor_si512(_mm512_permutexvar_epi8(pm.s8, _mm512_loadu_si512(blk + 128 + 64 * i)), flip);
+        const __m512i w = _mm512_xor_si512(_mm512_permutexvar_epi8(s8, _mm512_loadu_si512(blk + 128 + 64 * i)), flip);
         for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], w, bcast4(xb + r * K + 4 * i));
       }
     }
@@ -127,8 +113,7 @@ void tile(const uint8_t* panel, int64_t KB, const int8_t* xq, int64_t K, const f
     __m512 m = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 64));
     if constexpr (!U4) m = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f), m);  // the + 128 of u, taken off
     for (int r = 0; r < R; ++r) {
-      const float* sc = xs + r * KB + b;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(*sc)), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r * KB + b])), acc[r]);
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xc[r * KB + b]), acc[r]);
     }
   }
@@ -138,11 +123,11 @@ void tile(const uint8_t* panel, int64_t KB, const int8_t* xq, int64_t K, const f
 
 template <bool U4, int R = ROWS>
 void rows(int n, const uint8_t* panel, int64_t KB, const int8_t* xq, int64_t K, const float* xs, const float* xc,
-          float* y, int64_t N, const float* bias, const Perms& pm, const uint8_t* pf) {
+          float* y, int64_t N, const float* bias, const uint8_t* pf) {
   if constexpr (R > 1) {
-    if (n < R) return rows<U4, R - 1>(n, panel, KB, xq, K, xs, xc, y, N, bias, pm, pf);
+    if (n < R) return rows<U4, R - 1>(n, panel, KB, xq, K, xs, xc, y, N, bias, pf);
   }
-  tile<R, U4>(panel, KB, xq, K, xs, xc, y, N, bias, pm, pf);
+  tile<R, U4>(panel, KB, xq, K, xs, xc, y, N, bias, pf);
 }
 #endif
 
@@ -185,7 +170,6 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch:
   const bool u4 = q.size(2) == QB_U4;
   const int64_t qb = q.size(2);
   float* yp = y.data_ptr<float>();
-  static const Perms pm;
   // panels split among threads; each panel's codes (6.9 KB at K = 576, u4) stay in L1 while every
   // tile of rows reads them
   at::parallel_for(0, NP, 4, [&](int64_t p0, int64_t p1) {
@@ -195,9 +179,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch:
         const float* bb = bp ? bp + p * NR : nullptr;
         const uint8_t* pf = r == 0 && p + 1 < NP ? qp + (p + 1) * KB * qb : nullptr;  // later tiles: in L1
         if (u4)
-          rows<true>(n, qp + p * KB * qb, KB, xq + r * K, K, xs + r * KB, xc + r * KB, yp + r * N + p * NR, N, bb, pm, pf);
+          rows<true>(n, qp + p * KB * qb, KB, xq + r * K, K, xs + r * KB, xc + r * KB, yp + r * N + p * NR, N, bb, pf);
         else
-          rows<false>(n, qp + p * KB * qb, KB, xq + r * K, K, xs + r * KB, xc + r * KB, yp + r * N + p * NR, N, bb, pm, pf);
+          rows<false>(n, qp + p * KB * qb, KB, xq + r * K, K, xs + r * KB, xc + r * KB, yp + r * N + p * NR, N, bb, pf);
       }
   });
 #else

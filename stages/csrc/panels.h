@@ -7,3 +7,27 @@
 constexpr int NR = 16;  // output columns per panel (two 8-lane vectors)
 constexpr int64_t QK = 32;
 constexpr int64_t QB_U4 = 128 + QK * NR / 2, QB_S8 = 128 + QK * NR;
+
+// Byte permutes that put each column's 4 k in one 32-bit lane, as vpdpbusd sums them (the int8
+// products of greedy.cpp and int8_gemm.cpp): out byte 4j + t <- column j's k = t of 4 code rows.
+// s8: 4 lines of 16 bytes, k = t in byte 16t + j. u4 (two operands, the low nibbles then the high
+// ones, 64+: from the second): line p holds rows 2p (low) and 2p + 1 (high), so u4a takes k 0-3
+// from lines 0-1 and u4b k 4-7 from lines 2-3.
+struct LaneOrder {
+  alignas(64) uint8_t s8[64] = {};
+  alignas(64) uint8_t u4a[64] = {};
+  alignas(64) uint8_t u4b[64] = {};
+};
+
+constexpr LaneOrder lane_order() {
+  LaneOrder o;
+  for (int j = 0; j < NR; ++j)
+    for (int t = 0; t < 4; ++t) {
+      o.s8[4 * j + t] = static_cast<uint8_t>(16 * t + j);
+      o.u4a[4 * j + t] = static_cast<uint8_t>((t & 1 ? 64 : 0) + 16 * (t >> 1) + j);
+      o.u4b[4 * j + t] = static_cast<uint8_t>(o.u4a[4 * j + t] + 32);
+    }
+  return o;
+}
+
+inline constexpr LaneOrder LANE_ORDER = lane_order();
