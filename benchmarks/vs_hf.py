@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/vs_hf.py            # embedded SmolLM2-135M: 32 prompts × 64 new tokens, ~4 min
     .venv/bin/python benchmarks/vs_hf.py --smoke --model HF_FOLDER   # tiny sizes (CI smoke test)
     .venv/bin/python benchmarks/vs_hf.py --rounds 3 --plot vs_hf.png   # and as a figure
+    .venv/bin/python benchmarks/vs_hf.py --int8-kv-cache-dtype fp8     # the int8 rounds on fp8 K/V
 
 Prompts: --num prompts with lengths uniform in [--min-len, --max-len] (seeded). HF gets them
 left-padded in one batch (its usual batched generate) with greedy decoding of exactly
@@ -20,8 +21,8 @@ bf16 matmuls, bf16 activations) against ours at --matmul-precision medium --kv-c
 (bf16 products of > 12 rows with fp32 sums, fp32 activations, fp16 K/V). The target compares the
 fp32 runs; the bf16 pair shows what each side gains from the core's bf16 dot products. The int8
 rounds (GGUF Q4/Q8 linears on int8-rounded activations, llama.cpp's scheme, where the core has
-AVX512-VNNI; elsewhere they compute as fp32) show what a user who takes that rounding gets, against
-HF fp32: torch's own dynamic int8 quantization rounds each activation tensor on one scale, which
+AVX512-VNNI; elsewhere they compute as fp32; their K/V in --int8-kv-cache-dtype, by default the
+fp32 cache) show what a user who takes that rounding gets, against HF fp32: torch's own dynamic int8 quantization rounds each activation tensor on one scale, which
 we measured far less faithful (docs/BENCHMARKS.md), so it is not the like-for-like baseline.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pathlib import Path
 
 import torch
 from core_throughput import hf_model, ours  # same directory: run as a script
+from pp_runtime.config import KV_DTYPES
 from pairing import alternating, ratios
 
 
@@ -86,6 +88,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2, help="HF / pp=1 pairs")
+    ap.add_argument("--int8-kv-cache-dtype", choices=KV_DTYPES, default="auto", help="the int8 rounds' K/V")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--hf-child", default=None, help=argparse.SUPPRESS)  # internal: one HF run, see hf_in_fresh_process
     ap.add_argument("--json", default=None)
@@ -102,7 +105,8 @@ def main() -> None:
     vocab = resolve_model(a.model).config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
     total = sum(lens) + a.num * a.new_tokens
-    r = {"prompts": a.num, "prompt_tokens": sum(lens), "new_tokens": a.num * a.new_tokens}
+    r = {"prompts": a.num, "prompt_tokens": sum(lens), "new_tokens": a.num * a.new_tokens,
+         "int8_kv_cache_dtype": a.int8_kv_cache_dtype}
     hf_s, ours_s, int8_s = [], [], []
     r["rounds"] = {"hf_s": hf_s, "ours_pp1_s": ours_s, "ours_pp1_int8_s": int8_s}
     for k, who in alternating(a.rounds, ("hf", "ours", "int8")):
@@ -111,7 +115,7 @@ def main() -> None:
         else:
             (ours_s if who == "ours" else int8_s).append(
                 ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk, max_batch_size=a.num + 1,
-                     matmul_precision="highest" if who == "ours" else "int8"))
+                     **(dict(matmul_precision="int8", kv_cache_dtype=a.int8_kv_cache_dtype) if who == "int8" else {})))
         if len(hf_s) == len(ours_s) == len(int8_s):  # the round is complete
             print(f"round {k}: HF {total / hf_s[-1]:.1f} tok/s, ours {total / ours_s[-1]:.1f} tok/s, "
                   f"ours int8 {total / int8_s[-1]:.1f} tok/s", flush=True)
@@ -143,7 +147,8 @@ def main() -> None:
           f"({r['ours_pp1_fp32_tok_s'] / r['hf_tok_s']:.2f}x HF)")
     print(f"  pp_runtime pp=2, 1 thread/stage: {r['ours_pp2_tok_s']:8.1f} tok/s  "
           f"({r['ours_pp2_tok_s'] / r['hf_tok_s']:.2f}x HF)")
-    print(f"  pp_runtime pp=1, int8 products:  {r['ours_pp1_int8_tok_s']:8.1f} tok/s  (median of {a.rounds}; "
+    print(f"  pp_runtime pp=1, int8 products:  {r['ours_pp1_int8_tok_s']:8.1f} tok/s  (K/V {a.int8_kv_cache_dtype}; "
+          f"median of {a.rounds}; "
           f"paired rounds {', '.join(f'{x:.2f}' for x in r['rounds']['ratio_int8'])}x HF -> median "
           f"{r['ratio_pp1_int8']:.2f}x)")
     print(f"  HF, bf16 weights:                {r['hf_bf16_tok_s']:8.1f} tok/s")

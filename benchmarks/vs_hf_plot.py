@@ -42,7 +42,9 @@ def plot_vs_hf(r: dict, path: Path, target: float = 3.0) -> str:
                + (f" (int8 products {r['ratio_pp1_int8']:.2f}×)" if "ratio_pp1_int8" in r else ""))
     rounds.legend(fontsize=8)
 
-    shown = [(label, r[f"{key}_tok_s"], color) for key, label, color in BARS if f"{key}_tok_s" in r]
+    kv = r.get("int8_kv_cache_dtype", "auto")  # the int8 rounds' K/V (runs before the flag: the fp32 cache)
+    shown = [(label + (f" + {kv} KV" if key == "ours_pp1_int8" and kv != "auto" else ""), r[f"{key}_tok_s"], color)
+             for key, label, color in BARS if f"{key}_tok_s" in r]
     ys = list(range(len(shown)))
     bars.barh(ys, [v for _, v, _ in shown], color=[c for _, _, c in shown])
     for y, (_, v, _) in zip(ys, shown):

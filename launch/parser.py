@@ -95,7 +95,9 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
                         "on the fly, same weights) or load them as floats")
     p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
                    help="auto: the model's dtype; float16: half the KV bytes of an fp32 model on CPU "
-                        "(twice the tokens per budget, faster long-context decode; values rounded once)")
+                        "(twice the tokens per budget, faster long-context decode; values rounded once); "
+                        "fp8: float8 e4m3 as vLLM's, a quarter of the fp32 bytes (values clamped to +-448, "
+                        "3 mantissa bits)")
     p.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="highest", help=MATMUL_HELP)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")

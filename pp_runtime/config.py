@@ -203,16 +203,18 @@ class SchedulerConfig:
         return self.max_running or self.max_batch_size
 
 
-KV_DTYPES = ("auto", "float16")
+# "fp8" is vLLM's name for the OCP float8 e4m3 format (torch.float8_e4m3fn) without a scale
+KV_DTYPES = ("auto", "float16", "fp8")
 
 
 def check_kv_dtype(kv_dtype: str, device: str, dtype: str) -> None:
-    """ValueError unless the KV cache dtype suits the model's: float16 is for fp32 models on CPU."""
+    """ValueError unless the KV cache dtype suits the model's: float16 and fp8 are for fp32 models
+    on CPU, whose kernels widen them as they read."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_cache_dtype must be {' or '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    if kv_dtype == "float16" and (device != "cpu" or dtype != "float32"):
-        raise ValueError(f"kv_cache_dtype float16 is for float32 models on CPU (got --device {device} --dtype "
-                         f"{dtype}: there the cache already takes the model's dtype; use auto)")
+    if kv_dtype != "auto" and (device != "cpu" or dtype != "float32"):
+        raise ValueError(f"kv_cache_dtype {kv_dtype} is for float32 models on CPU (got --device {device} --dtype "
+                         f"{dtype}: there the cache takes the model's dtype; use auto)")
 
 
 @dataclass(frozen=True)
@@ -224,7 +226,9 @@ class CacheConfig:
 
     kv_dtype: "auto" stores K/V in the model's dtype; "float16" halves them for an fp32 model on
     CPU — twice the tokens in the same budget, and half the bytes that decode attention (bound by
-    reading K/V) streams. Values are rounded once when written; attention still computes in fp32.
+    reading K/V) streams. "fp8" (float8 e4m3, vLLM's name; no scale: values clamped to ±448,
+    3 mantissa bits) halves them again. Values are rounded once when written; attention still
+    computes in fp32.
 
     prefault: on CPU the cache is allocated as zero pages that the OS faults in (and zeroes) when
     a block is first written, so a process's first run pays for that: 2-8% of its throughput on

@@ -93,9 +93,12 @@ def fill_cache(worker: StageWorker, seed: int = 0) -> None:
     """Random K/V everywhere: the decodes' contexts count as cached (attention cost does not
     depend on the values), and no slot holds uninitialised memory."""
     g = torch.Generator(device=worker.device).manual_seed(seed)
-    for k, v in worker.kv_caches:
-        k.normal_(generator=g)
-        v.normal_(generator=g)
+    for cache in (t for kv in worker.kv_caches for t in kv):
+        if cache.dtype != torch.float8_e4m3fn:
+            cache.normal_(generator=g)
+            continue
+        for part in cache.split(256):  # torch draws no fp8: fp32 draws, rounded, 256 blocks at a time
+            part.copy_(torch.randn(part.shape, generator=g, device=worker.device))
 
 
 def measure(worker: StageWorker, grid: Grid, progress: bool = False, seed: int = 0,

@@ -28,6 +28,7 @@ from stages.sampler import sample_hidden
 from stages.weights import load_weights
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_TORCH_DTYPES = {"float16": torch.float16, "fp8": torch.float8_e4m3fn}  # "auto": the model's dtype
 
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -55,9 +56,9 @@ def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     now, so the first run does not pay for faulting them in (CacheConfig.prefault)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    same_width = {4: np.int32, 2: np.int16}[dtype.itemsize]  # all-zero bits are 0.0
-    t = torch.from_numpy(np.zeros(shape, dtype=same_width)).view(dtype)
-    return t.zero_() if prefault else t
+    same_width = {4: np.int32, 2: np.int16, 1: np.int8}[dtype.itemsize]  # all-zero bits are 0.0
+    t = torch.from_numpy(np.zeros(shape, dtype=same_width))
+    return (t.zero_() if prefault else t).view(dtype)  # zeroed as ints: torch fills no fp8 tensor
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class StageWorker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if spec.device.device == "cuda" \
             else torch.device("cpu")
         self.dtype = TORCH_DTYPES[spec.device.dtype]
-        self.kv_dtype = torch.float16 if spec.cache.kv_dtype == "float16" else self.dtype
+        self.kv_dtype = KV_TORCH_DTYPES.get(spec.cache.kv_dtype, self.dtype)
         cfg = spec.source.config
         self.units = spec.parallel.stage_units(cfg.num_layers)[spec.stage]  # half layers
         self.is_first = spec.stage == 0

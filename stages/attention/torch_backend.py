@@ -25,8 +25,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         cpu_kernels.write_kv_(k, v, k_cache, v_cache, meta.slot_mapping)
         return
     h, d = k.shape[1:]
-    k_cache.view(-1, h, d).index_copy_(0, meta.slot_mapping, _narrow(k, k_cache.dtype))
-    v_cache.view(-1, h, d).index_copy_(0, meta.slot_mapping, _narrow(v, v_cache.dtype))
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        _raw(cache).view(-1, h, d).index_copy_(0, meta.slot_mapping, _raw(_narrow(x, cache.dtype)))
 
 
 def _rows(x: torch.Tensor) -> bool:
@@ -35,13 +35,24 @@ def _rows(x: torch.Tensor) -> bool:
 
 
 def _narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in the cache's dtype; into fp16 clamped to its finite range (65504), since an inf key
-    would turn every score of the row into NaN."""
+    """x in the cache's dtype, clamped to its finite range (fp16 ±65504, fp8 e4m3 ±448), since an
+    inf key would turn every score of the row into NaN."""
     if x.dtype == dtype:
         return x
-    if dtype == torch.float16:
-        x = x.clamp(-65504.0, 65504.0)
+    if dtype in (torch.float16, torch.float8_e4m3fn):
+        top = torch.finfo(dtype).max
+        x = x.clamp(-top, top)
     return x.to(dtype)
+
+
+def _raw(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache as its bytes: torch's index_copy_ / index_select take no float8 tensors."""
+    return cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The cache's blocks ``blocks`` (n,) as (n, BS, H_kv, D), in the cache's dtype."""
+    return _raw(cache).index_select(0, blocks).view(cache.dtype)
 
 
 def causal_offset_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
@@ -90,8 +101,8 @@ class TorchAttention:
                 mask, causal = None, True
             else:  # whole blocks of the context, then trimmed to its length
                 table = meta.prefill_tables[i]
-                ki = k_cache.index_select(0, table).view(-1, h_kv, d)[:ctx].to(q.dtype)  # (ctx, H_kv, D)
-                vi = v_cache.index_select(0, table).view(-1, h_kv, d)[:ctx].to(q.dtype)
+                ki = _gather(k_cache, table).view(-1, h_kv, d)[:ctx].to(q.dtype)  # (ctx, H_kv, D)
+                vi = _gather(v_cache, table).view(-1, h_kv, d)[:ctx].to(q.dtype)
                 mask, causal = causal_offset_mask(n, ctx, q.device), False
             o = F.scaled_dot_product_attention(qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
                                                attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True)
@@ -103,8 +114,8 @@ class TorchAttention:
         elif meta.num_decodes:
             b = meta.num_decodes
             idx = meta.decode_tables.reshape(-1)
-            kd = k_cache.index_select(0, idx).view(b, -1, h_kv, d).transpose(1, 2).to(q.dtype)  # (B, H_kv, L, D)
-            vd = v_cache.index_select(0, idx).view(b, -1, h_kv, d).transpose(1, 2).to(q.dtype)
+            kd = _gather(k_cache, idx).view(b, -1, h_kv, d).transpose(1, 2).to(q.dtype)  # (B, H_kv, L, D)
+            vd = _gather(v_cache, idx).view(b, -1, h_kv, d).transpose(1, 2).to(q.dtype)
             mask = meta.decode_mask[:, None, None, :]  # (B, 1, 1, L)
             o = F.scaled_dot_product_attention(q[row:].unsqueeze(2), kd, vd, attn_mask=mask, scale=self.scale,
                                                enable_gqa=True)  # (B, H, 1, D)

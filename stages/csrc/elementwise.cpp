@@ -206,6 +206,32 @@ inline void store_row(const float* x, int64_t n, c10::Half* out) {
 #endif
   for (; i < n; ++i) out[i] = c10::Half(std::min(std::max(x[i], -65504.f), 65504.f));
 }
+// fp8 e4m3 the same way: clamped to ±448, its largest finite value, and rounded to nearest even
+// as torch's .to(float8_e4m3fn) does. 16 lanes: the magnitude's fp32 bits rounded at bit 20 and
+// rebiased (exponent 127 -> 7) where it is normal in e4m3 (≥ 2⁻⁶); below, |x| · 2⁹ rounded to an
+// integer, which is the subnormal code (and gives 8, 2⁻⁶'s code, where rounding reaches it)
+inline void store_row(const float* x, int64_t n, Fp8* out) {
+  int64_t i = 0;
+#ifdef PP_AVX512
+  const __m512 lo = _mm512_set1_ps(-448.f), hi = _mm512_set1_ps(448.f);
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
+  const __m512i half_ulp = _mm512_set1_epi32(0x7FFFF), rebias = _mm512_set1_epi32((127 - 7) << 3);
+  const __m512i smallest_normal = _mm512_set1_epi32(0x3C800000);  // 2⁻⁶
+  for (; i + 16 <= n; i += 16) {
+    const __m512i bits = _mm512_castps_si512(_mm512_min_ps(_mm512_max_ps(_mm512_loadu_ps(x + i), lo), hi));
+    const __m512i a = _mm512_and_si512(bits, magnitude);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), one);  // ties to even
+    const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_add_epi32(a, _mm512_add_epi32(half_ulp, odd)), 20),
+                                            rebias);
+    const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(512.f)),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i code = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(a, smallest_normal), normal, sub);
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(_mm512_or_si512(code, sign)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = Fp8(std::min(std::max(x[i], -448.f), 448.f));
+}
 
 template <typename T>
 void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots) {
@@ -228,9 +254,10 @@ void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::T
               k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "write_kv_: k, v (T, H, D) float32 with contiguous (H, D) rows");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dtype() == v_cache.dtype() &&
-              (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16) && k_cache.dim() == 4 &&
+              (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16 ||
+               k_cache.dtype() == torch::kFloat8_e4m3fn) && k_cache.dim() == 4 &&
               k_cache.size(2) * k_cache.size(3) == k.size(1) * k.size(2) && k_cache.sizes() == v_cache.sizes(),
-              "write_kv_: caches (NB, BS, H, D) float32 or float16, contiguous, of k's heads");
+              "write_kv_: caches (NB, BS, H, D) float32, float16 or float8_e4m3fn, contiguous, of k's heads");
   TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.numel() == k.size(0),
               "write_kv_: slots (T,) int64");
   const int64_t* sl = slots.data_ptr<int64_t>();
@@ -240,6 +267,9 @@ void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::T
   if (k_cache.dtype() == torch::kFloat16) {
     write_rows<c10::Half>(k, k_cache, sl);
     write_rows<c10::Half>(v, v_cache, sl);
+  } else if (k_cache.dtype() == torch::kFloat8_e4m3fn) {
+    write_rows<Fp8>(k, k_cache, sl);
+    write_rows<Fp8>(v, v_cache, sl);
   } else {
     write_rows<float>(k, k_cache, sl);
     write_rows<float>(v, v_cache, sl);

@@ -1,5 +1,5 @@
 // Paged decode attention for fp32 on CPU (see stages/cpu_kernels.py).
-// q (B, H, D); k_cache, v_cache (NB, BS, H_kv, D) fp32 or fp16 (T: widened as read); tables (B, NBT)
+// q (B, H, D); k_cache, v_cache (NB, BS, H_kv, D) fp32, fp16 or fp8 e4m3 (T: widened as read); tables (B, NBT)
 // int64; lens (B,) int64.
 // Each KV head's G = H / H_kv query heads share every K/V row read; two passes (scores and
 // softmax over a contiguous buffer, then the V sum), each row read once, block by block.
@@ -171,6 +171,10 @@ struct Lanes16 {
   static V load(const c10::Half* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  static V load(const Fp8* p) {  // 16 fp8 -> 16 floats · 2⁻⁸, as load8 (vec.h)
+    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBF80))));
+  }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
@@ -226,6 +230,7 @@ void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vecto
   static_assert(DC % W == 0, "head size must be a whole number of slices");
   const int64_t len = a.lens[b], rs = a.Hkv * DC, nh = h1 - h0;
   const int64_t* table = a.tables + b * a.NBT;
+  const float kscale = a.scale * raw_unit<T>();  // L::load's K rows are in raw units (vec.h)
   // block id's first row (all KV heads) in a cache; bytes of n rows
   auto block = [&a, rs](const T* cache, int64_t id) { return cache + id * a.BS * rs; };
   auto row_bytes = [rs](int64_t n) { return n * rs * static_cast<int64_t>(sizeof(T)); };
@@ -246,8 +251,8 @@ void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vecto
         const float* qb = a.q + (b * a.H + h * GC) * DC;
         const T* kr = a.k + (table[blk] * a.BS * a.Hkv + h) * DC + j * rs;
         float* ph = p.data() + (h - h0) * GC * len + start + j;
-        if (full) score_rows<L, T, DC, GC, R>(qb, kr, rs, a.scale, ph, len);
-        else score_rows<L, T, DC, GC, 1>(qb, kr, rs, a.scale, ph, len);
+        if (full) score_rows<L, T, DC, GC, R>(qb, kr, rs, kscale, ph, len);
+        else score_rows<L, T, DC, GC, 1>(qb, kr, rs, kscale, ph, len);
       }
       j += full ? R : 1;
     }
@@ -292,7 +297,7 @@ void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vecto
   }
   for (int64_t g = 0; g < nh * GC; ++g) {
     float* out = a.out + (b * a.H + h0 * GC + g) * DC;
-    const typename L::V s = L::set1(inv[g]);
+    const typename L::V s = L::set1(inv[g] * raw_unit<T>());  // and V's rows
     for (int d = 0; d < DC; d += L::N) L::store(out + d, L::mul(L::loadf(acc.data() + g * DC + d), s));
   }
 }
@@ -349,8 +354,9 @@ void run_d(const Args<T>& a, int64_t B) {
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor lens, double scale) {
   const auto kv = k_cache.scalar_type();
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && (kv == torch::kFloat32 || kv == torch::kFloat16) &&
-              v_cache.scalar_type() == kv, "paged_decode: float32 q, float32 or float16 caches");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 &&
+              (kv == torch::kFloat32 || kv == torch::kFloat16 || kv == torch::kFloat8_e4m3fn) &&
+              v_cache.scalar_type() == kv, "paged_decode: float32 q, float32, float16 or float8_e4m3fn caches");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               tables.is_contiguous() && lens.is_contiguous(), "paged_decode: contiguous inputs");
   TORCH_CHECK(tables.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64, "paged_decode: int64 tables/lens");
@@ -365,6 +371,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                   static_cast<float>(scale)}, B);
   };
   if (kv == torch::kFloat16) run_as(c10::Half{});
+  else if (kv == torch::kFloat8_e4m3fn) run_as(Fp8{});
   else run_as(0.f);
   return out;
 }

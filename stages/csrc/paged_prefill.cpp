@@ -1,6 +1,6 @@
 // Paged causal prefill attention for fp32 on CPU (see stages/cpu_kernels.py), one chunk per call.
-// q (n, H, D) with any row stride; k_cache, v_cache (NB, BS, H_kv, D), fp32 or fp16 (widened to
-// fp32 when packed); table (nb,) int64;
+// q (n, H, D) with any row stride; k_cache, v_cache (NB, BS, H_kv, D), fp32, fp16 or fp8 e4m3
+// (widened to fp32 when packed); table (nb,) int64;
 // the chunk is the last n of ctx positions, its own K/V already written to the cache.
 //
 // Why not SDPA: its CPU flash kernel runs a fresh 256-token causal chunk at ~11 GFLOP/s, and a
@@ -31,7 +31,7 @@ constexpr float kNoMax = -1e30f;
 
 struct Args {
   const float* q;
-  const void* k;  // T: float or c10::Half, as the cache is
+  const void* k;  // T: float, c10::Half or Fp8, as the cache is
   const void* v;
   const int64_t* table;
   float* out;
@@ -209,9 +209,10 @@ void run(const Args& a) {
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
                    int64_t ctx, double scale, torch::Tensor out) {
   const auto kv = k_cache.scalar_type();
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && (kv == torch::kFloat32 || kv == torch::kFloat16) &&
+  TORCH_CHECK(q.dtype() == torch::kFloat32 &&
+              (kv == torch::kFloat32 || kv == torch::kFloat16 || kv == torch::kFloat8_e4m3fn) &&
               v_cache.scalar_type() == kv && out.dtype() == torch::kFloat32,
-              "paged_prefill: float32 q and out, float32 or float16 caches");
+              "paged_prefill: float32 q and out, float32, float16 or float8_e4m3fn caches");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_prefill: q rows (H, D) contiguous");
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2),
               "paged_prefill: out like q");
@@ -236,7 +237,8 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
          out.data_ptr<float>(), q.stride(0), out.stride(0), n, ctx, H, Hkv, H / Hkv, D, BS,
          static_cast<float>(scale), kt.get(), vp.get(), Lp};
   const int64_t blocks = (ctx + BS - 1) / BS;
-  const auto pack = kv == torch::kFloat16 ? pack_block<c10::Half> : pack_block<float>;  // the cache's element
+  const auto pack = kv == torch::kFloat16 ? pack_block<c10::Half>  // the cache's element
+                    : kv == torch::kFloat8_e4m3fn ? pack_block<Fp8> : pack_block<float>;
   at::parallel_for(0, Hkv * blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) pack(a, i / blocks, i % blocks, kt.get(), vp.get());
   });

@@ -4,11 +4,29 @@
 #include <cmath>
 #include <cstdint>
 
+#include <array>
+
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
-// K/V cache elements: fp32, or fp16 (--kv-cache-dtype float16) widened to fp32 as they are read
+// K/V cache elements: fp32, or fp16 / fp8 e4m3 (--kv-cache-dtype float16 / fp8) widened to fp32
+// as they are read. fp8 through a table of its 256 values (c10's conversion is a dozen integer
+// ops; a prefill chunk widens every cached key and value of its context once per layer)
+using Fp8 = c10::Float8_e4m3fn;
+inline const std::array<float, 256> kFp8Values = [] {
+  std::array<float, 256> t{};
+  for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(Fp8(static_cast<uint8_t>(i), Fp8::from_bits()));
+  return t;
+}();
 inline float to_f32(float x) { return x; }
 inline float to_f32(c10::Half x) { return static_cast<float>(x); }
+inline float to_f32(Fp8 x) { return kFp8Values[x.x]; }
+
+// What the vector loads below (load8, the decode kernel's 16-lane load) return, in units of the
+// element's value: fp8 comes back as value · 2⁻⁸ (its e4m3 bits moved into fp16 bits, whose
+// exponent bias is 8 more), and the kernels fold 2⁸ into a scale they multiply by anyway.
+template <typename T> constexpr float raw_unit() { return 1.f; }
+template <> constexpr float raw_unit<Fp8>() { return 256.f; }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -17,6 +35,13 @@ inline float to_f32(c10::Half x) { return static_cast<float>(x); }
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::Half* p) {  // 8 halves -> 8 floats, exactly
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// fp8 e4m3 bits s eeee mmm -> fp16 bits s 0eeee mmm0000000, the same number · 2⁻⁸ (subnormals
+// included: both formats' subnormals sit below their smallest exponent): sign-extended to 16
+// bits, shifted left 7, the copy of the sign that lands on bit 14 cleared. Exact.
+inline __m256 load8(const Fp8* p) {  // 8 fp8 -> 8 floats · 2⁻⁸ (raw_unit)
+  const __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(static_cast<short>(0xBF80))));
 }
 #if defined(__AVX512F__)
 #define PP_AVX512 1  // 16-lane FMAs: twice the 8-lane peak where the core has 512-bit FMA units

@@ -197,6 +197,8 @@ BAD_CONFIGS = {  # name: (extra arguments, message); {llama} {gguf} {dir} {missi
     "kv_dtype": (["--model", "{llama}", "--kv-cache-dtype", "int8"], "argument --kv-cache-dtype: invalid choice"),
     "kv_fp16_on_bf16": (["--model", "{llama}", "--dtype", "bfloat16", "--kv-cache-dtype", "float16"],
                         "kv_cache_dtype float16 is for float32 models on CPU"),
+    "kv_fp8_on_bf16": (["--model", "{llama}", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8"],
+                       "kv_cache_dtype fp8 is for float32 models on CPU"),
     "chunk_budget": (["--model", "{llama}", "--chunk-budget", "bytes"], "argument --chunk-budget: invalid choice"),
     "matmul_precision": (["--model", "{llama}", "--matmul-precision", "low"],
                          "argument --matmul-precision: invalid choice"),

@@ -302,20 +302,23 @@ def test_kv_cache_far_below_demand_preempts_without_changing_outputs(scheduler: 
     assert preemptions >= 5 and summary["preemptions"] == preemptions
 
 
-def test_float16_kv_cache_holds_twice_the_tokens_in_the_same_budget() -> None:
-    """LLM(kv_cache_dtype="float16") at pp = 2: every stage's cache is half, the plan holds twice
-    the blocks for the same budget, and a run completes; a bad value names the setting."""
+def test_narrow_kv_caches_hold_more_tokens_in_the_same_budget() -> None:
+    """LLM(kv_cache_dtype="float16" / "fp8") at pp = 2: every stage's cache is half / a quarter, the
+    plan holds 2× / 4× the blocks for the same budget, and a run completes; a bad value names the
+    setting."""
     kw = dict(model="llama-tiny", pp=2, launcher="local", chunk_size=8, max_batch_size=3, memory_budget_gb=0.05)
     plans = {}
-    for kv in ("auto", "float16"):
+    for kv in ("auto", "float16", "fp8"):
         with LLM(kv_cache_dtype=kv, **kw) as llm:
             plans[kv] = llm.memory
             out = llm.generate([list(range(3, 40))], SamplingParams(max_tokens=5, ignore_eos=True))[0]
             assert out.finish_reason == "length" and len(out.token_ids) == 5
     assert plans["float16"].kv_bytes_per_token * 2 == plans["auto"].kv_bytes_per_token
     assert plans["float16"].num_blocks >= 2 * plans["auto"].num_blocks - 1
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or float16, got 'fp8'"):
-        LLM(kv_cache_dtype="fp8", **kw)
+    assert plans["fp8"].kv_bytes_per_token * 4 == plans["auto"].kv_bytes_per_token
+    assert plans["fp8"].num_blocks >= 4 * plans["auto"].num_blocks - 3
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or float16 or fp8, got 'int4'"):
+        LLM(kv_cache_dtype="int4", **kw)
 
 
 @pytest.mark.parametrize("partition", ((3.5, 0.5), (np.float64(2.5), np.int64(1), np.float64(0.5)), (0.5, 0.5, 3)))

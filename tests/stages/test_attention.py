@@ -157,12 +157,19 @@ def test_xformers_kernel_matches_torch_on_cuda() -> None:
     torch.testing.assert_close(ours, ref, rtol=2e-3, atol=2e-3)
 
 
+NARROW = [torch.float16, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("narrow", NARROW, ids=["fp16", "fp8"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("hkv,grp,d", [(3, 3, 64), (2, 4, 128), (2, 5, 64), (1, 5, 48), (1, 8, 64), (2, 2, 128),
                                        (2, 1, 64)])
-def test_kernels_read_float16_caches_as_their_float32_widening(isa: str, threads: int, hkv: int, grp: int, d: int) -> None:
-    """--kv-cache-dtype float16: both kernels widen each K/V element exactly as it is read, so the
-    register-tiled decode path and the prefill kernel (which widens while packing) give bit for bit
+def test_kernels_read_narrow_caches_as_their_float32_widening(isa: str, threads: int, hkv: int, grp: int, d: int,
+                                                              narrow: torch.dtype) -> None:
+    """--kv-cache-dtype float16 / fp8: both kernels widen each K/V element exactly as it is read, so the
+    register-tiled decode path (fp8 read as value · 2⁻⁸, the 2⁸ folded into the score scale and the
+    softmax's 1 / sum: powers of two, so the same roundings) and the prefill kernel (which widens
+    while packing) give bit for bit
     the fp32 kernel's result on the widened cache; the plain-loop decode path (group 5) may sum in
     another order once the compiler vectorises the widening, so it is held to float rounding, and so
     is every decode of the build without vector extensions (plain loops only)."""
@@ -170,8 +177,8 @@ def test_kernels_read_float16_caches_as_their_float32_widening(isa: str, threads
         pytest.skip("CPU paged-attention kernel could not be built here")
     g = torch.Generator().manual_seed(d + grp)
     bs, b, nb = 16, 5, 8
-    kh = torch.randn(60, bs, hkv, d, generator=g).half()
-    vh = torch.randn(60, bs, hkv, d, generator=g).half()
+    kh = torch.randn(60, bs, hkv, d, generator=g).to(narrow)
+    vh = torch.randn(60, bs, hkv, d, generator=g).to(narrow)
     tables = torch.randperm(60, generator=g)[:b * nb].view(b, nb).contiguous()
     lens = torch.tensor([1, 17, 50, 100, 128])
     q = torch.randn(b, hkv * grp, d, generator=g)
@@ -195,10 +202,12 @@ def test_kernels_read_float16_caches_as_their_float32_widening(isa: str, threads
     assert torch.equal(out16, out32)
 
 
+@pytest.mark.parametrize("narrow", NARROW, ids=["fp16", "fp8"])
 @pytest.mark.parametrize("paged_kernel", [True, False])
-def test_torch_backend_with_float16_cache_matches_dense_on_the_rounded_kv(isa: str, paged_kernel: bool,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """An fp16 cache: the new tokens' K/V are rounded once as they are written, and every path
+def test_torch_backend_with_narrow_cache_matches_dense_on_the_rounded_kv(isa: str, paged_kernel: bool,
+                                                                         narrow: torch.dtype,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp16 or fp8 cache: the new tokens' K/V are rounded once as they are written, and every path
     (kernels, gather + SDPA, a fresh chunk attending to itself) attends over those rounded values."""
     if paged_kernel and not cpu_kernels.available():
         pytest.skip("CPU paged-attention kernel could not be built here")
@@ -206,19 +215,27 @@ def test_torch_backend_with_float16_cache_matches_dense_on_the_rounded_kv(isa: s
         pytest.skip("gather + SDPA does not run the kernels: once is enough")
     monkeypatch.setattr(TorchAttention, "_use_paged_kernel", staticmethod(lambda q: paged_kernel))
     chunks, q, k, v, kc, vc = mixed_batch(d=16)
-    kc16, vc16 = kc.half(), vc.half()
+    kc16, vc16 = kc.to(narrow), vc.to(narrow)
     meta = build_metadata(chunks, BS, torch.device("cpu"))
     out = TorchAttention(16 ** -0.5).forward(q, k, v, kc16, vc16, meta)
-    assert kc16.dtype == torch.float16  # written in place, still half
+    assert kc16.dtype == narrow  # written in place, still narrow
     torch.testing.assert_close(out, dense_reference(chunks, q, kc16.float(), vc16.float()), rtol=1e-5, atol=1e-5)
 
 
-def test_float16_cache_write_clamps_to_its_finite_range() -> None:
-    """A K/V value past fp16's range is stored as ±65504, not inf (an inf key makes the row NaN)."""
+@pytest.mark.parametrize("narrow", NARROW, ids=["fp16", "fp8"])
+@pytest.mark.parametrize("paged_kernel", [True, False])
+def test_narrow_cache_write_clamps_to_its_finite_range(paged_kernel: bool, narrow: torch.dtype,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A K/V value past the cache's range is stored as its largest finite value (fp16 ±65504, fp8
+    ±448), not inf or NaN (an inf key makes the row NaN), by the kernels and by torch alike."""
+    if paged_kernel and not cpu_kernels.available():
+        pytest.skip("CPU paged-attention kernel could not be built here")
+    monkeypatch.setattr(cpu_kernels, "usable", lambda x: paged_kernel and x.dtype == torch.float32)
     chunks, q, k, v, kc, vc = mixed_batch(d=16)
     k[0, 0, 0], v[1, 1, 1] = 1e6, -1e6
-    kc16, vc16 = kc.half(), vc.half()
+    kc16, vc16 = kc.to(narrow), vc.to(narrow)
     meta = build_metadata(chunks, BS, torch.device("cpu"))
     out = TorchAttention(16 ** -0.5).forward(q, k, v, kc16, vc16, meta)
-    assert torch.isfinite(kc16).all() and torch.isfinite(vc16).all() and not out.isnan().any()
-    assert kc16.float().max() == 65504.0 and vc16.float().min() == -65504.0
+    top = torch.finfo(narrow).max
+    assert torch.isfinite(kc16.float()).all() and torch.isfinite(vc16.float()).all() and not out.isnan().any()
+    assert kc16.float().max() == top and vc16.float().min() == -top

@@ -83,24 +83,30 @@ def test_transpose_matches_torch(isa: str, threads: int, r: int, c: int) -> None
     assert torch.equal(cpu_kernels.transpose(x), x.t().contiguous())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float8_e4m3fn], ids=["fp32", "fp16", "fp8"])
 @pytest.mark.parametrize("t", [1, 5, 200])
 def test_write_kv_matches_index_copy(isa: str, threads: int, dtype: torch.dtype, t: int) -> None:
     """K and V as the fused QKV output's strided views, into the caches at scattered slots: the bits
-    index_copy_ of the (clamped) rows writes, into an fp16 cache too (±inf keys become ±65504)."""
+    index_copy_ of the (clamped) rows writes, into an fp16 or fp8 cache too (±inf keys become
+    ±65504 / ±448; fp8 rounds to nearest even as torch's .to does, subnormals and ties included)."""
     h, hkv, d = 6, 2, 16
     g = torch.Generator().manual_seed(t)
     qkv = 100 * torch.randn(t, (h + 2 * hkv) * d, generator=g)
+    # every decade fp8 holds, its subnormals (< 2⁻⁶) and their ties (odd multiples of 2⁻¹⁰), normal ties
+    qkv[:, :h * d] *= torch.logspace(-4, 1, h * d)[torch.randperm(h * d, generator=g)]
+    qkv.view(-1)[:8] = torch.tensor([3 * 2 ** -10, 5 * 2 ** -10, 0.99 * 2 ** -6, 1.0625, 1.1875, 232.0, 460.0, -0.0])
     qkv[0, h * d] = float("inf")
     qkv[-1, (h + hkv) * d + 3] = -float("inf")
     k, v = qkv[:, h * d:(h + hkv) * d].view(t, hkv, d), qkv[:, (h + hkv) * d:].view(t, hkv, d)
     slots = torch.randperm(64 * 4, generator=g)[:t]
     caches = [torch.zeros(64, 4, hkv, d, dtype=dtype) for _ in range(4)]
     cpu_kernels.write_kv_(k, v, caches[0], caches[1], slots)
-    for src, cache in ((k, caches[2]), (v, caches[3])):
-        cache.view(-1, hkv, d).index_copy_(0, slots, src.clamp(-65504, 65504).to(dtype) if dtype == torch.float16
-                                           else src)
-    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    top = torch.finfo(dtype).max if dtype != torch.float32 else float("inf")  # an fp32 cache keeps inf
+    for src, cache in ((k, caches[2]), (v, caches[3])):  # as bytes: index_copy_ takes no fp8
+        cache.view(torch.uint8).view(-1, hkv, d * dtype.itemsize).index_copy_(
+            0, slots, src.clamp(-top, top).to(dtype).contiguous().view(torch.uint8))
+    raw = [c.view(torch.uint8) for c in caches]
+    assert torch.equal(raw[0], raw[2]) and torch.equal(raw[1], raw[3])
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu_kernels.write_kv_(k, v, caches[0], caches[1], slots + 64 * 4)
 

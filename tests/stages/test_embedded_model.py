@@ -105,6 +105,29 @@ def test_int8_products_keep_the_model(llm: LLM, tmp_path: Path, capsys: pytest.C
     assert (fp32.argmax(-1) == int8.argmax(-1)).float().mean() >= 0.9
 
 
+@pytest.mark.parametrize("precision", ["highest", "int8"])
+def test_fp8_kv_cache_keeps_the_model(llm: LLM, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                      precision: str) -> None:
+    """--kv-cache-dtype fp8 on the embedded model (every K/V element rounded to e4m3 once, as
+    written): fed a passage, its next-token perplexity is within 3% of the same products' with the
+    fp32 cache and its top token the same at ≥ 90% of positions (measured on this box: +1.9% and
+    95.3% with fp32 products, +1.1% and 95.3% with int8 ones; fp16 K/V: +0.0%, 100%); generate
+    runs on it and says so."""
+    assert main(["generate", "--kv-cache-dtype", "fp8", "--matmul-precision", precision, "--prompt", TEXTS[0],
+                 "--max-tokens", "8", "--run-dir", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out.strip()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["kv_cache_dtype"] == "fp8"
+    assert [w["kv_dtype"] for w in json.loads((tmp_path / "run" / "workers.json").read_text())] == ["float8_e4m3fn"]
+    from tests.stages.test_int8_gemm import prefill_logits, worker
+    ids = llm.tokenizer.encode(PASSAGE)[:250]
+    path = Path(resolve_model(None).path)
+    wide, fp8 = (prefill_logits(worker(path, precision, kv), ids) for kv in ("auto", "fp8"))
+    target = torch.tensor(ids[1:])
+    ppl = [torch.nn.functional.cross_entropy(x[:-1], target).exp().item() for x in (wide, fp8)]
+    assert ppl[1] < 1.03 * ppl[0]
+    assert (wide.argmax(-1) == fp8.argmax(-1)).float().mean() >= 0.9
+
+
 def test_eos_stops_the_chat_answer(llm: LLM, prompts: list[list[int]]) -> None:
     out = llm.generate([prompts[0]], SamplingParams(max_tokens=48))[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] in llm.source.config.eos_token_ids

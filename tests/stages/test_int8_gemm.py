@@ -113,8 +113,8 @@ def test_other_builds_say_they_have_no_int8_products(isa: str) -> None:
 
 
 # ---- a stage at matmul precision "int8" ------------------------------------------------------
-def worker(path: Path, precision: str) -> StageWorker:
-    spec = WorkerSpec(resolve_model(str(path)), 0, 0, ParallelConfig(1), CacheConfig(4, 1 << 24),
+def worker(path: Path, precision: str, kv_dtype: str = "auto") -> StageWorker:
+    spec = WorkerSpec(resolve_model(str(path)), 0, 0, ParallelConfig(1), CacheConfig(4, 1 << 24, kv_dtype),
                       DeviceConfig("cpu", "float32", "torch", matmul_precision=precision))
     w = StageWorker(spec, TPContext(), None)
     w.allocate_cache(64)

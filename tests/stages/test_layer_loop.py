@@ -87,7 +87,8 @@ def test_c_loop_is_the_python_loop_bit_for_bit(hf_models: dict, threads: int, ar
     both_loops(worker(str(hf_models[arch])), STEPS[step])
 
 
-@pytest.mark.parametrize("precision,kv_dtype", [("medium", "auto"), ("highest", "float16"), ("medium", "float16")])
+@pytest.mark.parametrize("precision,kv_dtype", [("medium", "auto"), ("highest", "float16"), ("medium", "float16"),
+                                              ("highest", "fp8")])
 @pytest.mark.parametrize("step", STEPS)
 def test_bf16_products_and_fp16_caches(hf_models: dict, threads: int, precision: str, kv_dtype: str, step: str) -> None:
     both_loops(worker(str(hf_models["qwen2"]), precision=precision, kv_dtype=kv_dtype), STEPS[step])
