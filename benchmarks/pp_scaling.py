@@ -54,6 +54,7 @@ import statistics
 import time
 from pathlib import Path
 
+from launch.parser import parse_partition
 from pairing import alternating, ratios  # same directory: run as a script
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.config import CHUNK_BUDGETS, KV_DTYPES, MATMUL_PRECISIONS
@@ -68,13 +69,14 @@ def zipf_workload(num_requests: int, min_len: int, max_len: int) -> WorkloadConf
 
 
 def deployments(stack: contextlib.ExitStack, model: str | None, chunk: int, max_batch_size: int, kv_cache_dtype: str,
-                matmul_precision: str) -> dict[int, LLM]:
-    """pp=1 in this process and pp=2 on two Ray workers, one thread per stage, the same batch size and
-    2 GB budget (closed with the stack)."""
+                matmul_precision: str, pp2_partition: list[float] | None = None) -> dict[int, LLM]:
+    """pp=1 in this process and pp=2 on two Ray workers (layers split evenly unless pp2_partition), one
+    thread per stage, the same batch size and 2 GB budget (closed with the stack)."""
     common = dict(model=model, chunk_size=chunk, max_batch_size=max_batch_size, memory_budget_gb=2.0,
                   max_model_len=2048 if model is None else None, threads=1, kv_cache_dtype=kv_cache_dtype,
                   matmul_precision=matmul_precision)
-    return {pp: stack.enter_context(LLM(pp=pp, launcher="local" if pp == 1 else "ray", **common)) for pp in (1, 2)}
+    own = {1: dict(launcher="local"), 2: dict(launcher="ray", partition=pp2_partition)}
+    return {pp: stack.enter_context(LLM(pp=pp, **own[pp], **common)) for pp in (1, 2)}
 
 
 def run_once(llm: LLM, items: list, policy: str, chunk: int, budget: str = "flops") -> float:
@@ -239,6 +241,9 @@ def main() -> None:
     add_workload_args(ap, num_requests=24)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--pp2-chunk", type=int, default=None, help="pp=2's chunk (default: --chunk)")
+    ap.add_argument("--pp2-partition", default=None, type=parse_partition,
+                    help="pp=2's layers per stage, e.g. 15.5,14.5 (default: an even split); the last stage also "
+                         "runs the LM head")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES)
     ap.add_argument("--matmul-precision", default="highest", choices=MATMUL_PRECISIONS,
                     help="medium: products of > 12 rows (prefill chunks, decode batches of 13+) on bf16 inputs "
@@ -263,10 +268,11 @@ def main() -> None:
     r: dict = {"workload": {"num_requests": a.num_requests, "min_len": a.min_len, "max_len": a.max_len,
                             "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "max_batch_size": a.max_batch_size,
                "kv_cache_dtype": a.kv_cache_dtype, "matmul_precision": a.matmul_precision,
-               "pp2_chunk": a.pp2_chunk or a.chunk, "chunk_budgets": budgets, "warmup": "one unmeasured run per pp",
+               "pp2_chunk": a.pp2_chunk or a.chunk, "pp2_partition": a.pp2_partition, "chunk_budgets": budgets, "warmup": "one unmeasured run per pp",
                "throughput_tok_s": {}, "efficiency": {}}
     with contextlib.ExitStack() as stack:
-        llms = deployments(stack, model, a.chunk, a.max_batch_size, a.kv_cache_dtype, a.matmul_precision)
+        llms = deployments(stack, model, a.chunk, a.max_batch_size, a.kv_cache_dtype, a.matmul_precision,
+                           a.pp2_partition)
         items = generate_workload(wl, llms[1].source.config.vocab_size)
         tokens = sum(len(it.prompt_token_ids) + it.max_tokens for it in items)
         chunks = {1: a.chunk, 2: a.pp2_chunk or a.chunk}
