@@ -23,7 +23,9 @@ def run(args: list[str], tmp: Path) -> dict:
 
 def test_vs_hf_smoke(hf_models: dict, tmp_path: Path) -> None:
     png = tmp_path / "vs_hf.png"
-    r = run(["benchmarks/vs_hf.py", "--smoke", "--model", str(hf_models["llama"]), "--plot", str(png)], tmp_path)
+    r = run(["benchmarks/vs_hf.py", "--smoke", "--model", str(hf_models["llama"]), "--plot", str(png),
+             "--int8-kv-cache-dtype", "fp8"], tmp_path)
+    assert r["int8_kv_cache_dtype"] == "fp8"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert r["hf_tok_s"] > 0 and r["ours_pp1_tok_s"] > 0 and r["ours_pp2_tok_s"] > 0
     assert r["hf_bf16_tok_s"] > 0 and r["ours_pp1_medium_tok_s"] > 0
@@ -73,7 +75,8 @@ def test_decode_maximal_smoke_bf16(hf_models: dict, tmp_path: Path) -> None:
 
 def test_pp_scaling_smoke(tmp_path: Path) -> None:
     png = tmp_path / "pp_scaling.png"
-    r = run(["benchmarks/pp_scaling.py", "--smoke", "--chunk-budgets", "flops,tokens", "--plot", str(png)], tmp_path)
+    r = run(["benchmarks/pp_scaling.py", "--smoke", "--chunk-budgets", "flops,tokens", "--plot", str(png),
+             "--pp2-partition", "2.5,1.5"], tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(r["throughput_tok_s"]) == {"sarathi_pp1", "sarathi_pp2", "sarathi[tokens]_pp1", "sarathi[tokens]_pp2",
                                           "orca_pp1", "orca_pp2"}
@@ -89,6 +92,7 @@ def test_pp_scaling_smoke(tmp_path: Path) -> None:
     assert c["microbatches"] > 0 and c["mean_step_ms"] > 0 and c["return_ms_per_mb"] >= 0
     m = r["memory_pp2"]
     assert sum(w["layer_bytes"] for w in m["workers"]) == m["layer_stack_bytes"]
+    assert r["pp2_partition"] == [2.5, 1.5] and m["workers"][0]["layer_bytes"] > m["workers"][1]["layer_bytes"]
     assert 0 <= m["unused_bytes"] < m["block_bytes"]  # the KV cache is the budget, to one block
 
 
