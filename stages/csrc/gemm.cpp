@@ -299,13 +299,6 @@ void for_panel_chunks(int64_t NP, int64_t scratch, const Fn& fn, int64_t align =
   }
 }
 
-const float* bias_of(const c10::optional<torch::Tensor>& bias_, int64_t N, torch::Tensor& keep) {
-  if (!bias_.has_value() || !bias_->defined()) return nullptr;
-  keep = bias_->contiguous();
-  TORCH_CHECK(keep.numel() == N, "packed_linear: bias of ", N);
-  return keep.data_ptr<float>();
-}
-
 // The product over panel chunks, row block by row block (tpb tiles each), K slab by K slab, panel
 // by panel (two at a time with 16-lane FMAs): slab(j, j1, pc, kc, scratch) gives the kc x 16 slab
 // of panel j that every tile of the block reads (in scratch if it makes one there), and the slab to
@@ -939,7 +932,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torc
   const float* b = p.data_ptr<float>();
   float* c = y.data_ptr<float>();
   torch::Tensor keep;
-  const float* bias = bias_of(bias_, N, keep);
+  const float* bias = bias_of(bias_, N, keep, "packed_linear");
 #ifdef PP_BF16
   if (use_bf16(bf16, M, K)) {
     bf16_product(x, NP, c, bias,
@@ -970,7 +963,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   torch::Tensor keep;
-  const float* bias = bias_of(bias_, N, keep);
+  const float* bias = bias_of(bias_, N, keep, "quant_linear");
 #ifdef PP_BF16
   if (use_bf16(bf16, M, K)) {
     const uint8_t* qp = q.data_ptr<uint8_t>();

@@ -156,16 +156,12 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch:
   const int64_t M = x.size(0), K = x.size(1), KB = K / QK, NP = q.size(0), N = NP * NR;
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  torch::Tensor bias;
-  if (bias_.has_value() && bias_->defined()) {
-    bias = bias_->contiguous();
-    TORCH_CHECK(bias.dtype() == torch::kFloat32 && bias.numel() == N, "int8_linear: bias of ", N, " float32");
-  }
 #ifdef PP_INT8_GEMM
+  torch::Tensor keep;
+  const float* bp = bias_of(bias_, N, keep, "int8_linear");
   const auto parts = quantize_rows(x);
   const int8_t* xq = parts[0].data_ptr<int8_t>();
   const float *xs = parts[1].data_ptr<float>(), *xc = parts[2].data_ptr<float>();
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const bool u4 = q.size(2) == QB_U4;
   const int64_t qb = q.size(2);

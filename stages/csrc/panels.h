@@ -4,6 +4,8 @@
 #pragma once
 #include <cstdint>
 
+#include <torch/extension.h>
+
 constexpr int NR = 16;  // output columns per panel (two 8-lane vectors)
 constexpr int64_t QK = 32;
 constexpr int64_t QB_U4 = 128 + QK * NR / 2, QB_S8 = 128 + QK * NR;
@@ -13,6 +15,15 @@ constexpr int64_t QB_U4 = 128 + QK * NR / 2, QB_S8 = 128 + QK * NR;
 // s8: 4 lines of 16 bytes, k = t in byte 16t + j. u4 (two operands, the low nibbles then the high
 // ones, 64+: from the second): line p holds rows 2p (low) and 2p + 1 (high), so u4a takes k 0-3
 // from lines 0-1 and u4b k 4-7 from lines 2-3.
+// A product's optional bias (N,) float32 as a pointer (nullptr: none); keep holds its contiguous copy
+// while the product runs; who names the product in the error
+inline const float* bias_of(const c10::optional<torch::Tensor>& bias, int64_t N, torch::Tensor& keep, const char* who) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  keep = bias->contiguous();
+  TORCH_CHECK(keep.dtype() == torch::kFloat32 && keep.numel() == N, who, ": bias of ", N, " float32");
+  return keep.data_ptr<float>();
+}
+
 struct LaneOrder {
   alignas(64) uint8_t s8[64] = {};
   alignas(64) uint8_t u4a[64] = {};

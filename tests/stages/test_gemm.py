@@ -151,3 +151,20 @@ def test_pack_linears_leaves_other_dtypes_and_the_worker_numbers(hf_models: dict
     v, k = w.model.lm_head.weight.shape[0] * cpu_kernels.PANEL, w.model.lm_head.weight.shape[1]
     kept = v * 4 + v * k * 2 if cpu_kernels.bf16_products() else 0
     assert w.weight_bytes == sum(p.numel() * 4 for p in w.model.parameters()) + kept
+
+
+def test_a_bad_bias_names_the_product() -> None:
+    """A bias of the wrong length or dtype: one error naming the product it was given to."""
+    from stages import quant
+    from tests.stages.test_int8_gemm import quantized
+    if not cpu_kernels.available():
+        pytest.skip("CPU kernels could not be built here")
+    w = torch.randn(32, 64)
+    raw, _ = quantized(32, 64, quant.Q8_0)
+    x = torch.randn(3, 64)
+    for name, call in (("packed_linear", lambda b: cpu_kernels.packed_linear(x, cpu_kernels.pack_weight(w), b)),
+                       ("quant_linear", lambda b: cpu_kernels.quant_linear(x, quant.to_panels(raw, quant.Q8_0), b))):
+        for bad in (torch.randn(31), torch.randn(32, dtype=torch.float64)):
+            with pytest.raises(RuntimeError, match=f"{name}: bias of 32 float32"):
+                call(bad)
+        assert call(torch.zeros(32)).shape == (3, 32)
