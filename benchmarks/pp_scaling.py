@@ -268,7 +268,8 @@ def main() -> None:
     r: dict = {"workload": {"num_requests": a.num_requests, "min_len": a.min_len, "max_len": a.max_len,
                             "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "max_batch_size": a.max_batch_size,
                "kv_cache_dtype": a.kv_cache_dtype, "matmul_precision": a.matmul_precision,
-               "pp2_chunk": a.pp2_chunk or a.chunk, "pp2_partition": a.pp2_partition, "chunk_budgets": budgets, "warmup": "one unmeasured run per pp",
+               "pp2_chunk": a.pp2_chunk or a.chunk, "pp2_partition": a.pp2_partition, "chunk_budgets": budgets,
+               "warmup": "one unmeasured run per pp",
                "throughput_tok_s": {}, "efficiency": {}}
     with contextlib.ExitStack() as stack:
         llms = deployments(stack, model, a.chunk, a.max_batch_size, a.kv_cache_dtype, a.matmul_precision,

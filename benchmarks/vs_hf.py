@@ -22,8 +22,9 @@ bf16 matmuls, bf16 activations) against ours at --matmul-precision medium --kv-c
 fp32 runs; the bf16 pair shows what each side gains from the core's bf16 dot products. The int8
 rounds (GGUF Q4/Q8 linears on int8-rounded activations, llama.cpp's scheme, where the core has
 AVX512-VNNI; elsewhere they compute as fp32; their K/V in --int8-kv-cache-dtype, by default the
-fp32 cache) show what a user who takes that rounding gets, against HF fp32: torch's own dynamic int8 quantization rounds each activation tensor on one scale, which
-we measured far less faithful (docs/BENCHMARKS.md), so it is not the like-for-like baseline.
+fp32 cache) show what a user who takes that rounding gets, against HF fp32: torch's own dynamic
+int8 quantization rounds each activation tensor on one scale, which we measured far less
+faithful (docs/BENCHMARKS.md), so it is not the like-for-like baseline.
 """
 from __future__ import annotations
 
@@ -113,9 +114,10 @@ def main() -> None:
         if who == "hf":
             hf_s.append(hf_in_fresh_process(a.model, prompts, a.new_tokens, tuned=False))
         else:
+            precision, kv = ("int8", a.int8_kv_cache_dtype) if who == "int8" else ("highest", "auto")
             (ours_s if who == "ours" else int8_s).append(
                 ours(a.model, prompts, a.new_tokens, chunk_size=a.chunk, max_batch_size=a.num + 1,
-                     **(dict(matmul_precision="int8", kv_cache_dtype=a.int8_kv_cache_dtype) if who == "int8" else {})))
+                     matmul_precision=precision, kv_cache_dtype=kv))
         if len(hf_s) == len(ours_s) == len(int8_s):  # the round is complete
             print(f"round {k}: HF {total / hf_s[-1]:.1f} tok/s, ours {total / ours_s[-1]:.1f} tok/s, "
                   f"ours int8 {total / int8_s[-1]:.1f} tok/s", flush=True)

@@ -122,16 +122,18 @@ def test_kv_cache_starts_zeroed(hf_models: dict, dtype: str) -> None:
         assert k.dtype == getattr(torch, dtype) and not k.any() and not v.any()
 
 
-@pytest.mark.parametrize("kv_dtype,dtype,shrink,tol", [("float16", torch.float16, 2, 2e-3),
-                                                      ("fp8", torch.float8_e4m3fn, 4, 0.15)])
+@pytest.mark.parametrize("kv_dtype,dtype,shrink,tol,norm_tol", [("float16", torch.float16, 2, 2e-3, 2e-3),
+                                                               ("fp8", torch.float8_e4m3fn, 4, 0.2, 0.15)])
 def test_narrow_kv_cache_shrinks_the_bytes_and_tracks_float32(isa: str, hf_models: dict, kv_dtype: str,
-                                                              dtype: torch.dtype, shrink: int, tol: float) -> None:
+                                                              dtype: torch.dtype, shrink: int, tol: float,
+                                                              norm_tol: float) -> None:
     """--kv-cache-dtype float16 / fp8 on an fp32 model: half / a quarter of the KV bytes per token
     (2× / 4× the blocks in a budget), logits over a prompt fed in chunks (cached K/V read back)
-    within the format's rounding, as a share of the logits' norm: fp16 rounds each value by ≤ 2⁻¹¹
-    (measured 0.06%); fp8 e4m3 by ≤ 2⁻⁴, and this random model's K/V are small enough that many
-    fall under e4m3's smallest normal (2⁻⁶), where its steps are 2⁻⁹ apart (measured 8.5%; the
-    embedded model's quality under fp8 is test_embedded_model's)."""
+    within the format's rounding, each logit (tol × the largest) and as a share of the logits' norm:
+    fp16 rounds each value by ≤ 2⁻¹¹ (measured 0.09% / 0.06%); fp8 e4m3 by ≤ 2⁻⁴, and this random
+    model's K/V are small enough that many fall under e4m3's smallest normal (2⁻⁶), where its steps
+    are 2⁻⁹ apart (measured 12.7% / 8.5%; the embedded model's quality under fp8 is
+    test_embedded_model's)."""
     path = str(hf_models["llama"])
     prompt = mixed_prompts(lengths=(30,))[0]
     w32, w16 = make_worker(path), make_worker(path, kv_dtype=kv_dtype)
@@ -141,7 +143,8 @@ def test_narrow_kv_cache_shrinks_the_bytes_and_tracks_float32(isa: str, hf_model
     with torch.inference_mode():
         a, b = run_chunks(w32, prompt, 7, table), run_chunks(w16, prompt, 7, table)
     assert not torch.equal(a, b)  # the cache really rounds
-    assert (b - a).norm() < tol * a.norm()
+    torch.testing.assert_close(b, a, rtol=0, atol=tol * a.abs().max().item())
+    assert (b - a).norm() < norm_tol * a.norm()
 
 
 @pytest.mark.skipif(not cpu_kernels.bf16_products(), reason="no AVX512-BF16 in this build")
