@@ -19,10 +19,14 @@
 // Layout: a (panel, block) holds d[16], m[16] (fp32), then the codes row by row of k: u4 two rows
 // a 16-byte line (low nibble: row 2i), s8 one row a line. vpdpbusd wants each column's 4 k in one
 // 32-bit lane: a byte permute (VBMI, panels.h: LANE_ORDER) puts them there from 4 rows of 16 columns.
+// With more than one tile of rows, each panel is unpacked so once per call into an L1 scratch that
+// every tile loads, and x is quantized into row tiles whose 4-byte groups the tile broadcasts
+// straight from memory inside vpdpbusd (docs/BENCHMARKS.md, Changes: 1.2-1.4x at 32-256 rows).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "kernels.h"
@@ -64,70 +68,120 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* xs, float* xc) {
 #define PP_INT8_GEMM 1
 
 // rows a tile: 8 int32 sums + 8 outputs + codes and constants in 32 zmm registers (6, 10 and 12
-// rows, and each row's sum split in two chains, measured no faster on the model's shapes)
+// rows, and each row's sum split in two chains, measured no faster on the model's shapes; 12 with
+// the panel unpacked once, slower)
 constexpr int ROWS = 8;
 
-inline __m512i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
+// s += w (u8) · the 4 signed bytes at p, broadcast: the broadcast folded into vpdpbusd's memory
+// operand (GCC keeps a separate vpbroadcastd, one more front-end uop each)
+inline __m512i dpbusd_bcast(__m512i s, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return s;
 }
 
-// R rows against one panel: R int32 block sums and R fp32 outputs in registers. pf: the next
-// panel, fetched block by block meanwhile (nullptr: none). Why: at a few rows a step streams
-// every weight once from L3 (80 MB for SmolLM2's layers), and without it the hardware prefetcher
-// left the int8 product at 1 row slower than the fp32 one, which prefetches.
-template <int R, bool U4>
-void tile(const uint8_t* panel, int64_t KB, const int8_t* xq, int64_t K, const float* xs, const float* xc,
+// Codes k = 8i .. 8i + 7 of a block in vpdpbusd lane order: out[0] holds each column's k = 8i ..
+// 8i + 3, out[1] k = 8i + 4 .. 8i + 7, as unsigned bytes (u4: the codes; s8: q + 128).
+template <bool U4>
+inline void unpack8(const uint8_t* blk, int i, __m512i* out) {
+  if constexpr (U4) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i v = _mm512_loadu_si512(blk + 128 + 64 * i);
+    const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    out[0] = _mm512_permutex2var_epi8(lo, _mm512_load_si512(LANE_ORDER.u4a), hi);
+    out[1] = _mm512_permutex2var_epi8(lo, _mm512_load_si512(LANE_ORDER.u4b), hi);
+  } else {
+    const __m512i s8 = _mm512_load_si512(LANE_ORDER.s8), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int h = 0; h < 2; ++h)
+      out[h] = _mm512_xor_si512(_mm512_permutexvar_epi8(s8, _mm512_loadu_si512(blk + 128 + 64 * (2 * i + h))), flip);
+  }
+}
+
+// R rows of one row tile against one panel: R int32 block sums and R fp32 outputs in registers.
+// TILED: x in row tiles (quantize_tiles) and the panel's codes already in lane order in w
+// (unpack_panel); else one tile of x row-major (quantize_row) and each block unpacked here. pf: the
+// next panel, fetched block by block meanwhile (nullptr: none). Why: at a few rows a step streams every weight once from L3
+// (80 MB for SmolLM2's layers), and without it the hardware prefetcher left the int8 product at
+// 1 row slower than the fp32 one, which prefetches.
+template <int R, bool U4, bool TILED>
+void tile(const uint8_t* panel, const __m512i* w, int64_t KB, const int8_t* xt, const float* st, const float* ct,
           float* y, int64_t N, const float* bias, const uint8_t* pf) {
+  // where row r's codes k = 4j .. 4j + 3 of block b and its scales are: tiled (quantize_tiles), or
+  // (one tile of R rows) row-major as quantize_row writes them
+  const int64_t K = KB * QK;
+  auto code = [&](int64_t b, int j, int r) { return TILED ? xt + ((b * 8 + j) * ROWS + r) * 4 : xt + r * K + b * QK + 4 * j; };
+  auto at = [&](int64_t b, int r) { return TILED ? b * ROWS + r : r * KB + b; };
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = panel + b * QB;
-    const int8_t* xb = xq + b * QK;
     if (pf)
       for (int64_t o = 0; o < QB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + b * QB + o), _MM_HINT_T0);
     __m512i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
-    if constexpr (U4) {
-      const __m512i u4a = _mm512_load_si512(LANE_ORDER.u4a), u4b = _mm512_load_si512(LANE_ORDER.u4b);
-      for (int i = 0; i < 4; ++i) {  // k = 8i .. 8i + 7
-        const __m512i v = _mm512_loadu_si512(blk + 128 + 64 * i);
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        const __m512i w0 = _mm512_permutex2var_epi8(lo, u4a, hi), w1 = _mm512_permutex2var_epi8(lo, u4b, hi);
-        for (int r = 0; r < R; ++r) {
-          s[r] = _mm512_dpbusd_epi32(s[r], w0, bcast4(xb + r * K + 8 * i));
-          s[r] = _mm512_dpbusd_epi32(s[r], w1, bcast4(xb + r * K + 8 * i + 4));
-        }
+    for (int i = 0; i < 4; ++i) {  // k = 8i .. 8i + 7: two code vectors, unpacked here or loaded
+      __m512i wv[2];
+      if constexpr (TILED) {
+        wv[0] = _mm512_load_si512(w + b * 8 + 2 * i);
+        wv[1] = _mm512_load_si512(w + b * 8 + 2 * i + 1);
+      } else {
+        unpack8<U4>(blk, i, wv);
       }
-    } else {
-      const __m512i s8 = _mm512_load_si512(LANE_ORDER.s8);
-      for (int i = 0; i < 8; ++i) {  // k = 4i .. 4i + 3, codes + 128 as unsigned bytes
-        const __m512i w = _mm512_xor_si512(_mm512_permutexvar_epi8(s8, _mm512_loadu_si512(blk + 128 + 64 * i)), flip);
-        for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], w, bcast4(xb + r * K + 4 * i));
-      }
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) s[r] = dpbusd_bcast(s[r], wv[h], code(b, 2 * i + h, r));
     }
     const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
     __m512 m = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 64));
     if constexpr (!U4) m = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f), m);  // the + 128 of u, taken off
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r * KB + b])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xc[r * KB + b]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(st[at(b, r)])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(ct[at(b, r)]), acc[r]);
     }
   }
   const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * N, _mm512_add_ps(acc[r], bv));
 }
 
-template <bool U4, int R = ROWS>
-void rows(int n, const uint8_t* panel, int64_t KB, const int8_t* xq, int64_t K, const float* xs, const float* xc,
-          float* y, int64_t N, const float* bias, const uint8_t* pf) {
+template <bool U4, bool TILED, int R = ROWS>
+void rows(int n, const uint8_t* panel, const __m512i* w, int64_t KB, const int8_t* xt, const float* st,
+          const float* ct, float* y, int64_t N, const float* bias, const uint8_t* pf) {
   if constexpr (R > 1) {
-    if (n < R) return rows<U4, R - 1>(n, panel, KB, xq, K, xs, xc, y, N, bias, pf);
+    if (n < R) return rows<U4, TILED, R - 1>(n, panel, w, KB, xt, st, ct, y, N, bias, pf);
   }
-  tile<R, U4>(panel, KB, xq, K, xs, xc, y, N, bias, pf);
+  tile<R, U4, TILED>(panel, w, KB, xt, st, ct, y, N, bias, pf);
+}
+
+// The whole panel in lane order (KB × 8 vectors), for calls with several row tiles: each tile
+// then loads its codes instead of unpacking them again (a quarter fewer vector uops a tile).
+template <bool U4>
+void unpack_panel(const uint8_t* panel, int64_t KB, const uint8_t* pf, __m512i* w) {
+  constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
+  for (int64_t b = 0; b < KB; ++b) {
+    if (pf)
+      for (int64_t o = 0; o < QB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + b * QB + o), _MM_HINT_T0);
+    for (int i = 0; i < 4; ++i) unpack8<U4>(panel + b * QB, i, w + b * 8 + 2 * i);
+  }
+}
+
+// x quantized straight into row tiles: codes (M/ROWS, KB, 8, ROWS, 4), so that a tile's
+// broadcasts read one stream at fixed offsets (eight row pointers spilled general registers), and
+// scales (M/ROWS, KB, ROWS); rows past M in the last tile are left unset and never read.
+void quantize_tiles(const float* x, int64_t ld, int64_t M, int64_t K, int8_t* q, float* s, float* c) {
+  const int64_t KB = K / QK;
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<int8_t> row(K);
+    std::vector<float> rs(KB), rc(KB);
+    for (int64_t r = r0; r < r1; ++r) {
+      quantize_row(x + r * ld, K, row.data(), rs.data(), rc.data());
+      const int64_t t = r / ROWS, i = r % ROWS;
+      for (int64_t b = 0; b < KB; ++b) {
+        int8_t* qb = q + ((t * KB + b) * 8 * ROWS + i) * 4;
+        for (int j = 0; j < 8; ++j) std::memcpy(qb + j * ROWS * 4, row.data() + b * QK + 4 * j, 4);
+        s[(t * KB + b) * ROWS + i] = rs[b];
+        c[(t * KB + b) * ROWS + i] = rc[b];
+      }
+    }
+  });
 }
 #endif
 
@@ -159,26 +213,52 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch:
 #ifdef PP_INT8_GEMM
   torch::Tensor keep;
   const float* bp = bias_of(bias_, N, keep, "int8_linear");
-  const auto parts = quantize_rows(x);
-  const int8_t* xq = parts[0].data_ptr<int8_t>();
-  const float *xs = parts[1].data_ptr<float>(), *xc = parts[2].data_ptr<float>();
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.stride(1) == 1, "int8_linear: x float32 with contiguous rows");
+  const int64_t T = (M + ROWS - 1) / ROWS;
+  // one tile: x's codes row-major (quantize_row's own layout); more: in tiles (quantize_tiles)
+  const bool tiled = T > 1;
+  auto xq = torch::empty({T * ROWS * K}, torch::kInt8);
+  auto xs = torch::empty({T * ROWS * KB}, torch::kFloat32), xc = torch::empty({T * ROWS * KB}, torch::kFloat32);
+  int8_t* qx = xq.data_ptr<int8_t>();
+  float *sx = xs.data_ptr<float>(), *cx = xc.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  if (tiled)
+    quantize_tiles(xp, x.stride(0), M, K, qx, sx, cx);
+  else
+    for (int64_t r = 0; r < M; ++r) quantize_row(xp + r * x.stride(0), K, qx + r * K, sx + r * KB, cx + r * KB);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const bool u4 = q.size(2) == QB_U4;
   const int64_t qb = q.size(2);
   float* yp = y.data_ptr<float>();
-  // panels split among threads; each panel's codes (6.9 KB at K = 576, u4) stay in L1 while every
-  // tile of rows reads them
+  // panels split among threads; each panel's codes (6.9 KB at K = 576, u4; twice that unpacked)
+  // stay in L1 while every tile of rows reads them
   at::parallel_for(0, NP, 4, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t r = 0; r < M; r += ROWS) {
-        const int n = static_cast<int>(std::min<int64_t>(ROWS, M - r));
-        const float* bb = bp ? bp + p * NR : nullptr;
-        const uint8_t* pf = r == 0 && p + 1 < NP ? qp + (p + 1) * KB * qb : nullptr;  // later tiles: in L1
-        if (u4)
-          rows<true>(n, qp + p * KB * qb, KB, xq + r * K, K, xs + r * KB, xc + r * KB, yp + r * N + p * NR, N, bb, pf);
-        else
-          rows<false>(n, qp + p * KB * qb, KB, xq + r * K, K, xs + r * KB, xc + r * KB, yp + r * N + p * NR, N, bb, pf);
+    std::unique_ptr<__m512i[]> unpacked(T > 1 ? new __m512i[KB * 8] : nullptr);  // new aligns to 64
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* panel = qp + p * KB * qb;
+      const uint8_t* pf = p + 1 < NP ? qp + (p + 1) * KB * qb : nullptr;
+      const float* bb = bp ? bp + p * NR : nullptr;
+      const __m512i* w = unpacked.get();
+      if (w) {
+        if (u4) unpack_panel<true>(panel, KB, pf, unpacked.get());
+        else unpack_panel<false>(panel, KB, pf, unpacked.get());
+        pf = nullptr;
       }
+      for (int64_t t = 0; t < T; ++t) {
+        const int n = static_cast<int>(std::min<int64_t>(ROWS, M - t * ROWS));
+        const int8_t* xt = qx + t * KB * 8 * ROWS * 4;
+        const float *st = sx + t * KB * ROWS, *ct = cx + t * KB * ROWS;
+        float* yt = yp + t * ROWS * N + p * NR;
+        if (!tiled) {
+          if (u4) rows<true, false>(n, panel, w, KB, xt, st, ct, yt, N, bb, pf);
+          else rows<false, false>(n, panel, w, KB, xt, st, ct, yt, N, bb, pf);
+        } else if (u4) {
+          rows<true, true>(n, panel, w, KB, xt, st, ct, yt, N, bb, t == 0 ? pf : nullptr);
+        } else {
+          rows<false, true>(n, panel, w, KB, xt, st, ct, yt, N, bb, t == 0 ? pf : nullptr);
+        }
+      }
+    }
   });
 #else
   TORCH_CHECK(false, "int8_linear: this build has no AVX512-VNNI and VBMI (int8_products() is false)");
