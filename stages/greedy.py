@@ -9,8 +9,8 @@ ones l, so that row r's fp32 argmax is among the v whose l̃ + bound reaches max
   multiply-adds an instruction). The weight is exact, x is off by e, so per block b of K
   |l̃ − l| ≤ Σ_b |w_vb|₂ · |e_b|₂ (Cauchy-Schwarz), plus the sum's fp32 roundings and the fp32
   GEMM's own distance from l ((K + 2)·2⁻²⁴ · Σ_b |w_vb|₂ · |x_b|₂; both folded into e's norms)
-  and ``FLUSH`` for results under the smallest normal float. It keeps 8 bytes per
-  block of 32 weights (their code sums and norms): 7.1 MB on SmolLM2.
+  and ``FLUSH`` for results under the smallest normal float. It keeps 4 bytes per
+  block of 32 weights (their norms): 3.5 MB on SmolLM2.
 * ``Bf16Head``, any other panels on a CPU with AVX512-BF16: x and w rounded to bf16
   (u_bf16 = 2⁻⁸, each product then exact, both sums of K terms in fp32, u_fp32 = 2⁻²⁴), so
   |l̃ − l| ≤ (2u_bf16 + u_bf16² + 4K·u_fp32) · Σ_k |x_k w_vk| ≤ c · |x|₂ · |w_v|₂, plus
@@ -130,28 +130,27 @@ class Int8Head:
 
     def __init__(self, w: torch.Tensor, panels_at_once: int = 256) -> None:
         self.weight = w
-        sums, norms = [], []
+        norms = []
         for i in range(0, w.shape[0], panels_at_once):  # float64 codes of the whole weight: 8 bytes a weight
             p = w[i:i + panels_at_once]
             codes = p[..., 128:].view(torch.int8).reshape(*p.shape[:2], quant.QK, cpu_kernels.PANEL)  # (n, KB, 32, 16)
             d = p[..., :64].contiguous().view(torch.float32)  # (n, KB, 16): the blocks' scales
-            sums.append(-128 * codes.sum(dim=2, dtype=torch.int32))  # x's codes carry + 128
             # |w_b|₂ = |d| · |q_b|₂, in float64 (one rounding, relative 2⁻⁵³), then up to float32
             norms.append(_round_up(d.double().abs() * codes.double().norm(dim=2) * (1 + 2.0 ** -40)))
-        self.code_sums, self.block_norms = torch.cat(sums).contiguous(), torch.cat(norms).contiguous()  # (NP, KB, 16)
+        self.block_norms = torch.cat(norms).contiguous()  # (NP, KB, 16)
         self.block_max = self.block_norms.amax(dim=(0, 2)).double()  # (KB,) over every v: bounds a row's bounds
         self.wmax = float(self.block_norms.double().pow(2).sum(dim=1).sqrt().max())  # ≥ every |w_v|₂
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.code_sums, self.block_norms))
+        return self.block_norms.numel() * self.block_norms.element_size()
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """linear(x, w).argmax(-1) for x (M, K) fp32: the GEMM's fp32 logits' argmax, bit for bit."""
         x, w = x.contiguous(), self.weight
         if x.shape[0] < INT8_MIN_ROWS or _sums_may_overflow(x.double().norm(dim=1), self.wmax):
             return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
-        ids, member = cpu_kernels.int8_candidates(*self.quantize(x), w, self.code_sums, self.block_norms,
+        ids, member = cpu_kernels.int8_candidates(*self.quantize(x), w, self.block_norms,
                                                   FLUSH * (w.shape[1] + 1))
         return _exact_argmax(x, w, ids, member)
 

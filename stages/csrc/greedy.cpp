@@ -3,7 +3,7 @@
 //
 //   greedy_candidates(approx (M, V), xn (M), wn (V), c, floor) -> [ids (U,) int64, member (M, U) bool]
 //   int8_candidates(xu (M, K) uint8, xs (M, K/32), eb (M, K/32), bmax (M), q (V/16, K/32, 640) Q8_0
-//                   panels, cs (V/16, K/32, 16) int32, bn (V/16, K/32, 16), floor) -> the same
+//                   panels, bn (V/16, K/32, 16), floor) -> the same
 //   quantize_blocks(x (M, K), block_max (K/32)) -> [xu, xs, eb, bmax]: int8_candidates' first four
 //   gather_columns(w panels, ids (U,)) -> the panels of w's output columns ids (padded to 16)
 //
@@ -18,8 +18,9 @@
 // 32 k is quantized as x ≈ xs[b] · (xu − 128) (xu: u8 codes), against a Q8_0 weight's own int8
 // codes (w = d·q exactly, stages/quant.py), so each block's dot product is an exact int32 sum: 4 k
 // per byte lane of an AVX512-VNNI vpdpbusd, 64 multiply-adds an instruction against 32 for a bf16
-// dot product and 16 for an fp32 FMA. xu is x's code + 128 (vpdpbusd takes one operand
-// unsigned), so each sum starts from cs = −128 · Σ q over the block. A logit is Σ_b d·xs[b]·sum_b,
+// dot product and 16 for an fp32 FMA. vpdpbusd takes one operand unsigned: the weight's codes enter
+// as q + 128 and x's as signed codes c = xu − 128 (the operand it can broadcast from memory), so
+// each sum starts from −128 · Σ c over the block. A logit is Σ_b d·xs[b]·sum_b,
 // within Σ_b |w_b|₂ · |e_b|₂ of x's exact one (e: x's quantization error in block b,
 // Cauchy-Schwarz per block; bn ≥ |w_b|₂, and eb ≥ |e_b|₂ plus what the fp32 sum over blocks can
 // round and what the GEMM's own fp32 logit can be off the exact one, quantize_blocks); bmax[r]
@@ -36,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -133,34 +135,78 @@ struct RowScan {
   std::vector<std::pair<int64_t, float>> kept;
 };
 
-// R rows (R <= 8) against one panel of 16 columns: R int32 block sums, R logit and R bound sums
-// in registers (24 of 32 with R = 8). A block's 32 x 16 codes are 8 loads of 4 k-rows x 16
-// columns; vpermb puts each column's 4 k into its own 32-bit lane, which vpdpbusd sums against 4
-// of a row's u8 codes broadcast. Then each row's lanes go through its scan.
-template <int R>
-void q8_tile(const uint8_t* panel, const int32_t* cs, const float* bn, int64_t KB, const uint8_t* xu, const float* xs,
-             const float* eb, const float* bmax, int64_t K, float floor, int64_t v0, RowScan* scan) {
-  const __m512i perm = _mm512_load_si512(LANE_ORDER.s8);
+constexpr int ROWS = 8;  // rows a tile: 8 int32 sums, 8 logit and 8 bound sums in registers
+
+// s += w (u8) · the 4 signed bytes at p, broadcast inside vpdpbusd (int8_gemm.cpp: dpbusd_bcast)
+inline __m512i dpbusd_bcast(__m512i s, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return s;
+}
+
+// A block's 4 k-rows i of 16 columns in vpdpbusd lane order (each column's 4 k in one 32-bit lane), as
+// unsigned q + 128 (x's codes are the signed operand, so that vpdpbusd takes them from memory)
+inline __m512i lanes_u8(const uint8_t* blk, int i) {
+  return _mm512_xor_si512(_mm512_permutexvar_epi8(_mm512_load_si512(LANE_ORDER.s8), _mm512_loadu_si512(blk + 128 + 64 * i)),
+                          _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+// Rows' x as the tiles read it: c = xu − 128 (signed codes), c0 = −128 · Σ c per block (what the
+// + 128 of the weight's codes adds), xs and eb; TILED: (T, KB, 8, ROWS, 4) codes and (T, KB, ROWS)
+// per-block values, so that a tile reads one stream; else one tile row-major (M ≤ ROWS).
+struct XTiles {
+  torch::Tensor c, c0, s, e;
+};
+
+XTiles tile_x(const uint8_t* xu, const float* xs, const float* eb, int64_t M, int64_t K, bool tiled) {
+  const int64_t KB = K / QK, T = (M + ROWS - 1) / ROWS;
+  XTiles t{torch::empty({T * ROWS * K}, torch::kInt8), torch::empty({T * ROWS * KB}, torch::kInt32),
+           torch::empty({T * ROWS * KB}, torch::kFloat32), torch::empty({T * ROWS * KB}, torch::kFloat32)};
+  int8_t* c = t.c.data_ptr<int8_t>();
+  int32_t* c0 = t.c0.data_ptr<int32_t>();
+  float *s = t.s.data_ptr<float>(), *e = t.e.data_ptr<float>();
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < KB; ++b) {
+      const uint8_t* u = xu + r * K + b * QK;
+      const int64_t at = tiled ? ((r / ROWS) * KB + b) * ROWS + r % ROWS : r * KB + b;
+      int32_t sum = 0;
+      for (int j = 0; j < 8; ++j) {
+        int8_t* dst = tiled ? c + (at / ROWS * 8 + j) * ROWS * 4 + (r % ROWS) * 4 : c + r * K + b * QK + 4 * j;
+        for (int k = 0; k < 4; ++k) {
+          dst[k] = static_cast<int8_t>(static_cast<int>(u[4 * j + k]) - 128);
+          sum += dst[k];
+        }
+      }
+      c0[at] = -128 * sum;
+      s[at] = xs[r * KB + b];
+      e[at] = eb[r * KB + b];
+    }
+  return t;
+}
+
+// R rows (R <= 8) of one row tile against one panel of 16 columns: R int32 block sums, R logit and
+// R bound sums in registers (24 of 32 with R = 8). TILED: x in tiles and the panel's codes already
+// in lane order in w (KB × 8 vectors, once per call for every tile); else x row-major and each
+// block's codes permuted here. Then each row's lanes go through its scan.
+template <int R, bool TILED>
+void q8_tile(const uint8_t* panel, const __m512i* w, const float* bn, int64_t KB, const int8_t* xc, const int32_t* c0,
+             const float* xs, const float* eb, const float* bmax, int64_t K, float floor, int64_t v0, RowScan* scan) {
+  auto code = [&](int64_t b, int j, int r) { return TILED ? xc + ((b * 8 + j) * ROWS + r) * 4 : xc + r * K + b * QK + 4 * j; };
+  auto at = [&](int64_t b, int r) { return TILED ? b * ROWS + r : r * KB + b; };
   __m512 acc[R], bnd[R];
   for (int r = 0; r < R; ++r) acc[r] = bnd[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = panel + b * QB_S8;
-    const __m512i c = _mm512_loadu_si512(cs + b * NR);  // −128 Σ q: the + 128 of x's codes, taken off
     __m512i s[R];
-    for (int r = 0; r < R; ++r) s[r] = c;
+    for (int r = 0; r < R; ++r) s[r] = _mm512_set1_epi32(c0[at(b, r)]);
     for (int i = 0; i < 8; ++i) {  // k = 4i .. 4i + 3 of the block
-      const __m512i w = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(blk + 128 + 64 * i));
-      for (int r = 0; r < R; ++r) {
-        int32_t x4;
-        std::memcpy(&x4, xu + r * K + b * QK + 4 * i, 4);
-        s[r] = _mm512_dpbusd_epi32(s[r], _mm512_set1_epi32(x4), w);
-      }
+      const __m512i wv = TILED ? _mm512_load_si512(w + b * 8 + i) : lanes_u8(blk, i);
+      for (int r = 0; r < R; ++r) s[r] = dpbusd_bcast(s[r], wv, code(b, i, r));
     }
     const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
     const __m512 n = _mm512_loadu_ps(bn + b * NR);
     for (int r = 0; r < R; ++r) {  // exact int32 sums (|sum| < 2^24): exact as floats
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[r * KB + b])), acc[r]);
-      bnd[r] = _mm512_fmadd_ps(n, _mm512_set1_ps(eb[r * KB + b]), bnd[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[at(b, r)])), acc[r]);
+      bnd[r] = _mm512_fmadd_ps(n, _mm512_set1_ps(eb[at(b, r)]), bnd[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -180,13 +226,14 @@ void q8_tile(const uint8_t* panel, const int32_t* cs, const float* bn, int64_t K
   }
 }
 
-template <int R = 8>
-void q8_rows(int rows, const uint8_t* panel, const int32_t* cs, const float* bn, int64_t KB, const uint8_t* xu,
-             const float* xs, const float* eb, const float* bmax, int64_t K, float floor, int64_t v0, RowScan* scan) {
+template <bool TILED, int R = ROWS>
+void q8_rows(int rows, const uint8_t* panel, const __m512i* w, const float* bn, int64_t KB, const int8_t* xc,
+             const int32_t* c0, const float* xs, const float* eb, const float* bmax, int64_t K, float floor, int64_t v0,
+             RowScan* scan) {
   if constexpr (R > 1) {
-    if (rows < R) return q8_rows<R - 1>(rows, panel, cs, bn, KB, xu, xs, eb, bmax, K, floor, v0, scan);
+    if (rows < R) return q8_rows<TILED, R - 1>(rows, panel, w, bn, KB, xc, c0, xs, eb, bmax, K, floor, v0, scan);
   }
-  q8_tile<R>(panel, cs, bn, KB, xu, xs, eb, bmax, K, floor, v0, scan);
+  q8_tile<R, TILED>(panel, w, bn, KB, xc, c0, xs, eb, bmax, K, floor, v0, scan);
 }
 #endif
 
@@ -215,7 +262,7 @@ std::vector<torch::Tensor> greedy_candidates(torch::Tensor approx, torch::Tensor
 }
 
 std::vector<torch::Tensor> int8_candidates(torch::Tensor xu, torch::Tensor xs, torch::Tensor eb, torch::Tensor bmax,
-                                           torch::Tensor q, torch::Tensor cs, torch::Tensor bn, double floor) {
+                                           torch::Tensor q, torch::Tensor bn, double floor) {
   TORCH_CHECK(q.dtype() == torch::kUInt8 && q.dim() == 3 && q.size(2) == QB_S8 && q.is_contiguous(),
               "int8_candidates: weight (V/16, K/32, ", QB_S8, ") Q8_0 panels");
   const int64_t NP = q.size(0), KB = q.size(1), K = KB * QK, V = NP * NR;
@@ -227,26 +274,41 @@ std::vector<torch::Tensor> int8_candidates(torch::Tensor xu, torch::Tensor xs, t
                 "int8_candidates: ", name, " (", M, ", ", KB, ") contiguous float32");
   TORCH_CHECK(bmax.dtype() == torch::kFloat32 && bmax.numel() == M && bmax.is_contiguous(),
               "int8_candidates: bmax (", M, ") contiguous float32");
-  TORCH_CHECK(cs.dtype() == torch::kInt32 && bn.dtype() == torch::kFloat32 && cs.is_contiguous() && bn.is_contiguous() &&
-              cs.dim() == 3 && cs.size(0) == NP && cs.size(1) == KB && cs.size(2) == NR && bn.sizes() == cs.sizes(),
-              "int8_candidates: cs int32 and bn float32 (", NP, ", ", KB, ", 16) beside the weight");
+  TORCH_CHECK(bn.dtype() == torch::kFloat32 && bn.is_contiguous() && bn.dim() == 3 && bn.size(0) == NP &&
+              bn.size(1) == KB && bn.size(2) == NR,
+              "int8_candidates: bn float32 (", NP, ", ", KB, ", 16) beside the weight");
   std::vector<std::vector<int64_t>> rows(M);
 #ifdef PP_VNNI
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint8_t* x = xu.data_ptr<uint8_t>();
-  const int32_t* c = cs.data_ptr<int32_t>();
-  const float *s = xs.data_ptr<float>(), *e = eb.data_ptr<float>(), *n = bn.data_ptr<float>(), *bm = bmax.data_ptr<float>();
+  const float *s = xs.data_ptr<float>(), *e = eb.data_ptr<float>(), *nb = bn.data_ptr<float>(), *bm = bmax.data_ptr<float>();
   const float fl = static_cast<float>(floor);
   const int T = at::get_num_threads();
   std::vector<RowScan> scans(T * M);  // thread t's scan of row r at t * M + r
-  // panels split among threads, each panel's codes (11.5 KB at K = 576) read from L1 by every
-  // tile of 8 rows
+  const bool tiled = M > ROWS;
+  const XTiles xt = tile_x(x, s, e, M, K, tiled);
+  const int8_t* xc = xt.c.data_ptr<int8_t>();
+  const int32_t* c0 = xt.c0.data_ptr<int32_t>();
+  const float *ts = xt.s.data_ptr<float>(), *te = xt.e.data_ptr<float>();
+  // panels split among threads; each panel's codes (11.5 KB at K = 576) read from L1 by every
+  // tile of 8 rows (with several tiles, once permuted into a scratch that every tile loads)
   at::parallel_for(0, NP, 16, [&](int64_t p0, int64_t p1) {
     RowScan* sc = scans.data() + at::get_thread_num() * M;
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t r = 0; r < M; r += 8)
-        q8_rows(static_cast<int>(std::min<int64_t>(8, M - r)), qp + p * KB * QB_S8, c + p * KB * NR, n + p * KB * NR,
-                KB, x + r * K, s + r * KB, e + r * KB, bm + r, K, fl, p * NR, sc + r);
+    std::unique_ptr<__m512i[]> lanes(tiled ? new __m512i[KB * 8] : nullptr);  // new aligns to 64
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* panel = qp + p * KB * QB_S8;
+      if (tiled)
+        for (int64_t b = 0; b < KB; ++b)
+          for (int i = 0; i < 8; ++i) lanes[b * 8 + i] = lanes_u8(panel + b * QB_S8, i);
+      for (int64_t r = 0; r < M; r += ROWS) {
+        const int n = static_cast<int>(std::min<int64_t>(ROWS, M - r));
+        if (tiled)
+          q8_rows<true>(n, panel, lanes.get(), nb + p * KB * NR, KB, xc + r * K, c0 + r * KB, ts + r * KB, te + r * KB,
+                        bm + r, K, fl, p * NR, sc + r);
+        else
+          q8_rows<false>(n, panel, nullptr, nb + p * KB * NR, KB, xc, c0, ts, te, bm, K, fl, p * NR, sc);
+      }
+    }
   });
   for (int64_t r = 0; r < M; ++r) {  // the final rule: over every thread's max, what each kept
     float mx = -INFINITY;

@@ -32,7 +32,7 @@ std::string isa();
 std::vector<torch::Tensor> greedy_candidates(torch::Tensor approx, torch::Tensor xn, torch::Tensor wn,
                                              double c, double floor);  // greedy.cpp
 std::vector<torch::Tensor> int8_candidates(torch::Tensor xu, torch::Tensor xs, torch::Tensor eb, torch::Tensor bmax,
-                                           torch::Tensor q, torch::Tensor cs, torch::Tensor bn, double floor);
+                                           torch::Tensor q, torch::Tensor bn, double floor);
 std::vector<torch::Tensor> quantize_blocks(torch::Tensor x, torch::Tensor block_max);
 torch::Tensor gather_columns(torch::Tensor w, torch::Tensor ids);
 bool int8_products();

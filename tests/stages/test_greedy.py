@@ -111,7 +111,7 @@ def test_int8_candidates_hold_every_logit_that_can_win(isa: str, threads: int) -
     p, w = weight("s8")
     head = greedy.Int8Head(p)
     piecewise = greedy.Int8Head(p, panels_at_once=7)  # what it keeps does not depend on the pieces it reads
-    assert torch.equal(piecewise.code_sums, head.code_sums) and torch.equal(piecewise.block_norms, head.block_norms)
+    assert torch.equal(piecewise.block_norms, head.block_norms)
     x = torch.cat([block_rows(torch.Generator().manual_seed(3)), rows(13, w, seed=4)])
     xu, xs, eb, bmax = head.quantize(x)
     codes = xu.double().reshape(x.shape[0], -1, 32) - 128
@@ -127,14 +127,14 @@ def test_int8_candidates_hold_every_logit_that_can_win(isa: str, threads: int) -
     floor = greedy.FLUSH * (p.shape[1] + 1)
     assert ((approx - cpu_kernels.panel_linear(x, p).double()).abs() <= bound + floor).all()
     assert (bound <= bmax.double().unsqueeze(1)).all()
-    ids, member = cpu_kernels.int8_candidates(xu, xs, eb, bmax, p, head.code_sums, head.block_norms, floor)
+    ids, member = cpu_kernels.int8_candidates(xu, xs, eb, bmax, p, head.block_norms, floor)
     need = approx + bound + floor >= (approx - bound).max(dim=1, keepdim=True).values - floor
     for r in range(x.shape[0]):
         kept = set(ids[member[r]].tolist())
         assert set(need[r].nonzero().flatten().tolist()) <= kept and len(kept) <= need[r].sum() + 2, r
     assert need[3].all()  # logits ~1e-34: under the floor, every column can win
-    for n in (1, 2, 3, 4, 7):  # every tile height: a row's candidates are not its tile's
-        sub = cpu_kernels.int8_candidates(xu[:n], xs[:n], eb[:n], bmax[:n], p, head.code_sums, head.block_norms, floor)
+    for n in (1, 2, 3, 4, 7, 9, 16):  # every tile height, one tile and several: a row's candidates are not its tile's
+        sub = cpu_kernels.int8_candidates(xu[:n], xs[:n], eb[:n], bmax[:n], p, head.block_norms, floor)
         assert [set(sub[0][sub[1][r]].tolist()) for r in range(n)] == [set(ids[member[r]].tolist()) for r in range(n)]
     expect = cpu_kernels.panel_linear(x, p).argmax(dim=-1)
     assert torch.equal(head.argmax(x), expect)  # row 3's candidates are the whole vocabulary: the fp32 product
@@ -166,18 +166,18 @@ def test_int8_candidates_name_what_is_wrong(isa: str) -> None:
     xu, xs, eb, bmax = head.quantize(torch.randn(3, K))
     if not cpu_kernels.int8_products():
         with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
-            cpu_kernels.int8_candidates(xu, xs, eb, bmax, p, head.code_sums, head.block_norms, 0.0)
+            cpu_kernels.int8_candidates(xu, xs, eb, bmax, p, head.block_norms, 0.0)
         return
     with pytest.raises(RuntimeError, match="Q8_0 panels"):
-        cpu_kernels.int8_candidates(xu, xs, eb, bmax, weight("u4")[0], head.code_sums, head.block_norms, 0.0)
+        cpu_kernels.int8_candidates(xu, xs, eb, bmax, weight("u4")[0], head.block_norms, 0.0)
     with pytest.raises(RuntimeError, match="xu"):
-        cpu_kernels.int8_candidates(xu[:, :64], xs, eb, bmax, p, head.code_sums, head.block_norms, 0.0)
+        cpu_kernels.int8_candidates(xu[:, :64], xs, eb, bmax, p, head.block_norms, 0.0)
     with pytest.raises(RuntimeError, match="eb"):
-        cpu_kernels.int8_candidates(xu, xs, eb[:2], bmax, p, head.code_sums, head.block_norms, 0.0)
+        cpu_kernels.int8_candidates(xu, xs, eb[:2], bmax, p, head.block_norms, 0.0)
     with pytest.raises(RuntimeError, match="bmax"):
-        cpu_kernels.int8_candidates(xu, xs, eb, bmax[:1], p, head.code_sums, head.block_norms, 0.0)
-    with pytest.raises(RuntimeError, match="cs int32"):
-        cpu_kernels.int8_candidates(xu, xs, eb, bmax, p, head.code_sums[1:], head.block_norms, 0.0)
+        cpu_kernels.int8_candidates(xu, xs, eb, bmax[:1], p, head.block_norms, 0.0)
+    with pytest.raises(RuntimeError, match="bn float32"):
+        cpu_kernels.int8_candidates(xu, xs, eb, bmax, p, head.block_norms[1:], 0.0)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         head.quantize(torch.randn(3, K - 1))
 
@@ -237,9 +237,9 @@ def test_worker_takes_the_argmax_path_for_greedy_rows_only(q8_worker: StageWorke
     model = q8_worker.model
     assert quant.is_panels(model.lm_head.weight)
     assert type(model.lm_head.greedy) is type(greedy.prepare(model.lm_head.weight))
-    if isinstance(model.lm_head.greedy, greedy.Int8Head):  # kept: a code sum and a norm per block of 32 weights
+    if isinstance(model.lm_head.greedy, greedy.Int8Head):  # kept: a norm per block of 32 weights
         v, k = quant.panel_shape(model.lm_head.weight)
-        assert model.lm_head.greedy.nbytes == v * k // 32 * 8
+        assert model.lm_head.greedy.nbytes == v * k // 32 * 4
     assert (model.lm_head.greedy is not None) == (cpu_kernels.int8_products() or cpu_kernels.bf16_products())
     h = 3 * torch.randn(40, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
