@@ -137,17 +137,12 @@ struct RowScan {
 
 constexpr int ROWS = 8;  // rows a tile: 8 int32 sums, 8 logit and 8 bound sums in registers
 
-// s += w (u8) · the 4 signed bytes at p, broadcast inside vpdpbusd (int8_gemm.cpp: dpbusd_bcast)
-inline __m512i dpbusd_bcast(__m512i s, __m512i w, const int8_t* p) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
-  return s;
-}
-
 // A block's 4 k-rows i of 16 columns in vpdpbusd lane order (each column's 4 k in one 32-bit lane), as
 // unsigned q + 128 (x's codes are the signed operand, so that vpdpbusd takes them from memory)
 inline __m512i lanes_u8(const uint8_t* blk, int i) {
-  return _mm512_xor_si512(_mm512_permutexvar_epi8(_mm512_load_si512(LANE_ORDER.s8), _mm512_loadu_si512(blk + 128 + 64 * i)),
-                          _mm512_set1_epi8(static_cast<char>(0x80)));
+  const __m512i q = _mm512_loadu_si512(blk + 128 + 64 * i);
+  const __m512i lanes = _mm512_permutexvar_epi8(_mm512_load_si512(LANE_ORDER.s8), q);
+  return _mm512_xor_si512(lanes, _mm512_set1_epi8(static_cast<char>(0x80)));
 }
 
 // Rows' x as the tiles read it: c = xu − 128 (signed codes), c0 = −128 · Σ c per block (what the
@@ -190,7 +185,9 @@ XTiles tile_x(const uint8_t* xu, const float* xs, const float* eb, int64_t M, in
 template <int R, bool TILED>
 void q8_tile(const uint8_t* panel, const __m512i* w, const float* bn, int64_t KB, const int8_t* xc, const int32_t* c0,
              const float* xs, const float* eb, const float* bmax, int64_t K, float floor, int64_t v0, RowScan* scan) {
-  auto code = [&](int64_t b, int j, int r) { return TILED ? xc + ((b * 8 + j) * ROWS + r) * 4 : xc + r * K + b * QK + 4 * j; };
+  auto code = [&](int64_t b, int j, int r) {
+    return TILED ? xc + ((b * 8 + j) * ROWS + r) * 4 : xc + r * K + b * QK + 4 * j;
+  };
   auto at = [&](int64_t b, int r) { return TILED ? b * ROWS + r : r * KB + b; };
   __m512 acc[R], bnd[R];
   for (int r = 0; r < R; ++r) acc[r] = bnd[r] = _mm512_setzero_ps();
@@ -281,7 +278,8 @@ std::vector<torch::Tensor> int8_candidates(torch::Tensor xu, torch::Tensor xs, t
 #ifdef PP_VNNI
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const uint8_t* x = xu.data_ptr<uint8_t>();
-  const float *s = xs.data_ptr<float>(), *e = eb.data_ptr<float>(), *nb = bn.data_ptr<float>(), *bm = bmax.data_ptr<float>();
+  const float *s = xs.data_ptr<float>(), *e = eb.data_ptr<float>(), *bm = bmax.data_ptr<float>();
+  const float* nb = bn.data_ptr<float>();
   const float fl = static_cast<float>(floor);
   const int T = at::get_num_threads();
   std::vector<RowScan> scans(T * M);  // thread t's scan of row r at t * M + r

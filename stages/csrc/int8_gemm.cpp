@@ -72,13 +72,6 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* xs, float* xc) {
 // the panel unpacked once, slower)
 constexpr int ROWS = 8;
 
-// s += w (u8) · the 4 signed bytes at p, broadcast: the broadcast folded into vpdpbusd's memory
-// operand (GCC keeps a separate vpbroadcastd, one more front-end uop each)
-inline __m512i dpbusd_bcast(__m512i s, __m512i w, const int8_t* p) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
-  return s;
-}
-
 // Codes k = 8i .. 8i + 7 of a block in vpdpbusd lane order: out[0] holds each column's k = 8i ..
 // 8i + 3, out[1] k = 8i + 4 .. 8i + 7, as unsigned bytes (u4: the codes; s8: q + 128).
 template <bool U4>
@@ -99,16 +92,18 @@ inline void unpack8(const uint8_t* blk, int i, __m512i* out) {
 // R rows of one row tile against one panel: R int32 block sums and R fp32 outputs in registers.
 // TILED: x in row tiles (quantize_tiles) and the panel's codes already in lane order in w
 // (unpack_panel); else one tile of x row-major (quantize_row) and each block unpacked here. pf: the
-// next panel, fetched block by block meanwhile (nullptr: none). Why: at a few rows a step streams every weight once from L3
-// (80 MB for SmolLM2's layers), and without it the hardware prefetcher left the int8 product at
-// 1 row slower than the fp32 one, which prefetches.
+// next panel, fetched block by block meanwhile (nullptr: none). Why: at a few rows a step streams
+// every weight once from L3 (80 MB for SmolLM2's layers), and without it the hardware prefetcher
+// left the int8 product at 1 row slower than the fp32 one, which prefetches.
 template <int R, bool U4, bool TILED>
 void tile(const uint8_t* panel, const __m512i* w, int64_t KB, const int8_t* xt, const float* st, const float* ct,
           float* y, int64_t N, const float* bias, const uint8_t* pf) {
   // where row r's codes k = 4j .. 4j + 3 of block b and its scales are: tiled (quantize_tiles), or
   // (one tile of R rows) row-major as quantize_row writes them
   const int64_t K = KB * QK;
-  auto code = [&](int64_t b, int j, int r) { return TILED ? xt + ((b * 8 + j) * ROWS + r) * 4 : xt + r * K + b * QK + 4 * j; };
+  auto code = [&](int64_t b, int j, int r) {
+    return TILED ? xt + ((b * 8 + j) * ROWS + r) * 4 : xt + r * K + b * QK + 4 * j;
+  };
   auto at = [&](int64_t b, int r) { return TILED ? b * ROWS + r : r * KB + b; };
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
   __m512 acc[R];

@@ -42,3 +42,15 @@ constexpr LaneOrder lane_order() {
 }
 
 inline constexpr LaneOrder LANE_ORDER = lane_order();
+
+#ifdef __AVX512VNNI__
+#include <immintrin.h>
+
+// s += w (u8) · the 4 signed bytes at p, broadcast to every lane from memory inside vpdpbusd ({1to16}):
+// GCC keeps _mm512_set1_epi32's broadcast a separate vpbroadcastd, one more front-end uop each
+// (int8_gemm.cpp, greedy.cpp)
+inline __m512i dpbusd_bcast(__m512i s, __m512i w, const int8_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return s;
+}
+#endif
