@@ -89,15 +89,29 @@ inline void unpack8(const uint8_t* blk, int i, __m512i* out) {
   }
 }
 
+// The panels after the one being read, fetched a block at a time meanwhile (nullptr: none): the
+// next one into L1, the one after it into L2. Why: at a few rows a step streams every weight once
+// from memory (80 MB for SmolLM2's layers); without the L1 fetch the hardware prefetcher left the
+// int8 product at 1 row slower than the fp32 one, and the L2 fetch a panel further on gave another
+// 4-11% at 1-4 rows (docs/BENCHMARKS.md).
+struct Ahead {
+  const uint8_t* next = nullptr;
+  const uint8_t* after = nullptr;
+  void fetch(int64_t b, int64_t QB) const {
+    for (int64_t o = 0; o < QB; o += 64) {
+      if (next) _mm_prefetch(reinterpret_cast<const char*>(next + b * QB + o), _MM_HINT_T0);
+      if (after) _mm_prefetch(reinterpret_cast<const char*>(after + b * QB + o), _MM_HINT_T1);
+    }
+  }
+};
+
 // R rows of one row tile against one panel: R int32 block sums and R fp32 outputs in registers.
 // TILED: x in row tiles (quantize_tiles) and the panel's codes already in lane order in w
-// (unpack_panel); else one tile of x row-major (quantize_row) and each block unpacked here. pf: the
-// next panel, fetched block by block meanwhile (nullptr: none). Why: at a few rows a step streams
-// every weight once from L3 (80 MB for SmolLM2's layers), and without it the hardware prefetcher
-// left the int8 product at 1 row slower than the fp32 one, which prefetches.
+// (unpack_panel); else one tile of x row-major (quantize_row) and each block unpacked here. pf:
+// the panels ahead to fetch meanwhile.
 template <int R, bool U4, bool TILED>
 void tile(const uint8_t* panel, const __m512i* w, int64_t KB, const int8_t* xt, const float* st, const float* ct,
-          float* y, int64_t N, const float* bias, const uint8_t* pf) {
+          float* y, int64_t N, const float* bias, Ahead pf) {
   // where row r's codes k = 4j .. 4j + 3 of block b and its scales are: tiled (quantize_tiles), or
   // (one tile of R rows) row-major as quantize_row writes them
   const int64_t K = KB * QK;
@@ -110,8 +124,7 @@ void tile(const uint8_t* panel, const __m512i* w, int64_t KB, const int8_t* xt, 
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = panel + b * QB;
-    if (pf)
-      for (int64_t o = 0; o < QB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + b * QB + o), _MM_HINT_T0);
+    pf.fetch(b, QB);
     __m512i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
     for (int i = 0; i < 4; ++i) {  // k = 8i .. 8i + 7: two code vectors, unpacked here or loaded
@@ -139,7 +152,7 @@ void tile(const uint8_t* panel, const __m512i* w, int64_t KB, const int8_t* xt, 
 
 template <bool U4, bool TILED, int R = ROWS>
 void rows(int n, const uint8_t* panel, const __m512i* w, int64_t KB, const int8_t* xt, const float* st,
-          const float* ct, float* y, int64_t N, const float* bias, const uint8_t* pf) {
+          const float* ct, float* y, int64_t N, const float* bias, Ahead pf) {
   if constexpr (R > 1) {
     if (n < R) return rows<U4, TILED, R - 1>(n, panel, w, KB, xt, st, ct, y, N, bias, pf);
   }
@@ -149,11 +162,10 @@ void rows(int n, const uint8_t* panel, const __m512i* w, int64_t KB, const int8_
 // The whole panel in lane order (KB × 8 vectors), for calls with several row tiles: each tile
 // then loads its codes instead of unpacking them again (a quarter fewer vector uops a tile).
 template <bool U4>
-void unpack_panel(const uint8_t* panel, int64_t KB, const uint8_t* pf, __m512i* w) {
+void unpack_panel(const uint8_t* panel, int64_t KB, Ahead pf, __m512i* w) {
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
   for (int64_t b = 0; b < KB; ++b) {
-    if (pf)
-      for (int64_t o = 0; o < QB; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pf + b * QB + o), _MM_HINT_T0);
+    pf.fetch(b, QB);
     for (int i = 0; i < 4; ++i) unpack8<U4>(panel + b * QB, i, w + b * 8 + 2 * i);
   }
 }
@@ -231,13 +243,13 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch:
     std::unique_ptr<__m512i[]> unpacked(T > 1 ? new __m512i[KB * 8] : nullptr);  // new aligns to 64
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* panel = qp + p * KB * qb;
-      const uint8_t* pf = p + 1 < NP ? qp + (p + 1) * KB * qb : nullptr;
+      Ahead pf{p + 1 < NP ? qp + (p + 1) * KB * qb : nullptr, p + 2 < NP ? qp + (p + 2) * KB * qb : nullptr};
       const float* bb = bp ? bp + p * NR : nullptr;
       const __m512i* w = unpacked.get();
       if (w) {
         if (u4) unpack_panel<true>(panel, KB, pf, unpacked.get());
         else unpack_panel<false>(panel, KB, pf, unpacked.get());
-        pf = nullptr;
+        pf = Ahead{};
       }
       for (int64_t t = 0; t < T; ++t) {
         const int n = static_cast<int>(std::min<int64_t>(ROWS, M - t * ROWS));
@@ -248,9 +260,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch:
           if (u4) rows<true, false>(n, panel, w, KB, xt, st, ct, yt, N, bb, pf);
           else rows<false, false>(n, panel, w, KB, xt, st, ct, yt, N, bb, pf);
         } else if (u4) {
-          rows<true, true>(n, panel, w, KB, xt, st, ct, yt, N, bb, t == 0 ? pf : nullptr);
+          rows<true, true>(n, panel, w, KB, xt, st, ct, yt, N, bb, t == 0 ? pf : Ahead{});
         } else {
-          rows<false, true>(n, panel, w, KB, xt, st, ct, yt, N, bb, t == 0 ? pf : nullptr);
+          rows<false, true>(n, panel, w, KB, xt, st, ct, yt, N, bb, t == 0 ? pf : Ahead{});
         }
       }
     }
