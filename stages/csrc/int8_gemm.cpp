@@ -19,7 +19,7 @@
 // Layout: a (panel, block) holds d[16], m[16] (fp32), then the codes row by row of k: u4 two rows
 // a 16-byte line (low nibble: row 2i), s8 one row a line. vpdpbusd wants each column's 4 k in one
 // 32-bit lane: a byte permute (VBMI, panels.h: LANE_ORDER) puts them there from 4 rows of 16 columns.
-// With more than one tile of rows, each panel is unpacked so once per call into an L1 scratch that
+// With more than one tile of rows, each panel is unpacked once per call into an L1 scratch that
 // every tile loads, and x is quantized into row tiles whose 4-byte groups the tile broadcasts
 // straight from memory inside vpdpbusd (docs/BENCHMARKS.md, Changes: 1.2-1.4x at 32-256 rows).
 #include <torch/extension.h>
@@ -93,7 +93,7 @@ inline void unpack8(const uint8_t* blk, int i, __m512i* out) {
 // next one into L1, the one after it into L2. Why: at a few rows a step streams every weight once
 // from memory (80 MB for SmolLM2's layers); without the L1 fetch the hardware prefetcher left the
 // int8 product at 1 row slower than the fp32 one, and the L2 fetch a panel further on gave another
-// 4-11% at 1-4 rows (docs/BENCHMARKS.md).
+// 6-11% at 1 row (docs/BENCHMARKS.md).
 struct Ahead {
   const uint8_t* next = nullptr;
   const uint8_t* after = nullptr;
