@@ -135,8 +135,6 @@ struct RowScan {
   std::vector<std::pair<int64_t, float>> kept;
 };
 
-constexpr int ROWS = 8;  // rows a tile: 8 int32 sums, 8 logit and 8 bound sums in registers
-
 // A block's 4 k-rows i of 16 columns in vpdpbusd lane order (each column's 4 k in one 32-bit lane), as
 // unsigned q + 128 (x's codes are the signed operand, so that vpdpbusd takes them from memory)
 inline __m512i lanes_u8(const uint8_t* blk, int i) {
@@ -146,8 +144,8 @@ inline __m512i lanes_u8(const uint8_t* blk, int i) {
 }
 
 // Rows' x as the tiles read it: c = xu − 128 (signed codes), c0 = −128 · Σ c per block (what the
-// + 128 of the weight's codes adds), xs and eb; TILED: (T, KB, 8, ROWS, 4) codes and (T, KB, ROWS)
-// per-block values, so that a tile reads one stream; else one tile row-major (M ≤ ROWS).
+// + 128 of the weight's codes adds), xs and eb; tiled: in row tiles, else one tile row-major
+// (M ≤ ROWS; panels.h: x_code, x_block).
 struct XTiles {
   torch::Tensor c, c0, s, e;
 };
@@ -162,10 +160,10 @@ XTiles tile_x(const uint8_t* xu, const float* xs, const float* eb, int64_t M, in
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < KB; ++b) {
       const uint8_t* u = xu + r * K + b * QK;
-      const int64_t at = tiled ? ((r / ROWS) * KB + b) * ROWS + r % ROWS : r * KB + b;
+      const int64_t at = tiled ? x_block<true>(r, b, KB) : x_block<false>(r, b, KB);
       int32_t sum = 0;
       for (int j = 0; j < 8; ++j) {
-        int8_t* dst = tiled ? c + (at / ROWS * 8 + j) * ROWS * 4 + (r % ROWS) * 4 : c + r * K + b * QK + 4 * j;
+        int8_t* dst = c + (tiled ? x_code<true>(r, b, j, KB) : x_code<false>(r, b, j, KB));
         for (int k = 0; k < 4; ++k) {
           dst[k] = static_cast<int8_t>(static_cast<int>(u[4 * j + k]) - 128);
           sum += dst[k];
@@ -184,26 +182,23 @@ XTiles tile_x(const uint8_t* xu, const float* xs, const float* eb, int64_t M, in
 // block's codes permuted here. Then each row's lanes go through its scan.
 template <int R, bool TILED>
 void q8_tile(const uint8_t* panel, const __m512i* w, const float* bn, int64_t KB, const int8_t* xc, const int32_t* c0,
-             const float* xs, const float* eb, const float* bmax, int64_t K, float floor, int64_t v0, RowScan* scan) {
-  auto code = [&](int64_t b, int j, int r) {
-    return TILED ? xc + ((b * 8 + j) * ROWS + r) * 4 : xc + r * K + b * QK + 4 * j;
-  };
-  auto at = [&](int64_t b, int r) { return TILED ? b * ROWS + r : r * KB + b; };
+             const float* xs, const float* eb, const float* bmax, float floor, int64_t v0, RowScan* scan) {
   __m512 acc[R], bnd[R];
   for (int r = 0; r < R; ++r) acc[r] = bnd[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = panel + b * QB_S8;
     __m512i s[R];
-    for (int r = 0; r < R; ++r) s[r] = _mm512_set1_epi32(c0[at(b, r)]);
+    for (int r = 0; r < R; ++r) s[r] = _mm512_set1_epi32(c0[x_block<TILED>(r, b, KB)]);
     for (int i = 0; i < 8; ++i) {  // k = 4i .. 4i + 3 of the block
       const __m512i wv = TILED ? _mm512_load_si512(w + b * 8 + i) : lanes_u8(blk, i);
-      for (int r = 0; r < R; ++r) s[r] = dpbusd_bcast(s[r], wv, code(b, i, r));
+      for (int r = 0; r < R; ++r) s[r] = dpbusd_bcast(s[r], wv, xc + x_code<TILED>(r, b, i, KB));
     }
     const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
     const __m512 n = _mm512_loadu_ps(bn + b * NR);
     for (int r = 0; r < R; ++r) {  // exact int32 sums (|sum| < 2^24): exact as floats
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[at(b, r)])), acc[r]);
-      bnd[r] = _mm512_fmadd_ps(n, _mm512_set1_ps(eb[at(b, r)]), bnd[r]);
+      const int64_t at = x_block<TILED>(r, b, KB);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(xs[at])), acc[r]);
+      bnd[r] = _mm512_fmadd_ps(n, _mm512_set1_ps(eb[at]), bnd[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -225,12 +220,12 @@ void q8_tile(const uint8_t* panel, const __m512i* w, const float* bn, int64_t KB
 
 template <bool TILED, int R = ROWS>
 void q8_rows(int rows, const uint8_t* panel, const __m512i* w, const float* bn, int64_t KB, const int8_t* xc,
-             const int32_t* c0, const float* xs, const float* eb, const float* bmax, int64_t K, float floor, int64_t v0,
+             const int32_t* c0, const float* xs, const float* eb, const float* bmax, float floor, int64_t v0,
              RowScan* scan) {
   if constexpr (R > 1) {
-    if (rows < R) return q8_rows<TILED, R - 1>(rows, panel, w, bn, KB, xc, c0, xs, eb, bmax, K, floor, v0, scan);
+    if (rows < R) return q8_rows<TILED, R - 1>(rows, panel, w, bn, KB, xc, c0, xs, eb, bmax, floor, v0, scan);
   }
-  q8_tile<R, TILED>(panel, w, bn, KB, xc, c0, xs, eb, bmax, K, floor, v0, scan);
+  q8_tile<R, TILED>(panel, w, bn, KB, xc, c0, xs, eb, bmax, floor, v0, scan);
 }
 #endif
 
@@ -300,11 +295,13 @@ std::vector<torch::Tensor> int8_candidates(torch::Tensor xu, torch::Tensor xs, t
           for (int i = 0; i < 8; ++i) lanes[b * 8 + i] = lanes_u8(panel + b * QB_S8, i);
       for (int64_t r = 0; r < M; r += ROWS) {
         const int n = static_cast<int>(std::min<int64_t>(ROWS, M - r));
-        if (tiled)
-          q8_rows<true>(n, panel, lanes.get(), nb + p * KB * NR, KB, xc + r * K, c0 + r * KB, ts + r * KB, te + r * KB,
-                        bm + r, K, fl, p * NR, sc + r);
-        else
-          q8_rows<false>(n, panel, nullptr, nb + p * KB * NR, KB, xc, c0, ts, te, bm, K, fl, p * NR, sc);
+        if (tiled) {
+          const int64_t at = x_block<true>(r, 0, KB);  // the tile's start
+          q8_rows<true>(n, panel, lanes.get(), nb + p * KB * NR, KB, xc + x_code<true>(r, 0, 0, KB), c0 + at, ts + at,
+                        te + at, bm + r, fl, p * NR, sc + r);
+        } else {
+          q8_rows<false>(n, panel, nullptr, nb + p * KB * NR, KB, xc, c0, ts, te, bm, fl, p * NR, sc);
+        }
       }
     }
   });

@@ -67,11 +67,6 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* xs, float* xc) {
 #if defined(PP_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define PP_INT8_GEMM 1
 
-// rows a tile: 8 int32 sums + 8 outputs + codes and constants in 32 zmm registers (6, 10 and 12
-// rows, and each row's sum split in two chains, measured no faster on the model's shapes; 12 with
-// the panel unpacked once, slower)
-constexpr int ROWS = 8;
-
 // Codes k = 8i .. 8i + 7 of a block in vpdpbusd lane order: out[0] holds each column's k = 8i ..
 // 8i + 3, out[1] k = 8i + 4 .. 8i + 7, as unsigned bytes (u4: the codes; s8: q + 128).
 template <bool U4>
@@ -112,13 +107,6 @@ struct Ahead {
 template <int R, bool U4, bool TILED>
 void tile(const uint8_t* panel, const __m512i* w, int64_t KB, const int8_t* xt, const float* st, const float* ct,
           float* y, int64_t N, const float* bias, Ahead pf) {
-  // where row r's codes k = 4j .. 4j + 3 of block b and its scales are: tiled (quantize_tiles), or
-  // (one tile of R rows) row-major as quantize_row writes them
-  const int64_t K = KB * QK;
-  auto code = [&](int64_t b, int j, int r) {
-    return TILED ? xt + ((b * 8 + j) * ROWS + r) * 4 : xt + r * K + b * QK + 4 * j;
-  };
-  auto at = [&](int64_t b, int r) { return TILED ? b * ROWS + r : r * KB + b; };
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -136,14 +124,15 @@ void tile(const uint8_t* panel, const __m512i* w, int64_t KB, const int8_t* xt, 
         unpack8<U4>(blk, i, wv);
       }
       for (int h = 0; h < 2; ++h)
-        for (int r = 0; r < R; ++r) s[r] = dpbusd_bcast(s[r], wv[h], code(b, 2 * i + h, r));
+        for (int r = 0; r < R; ++r) s[r] = dpbusd_bcast(s[r], wv[h], xt + x_code<TILED>(r, b, 2 * i + h, KB));
     }
     const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
     __m512 m = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 64));
     if constexpr (!U4) m = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f), m);  // the + 128 of u, taken off
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(st[at(b, r)])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(ct[at(b, r)]), acc[r]);
+      const int64_t at = x_block<TILED>(r, b, KB);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(st[at])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(ct[at]), acc[r]);
     }
   }
   const __m512 bv = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
@@ -170,9 +159,8 @@ void unpack_panel(const uint8_t* panel, int64_t KB, Ahead pf, __m512i* w) {
   }
 }
 
-// x quantized straight into row tiles: codes (M/ROWS, KB, 8, ROWS, 4), so that a tile's
-// broadcasts read one stream at fixed offsets (eight row pointers spilled general registers), and
-// scales (M/ROWS, KB, ROWS); rows past M in the last tile are left unset and never read.
+// x quantized straight into row tiles (panels.h: x_code); rows past M in the last tile are left
+// unset and never read.
 void quantize_tiles(const float* x, int64_t ld, int64_t M, int64_t K, int8_t* q, float* s, float* c) {
   const int64_t KB = K / QK;
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
@@ -180,12 +168,10 @@ void quantize_tiles(const float* x, int64_t ld, int64_t M, int64_t K, int8_t* q,
     std::vector<float> rs(KB), rc(KB);
     for (int64_t r = r0; r < r1; ++r) {
       quantize_row(x + r * ld, K, row.data(), rs.data(), rc.data());
-      const int64_t t = r / ROWS, i = r % ROWS;
       for (int64_t b = 0; b < KB; ++b) {
-        int8_t* qb = q + ((t * KB + b) * 8 * ROWS + i) * 4;
-        for (int j = 0; j < 8; ++j) std::memcpy(qb + j * ROWS * 4, row.data() + b * QK + 4 * j, 4);
-        s[(t * KB + b) * ROWS + i] = rs[b];
-        c[(t * KB + b) * ROWS + i] = rc[b];
+        for (int j = 0; j < 8; ++j) std::memcpy(q + x_code<true>(r, b, j, KB), row.data() + b * QK + 4 * j, 4);
+        s[x_block<true>(r, b, KB)] = rs[b];
+        c[x_block<true>(r, b, KB)] = rc[b];
       }
     }
   });
@@ -223,13 +209,12 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch:
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.stride(1) == 1, "int8_linear: x float32 with contiguous rows");
   const int64_t T = (M + ROWS - 1) / ROWS;
   // one tile: x's codes row-major (quantize_row's own layout); more: in tiles (quantize_tiles)
-  const bool tiled = T > 1;
   auto xq = torch::empty({T * ROWS * K}, torch::kInt8);
   auto xs = torch::empty({T * ROWS * KB}, torch::kFloat32), xc = torch::empty({T * ROWS * KB}, torch::kFloat32);
   int8_t* qx = xq.data_ptr<int8_t>();
   float *sx = xs.data_ptr<float>(), *cx = xc.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  if (tiled)
+  if (T > 1)
     quantize_tiles(xp, x.stride(0), M, K, qx, sx, cx);
   else
     for (int64_t r = 0; r < M; ++r) quantize_row(xp + r * x.stride(0), K, qx + r * K, sx + r * KB, cx + r * KB);
@@ -245,25 +230,22 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch:
       const uint8_t* panel = qp + p * KB * qb;
       Ahead pf{p + 1 < NP ? qp + (p + 1) * KB * qb : nullptr, p + 2 < NP ? qp + (p + 2) * KB * qb : nullptr};
       const float* bb = bp ? bp + p * NR : nullptr;
-      const __m512i* w = unpacked.get();
-      if (w) {
-        if (u4) unpack_panel<true>(panel, KB, pf, unpacked.get());
-        else unpack_panel<false>(panel, KB, pf, unpacked.get());
-        pf = Ahead{};
+      if (T == 1) {  // one tile: the panel unpacked inside it, fetching the panels ahead meanwhile
+        if (u4) rows<true, false>(M, panel, nullptr, KB, qx, sx, cx, yp + p * NR, N, bb, pf);
+        else rows<false, false>(M, panel, nullptr, KB, qx, sx, cx, yp + p * NR, N, bb, pf);
+        continue;
       }
+      const __m512i* w = unpacked.get();  // unpacked once (fetching ahead meanwhile), then every tile
+      if (u4) unpack_panel<true>(panel, KB, pf, unpacked.get());
+      else unpack_panel<false>(panel, KB, pf, unpacked.get());
       for (int64_t t = 0; t < T; ++t) {
         const int n = static_cast<int>(std::min<int64_t>(ROWS, M - t * ROWS));
-        const int8_t* xt = qx + t * KB * 8 * ROWS * 4;
-        const float *st = sx + t * KB * ROWS, *ct = cx + t * KB * ROWS;
-        float* yt = yp + t * ROWS * N + p * NR;
-        if (!tiled) {
-          if (u4) rows<true, false>(n, panel, w, KB, xt, st, ct, yt, N, bb, pf);
-          else rows<false, false>(n, panel, w, KB, xt, st, ct, yt, N, bb, pf);
-        } else if (u4) {
-          rows<true, true>(n, panel, w, KB, xt, st, ct, yt, N, bb, t == 0 ? pf : Ahead{});
-        } else {
-          rows<false, true>(n, panel, w, KB, xt, st, ct, yt, N, bb, t == 0 ? pf : Ahead{});
-        }
+        const int64_t r = t * ROWS;
+        const int8_t* xt = qx + x_code<true>(r, 0, 0, KB);
+        const float *st = sx + x_block<true>(r, 0, KB), *ct = cx + x_block<true>(r, 0, KB);
+        float* yt = yp + r * N + p * NR;
+        if (u4) rows<true, true>(n, panel, w, KB, xt, st, ct, yt, N, bb, Ahead{});
+        else rows<false, true>(n, panel, w, KB, xt, st, ct, yt, N, bb, Ahead{});
       }
     }
   });

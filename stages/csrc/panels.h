@@ -43,6 +43,25 @@ constexpr LaneOrder lane_order() {
 
 inline constexpr LaneOrder LANE_ORDER = lane_order();
 
+// x's rows as the int8 products read them (int8_gemm.cpp, greedy.cpp): codes in 4-byte groups and
+// per-block values (scales, sums), either one tile row-major (codes (M, K), values (M, KB)) or in
+// row tiles: codes (T, KB, 8, ROWS, 4), values (T, KB, ROWS), so that a tile's broadcasts read one
+// stream at fixed offsets (eight row pointers spilled general registers). ROWS: rows a tile, 8
+// int32 sums and 8 fp32 outputs in registers (6, 10 and 12 rows measured no faster, 12 spilled).
+constexpr int ROWS = 8;
+
+// Where row r's codes k = 4j .. 4j + 3 of block b are (K = KB · QK); for r < ROWS, from its tile's start
+template <bool TILED>
+constexpr int64_t x_code(int64_t r, int64_t b, int j, int64_t KB) {
+  return TILED ? (((r / ROWS * KB + b) * 8 + j) * ROWS + r % ROWS) * 4 : (r * KB + b) * QK + 4 * j;
+}
+
+// Where row r's values of block b are; for r < ROWS, from its tile's start
+template <bool TILED>
+constexpr int64_t x_block(int64_t r, int64_t b, int64_t KB) {
+  return TILED ? (r / ROWS * KB + b) * ROWS + r % ROWS : r * KB + b;
+}
+
 #ifdef __AVX512VNNI__
 #include <immintrin.h>
 
