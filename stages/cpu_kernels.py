@@ -251,7 +251,7 @@ def greedy_candidates(approx: torch.Tensor, xnorm: torch.Tensor, wnorm: torch.Te
 def int8_candidates(xu: torch.Tensor, xs: torch.Tensor, eb: torch.Tensor, bmax: torch.Tensor, w: torch.Tensor,
                     block_norms: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """greedy_candidates over the logits of x ≈ xs · (xu − 128) per block of 32 (M, K) against Q8_0
-    panels w (V/16, K/32, 640), computed in exact int8 products and bounded by Σ_b block_norms ·
+    panels w (V/16, K/32, 576), computed in exact int8 products and bounded by Σ_b block_norms ·
     eb (+ floor) from x's, none of them stored (greedy.Int8Head, quantize_blocks)."""
     ids, member = _load().int8_candidates(xu, xs, eb, bmax, w, block_norms, floor)
     return ids, member

@@ -133,8 +133,8 @@ class Int8Head:
         norms = []
         for i in range(0, w.shape[0], panels_at_once):  # float64 codes of the whole weight: 8 bytes a weight
             p = w[i:i + panels_at_once]
-            codes = p[..., 128:].view(torch.int8).reshape(*p.shape[:2], quant.QK, cpu_kernels.PANEL)  # (n, KB, 32, 16)
-            d = p[..., :64].contiguous().view(torch.float32)  # (n, KB, 16): the blocks' scales
+            codes = p[..., quant.DM:].view(torch.int8).reshape(*p.shape[:2], quant.QK, cpu_kernels.PANEL)  # (n, KB, 32, 16)
+            d = quant.block_scales(p)[..., :cpu_kernels.PANEL]  # (n, KB, 16): the blocks' scales
             # |w_b|₂ = |d| · |q_b|₂, in float64 (one rounding, relative 2⁻⁵³), then up to float32
             norms.append(_round_up(d.double().abs() * codes.double().norm(dim=2) * (1 + 2.0 ** -40)))
         self.block_norms = torch.cat(norms).contiguous()  # (NP, KB, 16)

@@ -2,12 +2,13 @@
 
 A GGUF linear weight (N, K) is stored as blocks of 32 along K. ``to_panels`` regroups the
 blocks of rows Q4_0, Q4_1 or Q8_0 into uint8 panels (N/16, K/32, QB) that ``quant_linear``
-reads: per panel of 16 output columns and block of 32 k, d[16] and m[16] in fp32, then the
-codes (4-bit: QB = 384; 8-bit: QB = 640), so that w = d·q + m — Q4_1 as stored, Q4_0 with its
-−8 folded into m = −8d, Q8_0 with m = 0. Each weight is the fp32 value the gguf package
-dequantizes it to, bit for bit (d·q is exact in fp32; the one rounding is the + m), at 1/5.3
-(Q4: 0.75 B per weight with fp32 d and m) or 1/3.2 (Q8) of fp32's bytes. Why keep them: a
-decode step streams every weight once, and on a CPU that stream is most of a few-row step's time.
+reads: per panel of 16 output columns and block of 32 k, d[16] and m[16] in fp16 (GGUF's own
+scales, kept exactly), then the codes (4-bit: QB = 320; 8-bit: QB = 576), so that w = d·q + m —
+Q4_1 as stored, Q4_0 with its −8 folded into m = −8d, Q8_0 with m = 0. Each weight is the fp32
+value the gguf package dequantizes it to, bit for bit (d·q is exact in fp32; the one rounding is
+the + m), at 1/6.4 (Q4: 0.625 B per weight) or 1/3.6 (Q8) of fp32's bytes. Why keep them: a
+decode step streams every weight once, and on a CPU that stream is most of a few-row step's time
+(fp32 d and m, 0.75 B per Q4 weight, left 1-4-row products of the int8 kind 14% slower).
 
     raw, qtype = GGUFFile(path).raw("blk.0.ffn_up.weight")     # (N, K/32 · block bytes) uint8
     panels = to_panels(raw, qtype)                             # (N/16, K/32, QB) uint8 tensor
@@ -22,7 +23,8 @@ QK = 32  # weights per GGUF block (along K)
 PANEL = 16  # output columns per panel (cpu_kernels.PANEL)
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGMLQuantizationType values
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # fp16 d (+ fp16 m for Q4_1) + 32 codes
-QB_U4, QB_S8 = 128 + QK * PANEL // 2, 128 + QK * PANEL  # bytes of one (panel, block)
+DM = 2 * PANEL * 2  # bytes of a block's d[16] and m[16] (fp16): where its codes start
+QB_U4, QB_S8 = DM + QK * PANEL // 2, DM + QK * PANEL  # bytes of one (panel, block)
 
 
 def supported(qtype: int) -> bool:
@@ -61,13 +63,17 @@ def to_panels(raw: np.ndarray, qtype: int) -> torch.Tensor:
         a = a.reshape(np_, PANEL, kb, *a.shape[2:])
         return np.moveaxis(a, 1, -1)
 
-    scales = np.concatenate([by_panel(d), by_panel(m)], axis=-1).astype(np.float32)  # (NP, kb, 32)
+    scales = np.concatenate([by_panel(d), by_panel(m)], axis=-1)  # (NP, kb, 32) float32
+    with np.errstate(over="ignore"):  # an overflow is the error below
+        halves = scales.astype(np.float16)
+    if not np.array_equal(halves.astype(np.float32), scales, equal_nan=True):  # Q4_0's m = −8d past fp16's range
+        raise ValueError(f"GGUF type {qtype}: a block's scale or offset does not fit fp16")
     q = by_panel(codes)  # (NP, kb, 32, 16): row k of a block holds its 16 columns
     if qtype == Q8_0:
         qbytes = np.ascontiguousarray(q).view(np.uint8).reshape(np_, kb, QK * PANEL)
     else:  # rows 2i and 2i + 1 in 16 bytes: byte j holds column j of row 2i (low nibble), of 2i + 1 (high)
         qbytes = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).astype(np.uint8).reshape(np_, kb, QK * PANEL // 2)
-    out = np.concatenate([np.ascontiguousarray(scales).view(np.uint8), qbytes], axis=-1)
+    out = np.concatenate([np.ascontiguousarray(halves).view(np.uint8), qbytes], axis=-1)
     return torch.from_numpy(np.ascontiguousarray(out))
 
 
@@ -91,14 +97,19 @@ def _dequantize(d: torch.Tensor, m: torch.Tensor, code_bytes: torch.Tensor, s8: 
 def _code_bytes(blk: torch.Tensor) -> torch.Tensor:
     """(T, kb, QB) blocks -> their code bytes (T, kb, 32 or 16, 16): byte row r, output column j."""
     t, kb, qb = blk.shape
-    return blk[..., 128:].reshape(t, kb, QK if qb == QB_S8 else QK // 2, PANEL)
+    return blk[..., DM:].reshape(t, kb, QK if qb == QB_S8 else QK // 2, PANEL)
+
+
+def block_scales(blk: torch.Tensor) -> torch.Tensor:
+    """(..., QB) blocks -> (..., 32) float32: d[16] then m[16], widened exactly from fp16."""
+    return blk[..., :DM].contiguous().view(torch.float16).float()
 
 
 def all_rows(w: torch.Tensor) -> torch.Tensor:
     """Every row of the (N, K) weight held by panels w, as float32 (N, K): panel_rows(w, arange(N))
     without its gather of a whole panel per row (16x the bytes)."""
     t, kb = w.shape[:2]
-    scales = w[..., :128].contiguous().view(torch.float32).transpose(1, 2)  # (P, 32, kb): d[16], m[16]
+    scales = block_scales(w).transpose(1, 2)  # (P, 32, kb): d[16], m[16]
     rows = _dequantize(scales[:, :PANEL], scales[:, PANEL:], _code_bytes(w).permute(0, 3, 1, 2), w.shape[2] == QB_S8)
     return rows.reshape(t * PANEL, kb * QK)  # (P, 16, K): panel p's column j is row 16p + j
 
@@ -109,6 +120,6 @@ def panel_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     p, c = ids // PANEL, ids % PANEL
     blk = w[p]  # (T, kb, QB)
     ar = torch.arange(ids.numel())
-    scales = blk[..., :128].contiguous().view(torch.float32)  # (T, kb, 32): d[16], m[16]
+    scales = block_scales(blk)  # (T, kb, 32): d[16], m[16]
     code_bytes = _code_bytes(blk)[ar, :, :, c]  # (T, kb, 32 or 16): this row's column only
     return _dequantize(scales[ar, :, c], scales[ar, :, PANEL + c], code_bytes, w.shape[2] == QB_S8)

@@ -417,26 +417,24 @@ void for_blocks(const uint8_t* panel, int64_t k0, int64_t kc, const Fn& fn) {
 template <bool U4>
 void dequant(const uint8_t* panel, int64_t k0, int64_t kc, float* buf) {
   for_blocks<U4>(panel, k0, kc, [buf](const uint8_t* blk, int64_t r0, int64_t r1, int64_t at) {
-    const float* dm = reinterpret_cast<const float*>(blk);
     float* o = buf + at * NR;
 #if defined(PP_AVX512)
-    const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + NR);
-    for (int64_t r = r0; r < r1; ++r) _mm512_storeu_ps(o + r * NR, dequant_zmm<U4>(blk + 128, r, d, m));
+    const __m512 d = block_d16(blk), m = block_m16(blk);
+    for (int64_t r = r0; r < r1; ++r) _mm512_storeu_ps(o + r * NR, dequant_zmm<U4>(blk + DM, r, d, m));
 #elif defined(PP_AVX2)
-    const __m256 d0 = _mm256_loadu_ps(dm), d1 = _mm256_loadu_ps(dm + 8), m0 = _mm256_loadu_ps(dm + 16),
-                 m1 = _mm256_loadu_ps(dm + 24);
-    for (int64_t r = r0; r < r1; ++r) dequant_row<U4>(blk + 128, r, d0, d1, m0, m1, o + r * NR);
+    const __m256 d0 = block_d8(blk, 0), d1 = block_d8(blk, 1), m0 = block_m8(blk, 0), m1 = block_m8(blk, 1);
+    for (int64_t r = r0; r < r1; ++r) dequant_row<U4>(blk + DM, r, d0, d1, m0, m1, o + r * NR);
 #else
     for (int64_t r = r0; r < r1; ++r)
       for (int j = 0; j < NR; ++j) {
         float q;
         if constexpr (U4) {
-          const uint8_t byte = blk[128 + r / 2 * 16 + j];
+          const uint8_t byte = blk[DM + r / 2 * 16 + j];
           q = static_cast<float>(r % 2 ? byte >> 4 : byte & 0x0F);
         } else {
-          q = static_cast<float>(static_cast<int8_t>(blk[128 + r * 16 + j]));
+          q = static_cast<float>(static_cast<int8_t>(blk[DM + r * 16 + j]));
         }
-        o[r * NR + j] = std::fma(q, dm[j], dm[16 + j]);
+        o[r * NR + j] = std::fma(q, block_d(blk, j), block_m(blk, j));
       }
 #endif
   });
@@ -468,13 +466,11 @@ void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, 
       for (int64_t k = 0; k < QK; ++k) PP_STEP(wb + k * NR)
     } else {
       const uint8_t* blk = panel + kb * QB;
-      const float* dm = reinterpret_cast<const float*>(blk);
-      const __m256 d0 = _mm256_loadu_ps(dm), d1 = _mm256_loadu_ps(dm + 8), m0 = _mm256_loadu_ps(dm + 16),
-                   m1 = _mm256_loadu_ps(dm + 24);
+      const __m256 d0 = block_d8(blk, 0), d1 = block_d8(blk, 1), m0 = block_m8(blk, 0), m1 = block_m8(blk, 1);
 #pragma GCC unroll 4
       for (int64_t k = 0; k < QK; ++k) {
         __m256 b0, b1;
-        dequant_regs<U4>(blk + 128, k, d0, d1, m0, m1, b0, b1);
+        dequant_regs<U4>(blk + DM, k, d0, d1, m0, m1, b0, b1);
         PP_ROWS
       }
     }
@@ -562,8 +558,8 @@ void qrows_zmm(const float* x, const uint8_t* panel, int64_t pbytes, int64_t K, 
 #pragma GCC unroll 16
     for (int p = 0; p < P; ++p) {
       const uint8_t* blk = panel + p * pbytes + kb * QB;
-      d[p] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
-      m[p] = _mm512_loadu_ps(reinterpret_cast<const float*>(blk) + NR);
+      d[p] = block_d16(blk);
+      m[p] = block_m16(blk);
       // a prefetch never faults: past the last panel it asks for lines nobody reads, no harm
       prefetch_bytes(kb + PF_BLOCKS < nb ? blk + PF_BLOCKS * QB : panel + (P + p) * pbytes + (kb + PF_BLOCKS - nb) * QB, QB);
     }
@@ -578,7 +574,7 @@ void qrows_zmm(const float* x, const uint8_t* panel, int64_t pbytes, int64_t K, 
 #pragma GCC unroll 16
       for (int p = 0; p < P; ++p) {
         __m512 w0, w1;
-        dequant_pair_zmm<U4>(panel + p * pbytes + kb * QB + 128, k / 2, d[p], m[p], levels, w0, w1);
+        dequant_pair_zmm<U4>(panel + p * pbytes + kb * QB + DM, k / 2, d[p], m[p], levels, w0, w1);
         step(p, k, w0);
         step(p, k + 1, w1);
       }
@@ -847,12 +843,11 @@ inline void pair_slab(const float* src, int64_t kc, uint32_t* o) {
 template <bool U4>
 void dequant_bf16(const uint8_t* panel, int64_t k0, int64_t kc, uint32_t* buf) {
   for_blocks<U4>(panel, k0, kc, [buf](const uint8_t* blk, int64_t r0, int64_t r1, int64_t at) {
-    const float* dm = reinterpret_cast<const float*>(blk);
-    const __m512 d = _mm512_loadu_ps(dm), m = _mm512_loadu_ps(dm + NR), levels = u4_levels();
+    const __m512 d = block_d16(blk), m = block_m16(blk), levels = u4_levels();
     uint32_t* o = buf + at / 2 * NR;
     for (int64_t r = r0; r < r1; r += 2) {  // r0 even: k0 is
       __m512 w0, w1;
-      dequant_pair_zmm<U4>(blk + 128, r / 2, d, m, levels, w0, w1);
+      dequant_pair_zmm<U4>(blk + DM, r / 2, d, m, levels, w0, w1);
       _mm512_storeu_si512(o + r / 2 * NR, pair_rows(w0, w1));
     }
   });

@@ -2,7 +2,7 @@
 // then the columns whose exact logit can still be a row's maximum.
 //
 //   greedy_candidates(approx (M, V), xn (M), wn (V), c, floor) -> [ids (U,) int64, member (M, U) bool]
-//   int8_candidates(xu (M, K) uint8, xs (M, K/32), eb (M, K/32), bmax (M), q (V/16, K/32, 640) Q8_0
+//   int8_candidates(xu (M, K) uint8, xs (M, K/32), eb (M, K/32), bmax (M), q (V/16, K/32, 576) Q8_0
 //                   panels, bn (V/16, K/32, 16), floor) -> the same
 //   quantize_blocks(x (M, K), block_max (K/32)) -> [xu, xs, eb, bmax]: int8_candidates' first four
 //   gather_columns(w panels, ids (U,)) -> the panels of w's output columns ids (padded to 16)
@@ -138,7 +138,7 @@ struct RowScan {
 // A block's 4 k-rows i of 16 columns in vpdpbusd lane order (each column's 4 k in one 32-bit lane), as
 // unsigned q + 128 (x's codes are the signed operand, so that vpdpbusd takes them from memory)
 inline __m512i lanes_u8(const uint8_t* blk, int i) {
-  const __m512i q = _mm512_loadu_si512(blk + 128 + 64 * i);
+  const __m512i q = _mm512_loadu_si512(blk + DM + 64 * i);
   const __m512i lanes = _mm512_permutexvar_epi8(_mm512_load_si512(LANE_ORDER.s8), q);
   return _mm512_xor_si512(lanes, _mm512_set1_epi8(static_cast<char>(0x80)));
 }
@@ -178,7 +178,7 @@ XTiles tile_x(const uint8_t* xu, const float* xs, const float* eb, int64_t M, in
 
 // R rows (R <= 8) of one row tile against one panel of 16 columns: R int32 block sums, R logit and
 // R bound sums in registers (24 of 32 with R = 8). TILED: x in tiles and the panel's codes already
-// in lane order in w (KB × 8 vectors, once per call for every tile); else x row-major and each
+// in lane order in w, and d (KB × 9 vectors, once per call for every tile); else x row-major and each
 // block's codes permuted here. Then each row's lanes go through its scan.
 template <int R, bool TILED>
 void q8_tile(const uint8_t* panel, const __m512i* w, const float* bn, int64_t KB, const int8_t* xc, const int32_t* c0,
@@ -190,10 +190,10 @@ void q8_tile(const uint8_t* panel, const __m512i* w, const float* bn, int64_t KB
     __m512i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_set1_epi32(c0[x_block<TILED>(r, b, KB)]);
     for (int i = 0; i < 8; ++i) {  // k = 4i .. 4i + 3 of the block
-      const __m512i wv = TILED ? _mm512_load_si512(w + b * 8 + i) : lanes_u8(blk, i);
+      const __m512i wv = TILED ? _mm512_load_si512(w + b * 9 + i) : lanes_u8(blk, i);
       for (int r = 0; r < R; ++r) s[r] = dpbusd_bcast(s[r], wv, xc + x_code<TILED>(r, b, i, KB));
     }
-    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
+    const __m512 d = TILED ? _mm512_castsi512_ps(_mm512_load_si512(w + b * 9 + 8)) : block_d16(blk);
     const __m512 n = _mm512_loadu_ps(bn + b * NR);
     for (int r = 0; r < R; ++r) {  // exact int32 sums (|sum| < 2^24): exact as floats
       const int64_t at = x_block<TILED>(r, b, KB);
@@ -283,16 +283,19 @@ std::vector<torch::Tensor> int8_candidates(torch::Tensor xu, torch::Tensor xs, t
   const int8_t* xc = xt.c.data_ptr<int8_t>();
   const int32_t* c0 = xt.c0.data_ptr<int32_t>();
   const float *ts = xt.s.data_ptr<float>(), *te = xt.e.data_ptr<float>();
-  // panels split among threads; each panel's codes (11.5 KB at K = 576) read from L1 by every
+  // panels split among threads; each panel's codes (10.4 KB at K = 576) read from L1 by every
   // tile of 8 rows (with several tiles, once permuted into a scratch that every tile loads)
   at::parallel_for(0, NP, 16, [&](int64_t p0, int64_t p1) {
     RowScan* sc = scans.data() + at::get_thread_num() * M;
-    std::unique_ptr<__m512i[]> lanes(tiled ? new __m512i[KB * 8] : nullptr);  // new aligns to 64
+    // with several tiles, each block's 8 code vectors in lane order and its d, once per panel
+    std::unique_ptr<__m512i[]> lanes(tiled ? new __m512i[KB * 9] : nullptr);  // new aligns to 64
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* panel = qp + p * KB * QB_S8;
       if (tiled)
-        for (int64_t b = 0; b < KB; ++b)
-          for (int i = 0; i < 8; ++i) lanes[b * 8 + i] = lanes_u8(panel + b * QB_S8, i);
+        for (int64_t b = 0; b < KB; ++b) {
+          for (int i = 0; i < 8; ++i) lanes[b * 9 + i] = lanes_u8(panel + b * QB_S8, i);
+          lanes[b * 9 + 8] = _mm512_castps_si512(block_d16(panel + b * QB_S8));
+        }
       for (int64_t r = 0; r < M; r += ROWS) {
         const int n = static_cast<int>(std::min<int64_t>(ROWS, M - r));
         if (tiled) {
@@ -375,7 +378,7 @@ torch::Tensor gather_columns(torch::Tensor w, torch::Tensor ids) {
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < U; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < NP * NR, "gather_columns: id ", id[i], " out of range");
   auto out = torch::empty({n, w.size(1), w.size(2)}, w.options());
-  // a panel's rows (fp32: K rows of 16 floats; quantized: one a block, its 16 d and 16 m of 4
+  // a panel's rows (fp32: K rows of 16 floats; quantized: one a block, its 16 d and 16 m of 2
   // bytes, then rows of 16 code bytes): column i of the output takes column c of panel p in each
   const int64_t rows = w.size(1), row_elems = quant ? w.size(2) : NR;  // quantized: a row is a block
   const uint8_t* src = static_cast<const uint8_t*>(w.data_ptr());
@@ -393,9 +396,9 @@ torch::Tensor gather_columns(torch::Tensor w, torch::Tensor ids) {
           continue;
         }
         for (int64_t b = 0; b < rows; ++b, sp += row_elems, dp += row_elems) {
-          std::memcpy(dp + i * 4, sp + c * 4, 4);  // d
-          std::memcpy(dp + 64 + i * 4, sp + 64 + c * 4, 4);  // m
-          for (int64_t o = 128; o < row_elems; o += NR) dp[o + i] = sp[o + c];  // one byte per code row
+          std::memcpy(dp + i * 2, sp + c * 2, 2);  // d
+          std::memcpy(dp + 2 * NR + i * 2, sp + 2 * NR + c * 2, 2);  // m
+          for (int64_t o = DM; o < row_elems; o += NR) dp[o + i] = sp[o + c];  // one byte per code row
         }
       }
   });

@@ -16,7 +16,7 @@
 // sum is exact (|Σ| < 2³¹); the fp32 work is one FMA for each of the two terms per block. The
 // error against the fp32 product is x's rounding alone: |Σ_b w_b · e_b| with |e_k| ≤ xs/2.
 //
-// Layout: a (panel, block) holds d[16], m[16] (fp32), then the codes row by row of k: u4 two rows
+// Layout: a (panel, block) holds d[16], m[16] (fp16, panels.h), then the codes row by row of k: u4 two rows
 // a 16-byte line (low nibble: row 2i), s8 one row a line. vpdpbusd wants each column's 4 k in one
 // 32-bit lane: a byte permute (VBMI, panels.h: LANE_ORDER) puts them there from 4 rows of 16 columns.
 // With more than one tile of rows, each panel is unpacked once per call into an L1 scratch that
@@ -73,14 +73,14 @@ template <bool U4>
 inline void unpack8(const uint8_t* blk, int i, __m512i* out) {
   if constexpr (U4) {
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i v = _mm512_loadu_si512(blk + 128 + 64 * i);
+    const __m512i v = _mm512_loadu_si512(blk + DM + 64 * i);
     const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     out[0] = _mm512_permutex2var_epi8(lo, _mm512_load_si512(LANE_ORDER.u4a), hi);
     out[1] = _mm512_permutex2var_epi8(lo, _mm512_load_si512(LANE_ORDER.u4b), hi);
   } else {
     const __m512i s8 = _mm512_load_si512(LANE_ORDER.s8), flip = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int h = 0; h < 2; ++h)
-      out[h] = _mm512_xor_si512(_mm512_permutexvar_epi8(s8, _mm512_loadu_si512(blk + 128 + 64 * (2 * i + h))), flip);
+      out[h] = _mm512_xor_si512(_mm512_permutexvar_epi8(s8, _mm512_loadu_si512(blk + DM + 64 * (2 * i + h))), flip);
   }
 }
 
@@ -100,8 +100,19 @@ struct Ahead {
   }
 };
 
+// A block's d and m in fp32, m with the + 128 of s8 codes taken off (u = q + 128)
+template <bool U4>
+inline void block_dm(const uint8_t* blk, __m512& d, __m512& m) {
+  d = block_d16(blk);
+  m = block_m16(blk);
+  if constexpr (!U4) m = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f), m);
+}
+
+// vectors a block in unpack_panel's scratch: 8 of codes in lane order, then d and m (block_dm)
+constexpr int64_t WB = 10;
+
 // R rows of one row tile against one panel: R int32 block sums and R fp32 outputs in registers.
-// TILED: x in row tiles (quantize_tiles) and the panel's codes already in lane order in w
+// TILED: x in row tiles (quantize_tiles) and the panel's codes, d and m already unpacked in w
 // (unpack_panel); else one tile of x row-major (quantize_row) and each block unpacked here. pf:
 // the panels ahead to fetch meanwhile.
 template <int R, bool U4, bool TILED>
@@ -118,17 +129,21 @@ void tile(const uint8_t* panel, const __m512i* w, int64_t KB, const int8_t* xt, 
     for (int i = 0; i < 4; ++i) {  // k = 8i .. 8i + 7: two code vectors, unpacked here or loaded
       __m512i wv[2];
       if constexpr (TILED) {
-        wv[0] = _mm512_load_si512(w + b * 8 + 2 * i);
-        wv[1] = _mm512_load_si512(w + b * 8 + 2 * i + 1);
+        wv[0] = _mm512_load_si512(w + b * WB + 2 * i);
+        wv[1] = _mm512_load_si512(w + b * WB + 2 * i + 1);
       } else {
         unpack8<U4>(blk, i, wv);
       }
       for (int h = 0; h < 2; ++h)
         for (int r = 0; r < R; ++r) s[r] = dpbusd_bcast(s[r], wv[h], xt + x_code<TILED>(r, b, 2 * i + h, KB));
     }
-    const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
-    __m512 m = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + 64));
-    if constexpr (!U4) m = _mm512_fnmadd_ps(d, _mm512_set1_ps(128.f), m);  // the + 128 of u, taken off
+    __m512 d, m;
+    if constexpr (TILED) {
+      d = _mm512_castsi512_ps(_mm512_load_si512(w + b * WB + 8));
+      m = _mm512_castsi512_ps(_mm512_load_si512(w + b * WB + 9));
+    } else {
+      block_dm<U4>(blk, d, m);
+    }
     for (int r = 0; r < R; ++r) {
       const int64_t at = x_block<TILED>(r, b, KB);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), _mm512_mul_ps(d, _mm512_set1_ps(st[at])), acc[r]);
@@ -148,14 +163,20 @@ void rows(int n, const uint8_t* panel, const __m512i* w, int64_t KB, const int8_
   tile<R, U4, TILED>(panel, w, KB, xt, st, ct, y, N, bias, pf);
 }
 
-// The whole panel in lane order (KB × 8 vectors), for calls with several row tiles: each tile
-// then loads its codes instead of unpacking them again (a quarter fewer vector uops a tile).
+// The whole panel unpacked (KB × WB vectors), for calls with several row tiles: each tile then
+// loads its codes instead of unpacking them again (a quarter fewer vector uops a tile), and its
+// d and m instead of widening them from fp16 (four uops a block on vpdpbusd's ports: chunks ran
+// 2-5% slower when each tile did).
 template <bool U4>
 void unpack_panel(const uint8_t* panel, int64_t KB, Ahead pf, __m512i* w) {
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
   for (int64_t b = 0; b < KB; ++b) {
     pf.fetch(b, QB);
-    for (int i = 0; i < 4; ++i) unpack8<U4>(panel + b * QB, i, w + b * 8 + 2 * i);
+    for (int i = 0; i < 4; ++i) unpack8<U4>(panel + b * QB, i, w + b * WB + 2 * i);
+    __m512 d, m;
+    block_dm<U4>(panel + b * QB, d, m);
+    _mm512_store_si512(w + b * WB + 8, _mm512_castps_si512(d));
+    _mm512_store_si512(w + b * WB + 9, _mm512_castps_si512(m));
   }
 }
 
@@ -222,10 +243,10 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch:
   const bool u4 = q.size(2) == QB_U4;
   const int64_t qb = q.size(2);
   float* yp = y.data_ptr<float>();
-  // panels split among threads; each panel's codes (6.9 KB at K = 576, u4; twice that unpacked)
+  // panels split among threads; each panel's codes (5.8 KB at K = 576, u4; 11.5 KB unpacked)
   // stay in L1 while every tile of rows reads them
   at::parallel_for(0, NP, 4, [&](int64_t p0, int64_t p1) {
-    std::unique_ptr<__m512i[]> unpacked(T > 1 ? new __m512i[KB * 8] : nullptr);  // new aligns to 64
+    std::unique_ptr<__m512i[]> unpacked(T > 1 ? new __m512i[KB * WB] : nullptr);  // new aligns to 64
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* panel = qp + p * KB * qb;
       Ahead pf{p + 1 < NP ? qp + (p + 1) * KB * qb : nullptr, p + 2 < NP ? qp + (p + 2) * KB * qb : nullptr};

@@ -1,14 +1,41 @@
 // The weight panels the GEMM (gemm.cpp) and the greedy head (greedy.cpp) read: NR output columns
 // a panel; GGUF blocks (stages/quant.py) of QK weights along K, each (panel, block) QB bytes:
-// d[16] and m[16] in fp32, then the codes (u4: 16 rows of 16 bytes, two k a byte; s8: 32 rows).
+// d[16] and m[16] in fp16 (GGUF's own scales, so widening them is exact), then the codes at DM
+// (u4: 16 rows of 16 bytes, two k a byte; s8: 32 rows). Why fp16: a few-row step streams every
+// block from memory, and fp32 scales made a Q4_1 block 384 bytes instead of 320.
 #pragma once
 #include <cstdint>
 
 #include <torch/extension.h>
+#if defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 constexpr int NR = 16;  // output columns per panel (two 8-lane vectors)
 constexpr int64_t QK = 32;
-constexpr int64_t QB_U4 = 128 + QK * NR / 2, QB_S8 = 128 + QK * NR;
+constexpr int64_t DM = 2 * NR * 2;  // bytes of a block's d[16] and m[16]: where its codes start
+constexpr int64_t QB_U4 = DM + QK * NR / 2, QB_S8 = DM + QK * NR;
+
+// column j's d and m of the block at blk, as fp32
+inline float block_d(const uint8_t* blk, int j) { return static_cast<float>(reinterpret_cast<const c10::Half*>(blk)[j]); }
+inline float block_m(const uint8_t* blk, int j) {
+  return static_cast<float>(reinterpret_cast<const c10::Half*>(blk)[NR + j]);
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+// columns 8h .. 8h + 7's d or m
+inline __m256 block_d8(const uint8_t* blk, int h) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
+}
+inline __m256 block_m8(const uint8_t* blk, int h) { return block_d8(blk + 2 * NR, h); }
+#endif
+#ifdef __AVX512F__
+// the 16 columns' d or m
+inline __m512 block_d16(const uint8_t* blk) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+}
+inline __m512 block_m16(const uint8_t* blk) { return block_d16(blk + 2 * NR); }
+#endif
 
 // Byte permutes that put each column's 4 k in one 32-bit lane, as vpdpbusd sums them (the int8
 // products of greedy.cpp and int8_gemm.cpp): out byte 4j + t <- column j's k = t of 4 code rows.

@@ -50,6 +50,19 @@ def test_to_panels_names_what_it_cannot_take() -> None:
         quant.to_panels(raw, 12)  # Q4_K
     with pytest.raises(ValueError, match="panels of 16"):
         quant.to_panels(raw[:20], quant.Q8_0)
+    big = quantized(16, 32, quant.Q4_0)[0].copy()
+    big[:, 0:2] = np.array([9000.0], dtype=np.float16).view(np.uint8)  # d: m = −8d is past fp16's range
+    with pytest.raises(ValueError, match="does not fit fp16"):
+        quant.to_panels(big, quant.Q4_0)
+
+
+def test_panels_keep_the_scales_in_fp16() -> None:
+    """A Q4 block is 320 bytes for 512 weights: d and m in GGUF's own fp16, then 256 bytes of codes."""
+    raw, _ = quantized(16, 64, quant.Q4_1)
+    p = quant.to_panels(raw, quant.Q4_1)
+    assert p.shape[2] == 320 == quant.DM + 256
+    d = np.ascontiguousarray(raw.reshape(16, 2, 20)[:, :, 0:2]).view(np.float16)[..., 0]  # (16 rows, 2 blocks)
+    assert torch.equal(quant.block_scales(p)[0, :, :16], torch.from_numpy(d.T.astype(np.float32)))
 
 
 # rows: none, the few-row path (K whole: groups of up to 24 rows) and its group splits, the slab path;
