@@ -143,6 +143,9 @@ inline __m512i lanes_u8(const uint8_t* blk, int i) {
   return _mm512_xor_si512(lanes, _mm512_set1_epi8(static_cast<char>(0x80)));
 }
 
+// vectors a block in int8_candidates' scratch (several tiles): 8 of lanes_u8, then d as fp32
+constexpr int64_t LB = 9;
+
 // Rows' x as the tiles read it: c = xu − 128 (signed codes), c0 = −128 · Σ c per block (what the
 // + 128 of the weight's codes adds), xs and eb; tiled: in row tiles, else one tile row-major
 // (M ≤ ROWS; panels.h: x_code, x_block).
@@ -178,7 +181,7 @@ XTiles tile_x(const uint8_t* xu, const float* xs, const float* eb, int64_t M, in
 
 // R rows (R <= 8) of one row tile against one panel of 16 columns: R int32 block sums, R logit and
 // R bound sums in registers (24 of 32 with R = 8). TILED: x in tiles and the panel's codes already
-// in lane order in w, and d (KB × 9 vectors, once per call for every tile); else x row-major and each
+// in lane order in w, and d (KB × LB vectors, once per call for every tile); else x row-major and each
 // block's codes permuted here. Then each row's lanes go through its scan.
 template <int R, bool TILED>
 void q8_tile(const uint8_t* panel, const __m512i* w, const float* bn, int64_t KB, const int8_t* xc, const int32_t* c0,
@@ -190,10 +193,10 @@ void q8_tile(const uint8_t* panel, const __m512i* w, const float* bn, int64_t KB
     __m512i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_set1_epi32(c0[x_block<TILED>(r, b, KB)]);
     for (int i = 0; i < 8; ++i) {  // k = 4i .. 4i + 3 of the block
-      const __m512i wv = TILED ? _mm512_load_si512(w + b * 9 + i) : lanes_u8(blk, i);
+      const __m512i wv = TILED ? _mm512_load_si512(w + b * LB + i) : lanes_u8(blk, i);
       for (int r = 0; r < R; ++r) s[r] = dpbusd_bcast(s[r], wv, xc + x_code<TILED>(r, b, i, KB));
     }
-    const __m512 d = TILED ? _mm512_castsi512_ps(_mm512_load_si512(w + b * 9 + 8)) : block_d16(blk);
+    const __m512 d = TILED ? _mm512_castsi512_ps(_mm512_load_si512(w + b * LB + 8)) : block_d16(blk);
     const __m512 n = _mm512_loadu_ps(bn + b * NR);
     for (int r = 0; r < R; ++r) {  // exact int32 sums (|sum| < 2^24): exact as floats
       const int64_t at = x_block<TILED>(r, b, KB);
@@ -288,13 +291,13 @@ std::vector<torch::Tensor> int8_candidates(torch::Tensor xu, torch::Tensor xs, t
   at::parallel_for(0, NP, 16, [&](int64_t p0, int64_t p1) {
     RowScan* sc = scans.data() + at::get_thread_num() * M;
     // with several tiles, each block's 8 code vectors in lane order and its d, once per panel
-    std::unique_ptr<__m512i[]> lanes(tiled ? new __m512i[KB * 9] : nullptr);  // new aligns to 64
+    std::unique_ptr<__m512i[]> lanes(tiled ? new __m512i[KB * LB] : nullptr);  // new aligns to 64
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* panel = qp + p * KB * QB_S8;
       if (tiled)
         for (int64_t b = 0; b < KB; ++b) {
-          for (int i = 0; i < 8; ++i) lanes[b * 9 + i] = lanes_u8(panel + b * QB_S8, i);
-          lanes[b * 9 + 8] = _mm512_castps_si512(block_d16(panel + b * QB_S8));
+          for (int i = 0; i < 8; ++i) lanes[b * LB + i] = lanes_u8(panel + b * QB_S8, i);
+          lanes[b * LB + 8] = _mm512_castps_si512(block_d16(panel + b * QB_S8));
         }
       for (int64_t r = 0; r < M; r += ROWS) {
         const int n = static_cast<int>(std::min<int64_t>(ROWS, M - r));

@@ -168,9 +168,7 @@ struct Lanes16 {
   static V zero() { return _mm512_setzero_ps(); }
   static V loadf(const float* p) { return _mm512_loadu_ps(p); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static V load(const c10::Half* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
+  static V load(const c10::Half* p) { return load16(p); }
   static V load(const Fp8* p) {  // 16 fp8 -> 16 floats · 2⁻⁸, as load8 (vec.h)
     const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBF80))));

@@ -7,34 +7,29 @@
 #include <cstdint>
 
 #include <torch/extension.h>
-#if defined(__AVX2__) && defined(__F16C__)
-#include <immintrin.h>
-#endif
+
+#include "vec.h"
 
 constexpr int NR = 16;  // output columns per panel (two 8-lane vectors)
 constexpr int64_t QK = 32;
 constexpr int64_t DM = 2 * NR * 2;  // bytes of a block's d[16] and m[16]: where its codes start
 constexpr int64_t QB_U4 = DM + QK * NR / 2, QB_S8 = DM + QK * NR;
 
-// column j's d and m of the block at blk, as fp32
-inline float block_d(const uint8_t* blk, int j) { return static_cast<float>(reinterpret_cast<const c10::Half*>(blk)[j]); }
-inline float block_m(const uint8_t* blk, int j) {
-  return static_cast<float>(reinterpret_cast<const c10::Half*>(blk)[NR + j]);
-}
+// a block's d[16] then m[16]
+inline const c10::Half* block_halves(const uint8_t* blk) { return reinterpret_cast<const c10::Half*>(blk); }
+// column j's d and m, as fp32
+inline float block_d(const uint8_t* blk, int j) { return to_f32(block_halves(blk)[j]); }
+inline float block_m(const uint8_t* blk, int j) { return to_f32(block_halves(blk)[NR + j]); }
 
-#if defined(__AVX2__) && defined(__F16C__)
+#ifdef PP_AVX2
 // columns 8h .. 8h + 7's d or m
-inline __m256 block_d8(const uint8_t* blk, int h) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * h)));
-}
-inline __m256 block_m8(const uint8_t* blk, int h) { return block_d8(blk + 2 * NR, h); }
+inline __m256 block_d8(const uint8_t* blk, int h) { return load8(block_halves(blk) + 8 * h); }
+inline __m256 block_m8(const uint8_t* blk, int h) { return load8(block_halves(blk) + NR + 8 * h); }
 #endif
-#ifdef __AVX512F__
+#ifdef PP_AVX512
 // the 16 columns' d or m
-inline __m512 block_d16(const uint8_t* blk) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-}
-inline __m512 block_m16(const uint8_t* blk) { return block_d16(blk + 2 * NR); }
+inline __m512 block_d16(const uint8_t* blk) { return load16(block_halves(blk)); }
+inline __m512 block_m16(const uint8_t* blk) { return load16(block_halves(blk) + NR); }
 #endif
 
 // Byte permutes that put each column's 4 k in one 32-bit lane, as vpdpbusd sums them (the int8

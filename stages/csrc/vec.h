@@ -45,6 +45,9 @@ inline __m256 load8(const Fp8* p) {  // 8 fp8 -> 8 floats · 2⁻⁸ (raw_unit)
 }
 #if defined(__AVX512F__)
 #define PP_AVX512 1  // 16-lane FMAs: twice the 8-lane peak where the core has 512-bit FMA units
+inline __m512 load16(const c10::Half* p) {  // 16 halves -> 16 floats, exactly
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 #endif
 
 namespace exp_poly {  // shared by exp256 and exp512

@@ -89,7 +89,7 @@ def test_bf16_row_results_do_not_depend_on_the_tile_they_fall_in(n: int) -> None
 def test_bf16_products_take_row_strided_x() -> None:
     w, x = torch.randn(32, 24), torch.randn(40, 50)
     packed = cpu_kernels.pack_weight(w)
-    assert torch.equal(linear(x[:, 3:27], packed, bf16=True), linear(x[:, 3:27].contiguous(), packed, bf16=True))
+    assert torch.equal(linear(x[:, 3:27], packed, products="bf16"), linear(x[:, 3:27].contiguous(), packed, products="bf16"))
 
 
 def test_packed_linear_takes_row_strided_x_and_rejects_bad_shapes(isa: str) -> None:
