@@ -75,7 +75,7 @@ def test_bf16_products_keep_the_answer(prompts: list[list[int]], tmp_path: Path,
     assert "Paris" in capsys.readouterr().out
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["matmul_precision"] == "medium"
     workers = json.loads((tmp_path / "run" / "workers.json").read_text())
-    assert [w["bf16_linears"] for w in workers] == [4 * 30]
+    assert [w["bf16_linears"] for w in workers] == [4 * 30 + 1]  # (qkv, o, gate_up, down) per layer + LM head
 
 
 PASSAGE = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
