@@ -294,8 +294,14 @@ std::vector<torch::Tensor> int8_candidates(torch::Tensor xu, torch::Tensor xs, t
     std::unique_ptr<__m512i[]> lanes(tiled ? new __m512i[KB * LB] : nullptr);  // new aligns to 64
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* panel = qp + p * KB * QB_S8;
+      // with several tiles, the next panel and its norms into L2 while this one's tiles run: the
+      // scratch is built at the start of a panel, where no product hides its reads from memory
+      // (paired, Zen 4: 9 / 16 / 32 rows x0.85 / 0.89 / 0.92 at 1 thread, 16 / 32 x0.84 / 0.87 at 2)
+      const bool ahead = tiled && p + 1 < p1;
+      if (ahead) prefetch_bytes(nb + (p + 1) * KB * NR, KB * NR * sizeof(float));
       if (tiled)
         for (int64_t b = 0; b < KB; ++b) {
+          if (ahead) prefetch_bytes(panel + (KB + b) * QB_S8, QB_S8);
           for (int i = 0; i < 8; ++i) lanes[b * LB + i] = lanes_u8(panel + b * QB_S8, i);
           lanes[b * LB + 8] = _mm512_castps_si512(block_d16(panel + b * QB_S8));
         }
