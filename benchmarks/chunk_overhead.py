@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/chunk_overhead.py                 # embedded model, chunk 256, 1 thread
     .venv/bin/python benchmarks/chunk_overhead.py --threads 2
+    .venv/bin/python benchmarks/chunk_overhead.py --threads 2 --matmul-precision int8 --kv-cache-dtype fp8
     .venv/bin/python benchmarks/chunk_overhead.py --smoke --model HF_FOLDER   # CI smoke test
 
 "Forward" is everything a one-stage worker does for one micro-batch holding a fresh prompt
@@ -9,8 +10,9 @@ chunk of --chunk tokens whose last row is sampled: ``StageWorker.execute`` on th
 (metadata, embedding, every layer with its attention, norms, RoPE and KV writes, the LM head
 on the sampled row, sampling, Python). "Matmuls" are the same products with the same weights
 and shapes and nothing else, through the same GEMM (``stages.layers.linear``: on CPU fp32 the
-packed kernel over the worker's packed weights): per layer qkv, o, gate_up, down at --chunk
-rows, plus the LM head on one row. The two run in alternating rounds and the ratio is taken per round (forward ÷ the
+packed kernel over the worker's packed weights; each linear's own products, so with
+--matmul-precision int8 the int8 ones over the GGUF blocks): per layer qkv, o, gate_up, down at
+--chunk rows, plus the LM head on one row. The two run in alternating rounds and the ratio is taken per round (forward ÷ the
 matmuls of the same round), so that a shared box's drift hits both alike; the median of the
 per-round ratios is the figure. A bucketed pass (stages.profile's timers) then says where the
 non-matmul time goes.
@@ -25,6 +27,7 @@ import time
 import torch
 
 from pp_runtime.batch import MicroBatch, SampleSpec, SeqChunk
+from pp_runtime.config import KV_DTYPES, MATMUL_PRECISIONS
 from stages.layers import linear
 from stages.op_timing import OpTimer, instrument
 from stages.profile import build_worker
@@ -45,11 +48,10 @@ def matmuls(model: torch.nn.Module, chunk: int) -> callable:
     @torch.inference_mode()
     def run() -> None:
         for layer in model.layers:
-            linear(x, layer.self_attn.qkv_proj.weight)
-            linear(xq, layer.self_attn.o_proj.weight)
-            linear(x, layer.mlp.gate_up_proj.weight)
-            linear(xi, layer.mlp.down_proj.weight)
-        linear(x[:1], model.lm_head.weight)
+            for inp, mod in ((x, layer.self_attn.qkv_proj), (xq, layer.self_attn.o_proj),
+                             (x, layer.mlp.gate_up_proj), (xi, layer.mlp.down_proj)):
+                linear(inp, mod.weight, products=mod.products)
+        linear(x[:1], model.lm_head.weight, products=model.lm_head.products)
     return run
 
 
@@ -59,9 +61,10 @@ def timed(f: callable) -> float:
     return time.perf_counter() - t
 
 
-def measure(model: str | None, chunk: int, threads: int, rounds: int) -> dict:
+def measure(model: str | None, chunk: int, threads: int, rounds: int, matmul_precision: str = "highest",
+            kv_dtype: str = "auto") -> dict:
     torch.set_num_threads(threads)
-    w = build_worker(model, threads=threads)
+    w = build_worker(model, threads=threads, matmul_precision=matmul_precision, kv_dtype=kv_dtype)
     w.allocate_cache(-(-chunk // w.block_size))
     wire = chunk_plan(chunk, w.spec.source.config.vocab_size, w.block_size)
     fwd, mm = (lambda: w.execute(wire)), matmuls(w.model, chunk)
@@ -82,7 +85,8 @@ def measure(model: str | None, chunk: int, threads: int, rounds: int) -> dict:
                 best = (total, dict(timer.acc))
     total, acc = best
     linears = sum(v for k, v in acc.items() if k != "attn")
-    return {"chunk": chunk, "threads": threads, "rounds": rounds,
+    return {"chunk": chunk, "threads": threads, "rounds": rounds, "matmul_precision": matmul_precision,
+            "kv_cache_dtype": kv_dtype,
             "forward_ms_min": min(t_fwd) * 1e3, "forward_ms_median": statistics.median(t_fwd) * 1e3,
             "matmul_ms_min": min(t_mm) * 1e3, "matmul_ms_median": statistics.median(t_mm) * 1e3,
             "ratio_median": statistics.median(ratios), "ratio_of_mins": min(t_fwd) / min(t_mm),
@@ -96,13 +100,17 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="highest",
+                    help="the linears' products, in the forward and in its matmuls alike")
+    ap.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
     ap.add_argument("--json", default=None, help="write the figures here too")
     a = ap.parse_args()
     if a.smoke:
         a.chunk, a.rounds = 16, 3
-    r = measure(a.model, a.chunk, a.threads, a.rounds)
-    print(f"chunk {r['chunk']}, {r['threads']} thread(s), {r['rounds']} alternating rounds")
+    r = measure(a.model, a.chunk, a.threads, a.rounds, a.matmul_precision, a.kv_cache_dtype)
+    print(f"chunk {r['chunk']}, {r['threads']} thread(s), {r['rounds']} alternating rounds, "
+          f"matmul precision {a.matmul_precision}, K/V {a.kv_cache_dtype}")
     print(f"  forward (StageWorker.execute): min {r['forward_ms_min']:7.1f} ms  median {r['forward_ms_median']:7.1f} ms")
     print(f"  its matmuls alone:             min {r['matmul_ms_min']:7.1f} ms  median {r['matmul_ms_median']:7.1f} ms")
     print(f"  forward / matmuls: {r['ratio_median']:.3f} (median of per-round ratios; ratio of minima "

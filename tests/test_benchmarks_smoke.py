@@ -48,6 +48,16 @@ def test_chunk_overhead_smoke(hf_models: dict, tmp_path: Path) -> None:
     assert r["bucketed_linears_ms"] > 0 and r["bucketed_attention_ms"] > 0
 
 
+def test_chunk_overhead_smoke_int8(tmp_path: Path) -> None:
+    """Both sides of the ratio take the linears' own products: int8 over a tiny GGUF's blocks."""
+    from tests.stages.test_quant import VARIANTS, write_gguf
+    model = write_gguf(tmp_path / "q4_1.gguf", VARIANTS["q4_1"])
+    r = run(["benchmarks/chunk_overhead.py", "--smoke", "--model", str(model), "--matmul-precision", "int8",
+             "--kv-cache-dtype", "fp8"], tmp_path)
+    assert (r["matmul_precision"], r["kv_cache_dtype"]) == ("int8", "fp8")
+    assert r["forward_ms_min"] > 0 and r["matmul_ms_min"] > 0 and r["ratio_median"] > 0
+
+
 def test_decode_maximal_smoke(hf_models: dict, tmp_path: Path) -> None:
     png = tmp_path / "table2.png"
     r = run(["benchmarks/decode_maximal.py", "--smoke", "--model", str(hf_models["llama"]), "--plot", str(png)], tmp_path)
