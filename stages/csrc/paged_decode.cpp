@@ -169,10 +169,7 @@ struct Lanes16 {
   static V loadf(const float* p) { return _mm512_loadu_ps(p); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V load(const c10::Half* p) { return load16(p); }
-  static V load(const Fp8* p) {  // 16 fp8 -> 16 floats · 2⁻⁸, as load8 (vec.h)
-    const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBF80))));
-  }
+  static V load(const Fp8* p) { return load16(p); }  // 16 fp8 -> 16 floats · 2⁻⁸
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }

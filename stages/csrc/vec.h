@@ -48,6 +48,10 @@ inline __m256 load8(const Fp8* p) {  // 8 fp8 -> 8 floats · 2⁻⁸ (raw_unit)
 inline __m512 load16(const c10::Half* p) {  // 16 halves -> 16 floats, exactly
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline __m512 load16(const Fp8* p) {  // 16 fp8 -> 16 floats · 2⁻⁸, as load8
+  const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBF80))));
+}
 #endif
 
 namespace exp_poly {  // shared by exp256 and exp512
