@@ -86,7 +86,7 @@ def measure(model: str | None, chunk: int, threads: int, rounds: int, matmul_pre
     total, acc = best
     linears = sum(v for k, v in acc.items() if k != "attn")
     return {"chunk": chunk, "threads": threads, "rounds": rounds, "matmul_precision": matmul_precision,
-            "kv_cache_dtype": kv_dtype,
+            "kv_cache_dtype": kv_dtype, "reduced_linears": dict(w.reduced_linears),  # which took bf16 / int8
             "forward_ms_min": min(t_fwd) * 1e3, "forward_ms_median": statistics.median(t_fwd) * 1e3,
             "matmul_ms_min": min(t_mm) * 1e3, "matmul_ms_median": statistics.median(t_mm) * 1e3,
             "ratio_median": statistics.median(ratios), "ratio_of_mins": min(t_fwd) / min(t_mm),

@@ -55,6 +55,9 @@ def test_chunk_overhead_smoke_int8(tmp_path: Path) -> None:
     r = run(["benchmarks/chunk_overhead.py", "--smoke", "--model", str(model), "--matmul-precision", "int8",
              "--kv-cache-dtype", "fp8"], tmp_path)
     assert (r["matmul_precision"], r["kv_cache_dtype"]) == ("int8", "fp8")
+    from stages import cpu_kernels
+    from tests.stages.test_quant import LAYERS
+    assert r["reduced_linears"]["int8"] == (4 * LAYERS if cpu_kernels.int8_products() else 0)  # qkv, o, gate_up, down
     assert r["forward_ms_min"] > 0 and r["matmul_ms_min"] > 0 and r["ratio_median"] > 0
 
 
