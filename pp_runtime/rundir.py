@@ -15,7 +15,8 @@ from pp_runtime.request import RequestOutput
 from pp_runtime.timing import TimingRecord, build_records, chrome_trace, summarize
 
 WORKER_FIELDS = ("stage", "tp_rank", "pid", "node", "device", "hostname", "layers", "weight_bytes",
-                 "layer_weight_bytes", "attention", "kv_dtype", "bf16_linears", "int8_linears")
+                 "layer_weight_bytes", "attention", "kv_dtype", "bf16_linears", "int8_linears",
+                 "bf16_attention")
 
 
 def collect_records(llm: object) -> list[TimingRecord]:

@@ -141,13 +141,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int,
-                  scale: float, out: torch.Tensor) -> None:
+                  scale: float, out: torch.Tensor, bf16: bool = False) -> None:
     """Causal attention of a chunk q (n, H, D), the last n of ctx positions, into out (n, H, D).
 
     Its K/V must already be in the cache. q and out may be row-strided views (a slice of the
-    fused QKV output, rows of the step's output); each (H, D) row must be contiguous.
+    fused QKV output, rows of the step's output); each (H, D) row must be contiguous. bf16 (where
+    ``bf16_products()``): a chunk of more than 12 tokens rounds q, K, the softmax weights and V to
+    bf16 for the two products, sums in fp32, as a GPU's bf16 attention (matmul precision "medium"
+    and "int8"); a shorter one stays the fp32 path, as a product of up to 12 rows does.
     """
-    _load().paged_prefill(q, k_cache, v_cache, table, ctx, scale, out)
+    _load().paged_prefill(q, k_cache, v_cache, table, ctx, scale, out, bf16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -270,10 +273,11 @@ def gather_columns(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def layer_stack(weights: list[torch.Tensor], heads: int, kv_heads: int, head_dim: int, scale: float, eps: float,
-                products: str, cos: torch.Tensor, sin: torch.Tensor) -> object:
+                products: str, attn_bf16: bool, cos: torch.Tensor, sin: torch.Tensor) -> object:
     """stack.cpp's LayerStack over 7 tensors a layer (stages/layer_loop.py): ``.forward(h, caches,
-    step_meta(...))`` runs them all in one call; products: the linears' ("fp32", "bf16", "int8")."""
-    return _load().LayerStack(weights, heads, kv_heads, head_dim, scale, eps, products, cos, sin)
+    step_meta(...))`` runs them all in one call; products: the linears' ("fp32", "bf16", "int8");
+    attn_bf16: the prefill attention's (``paged_prefill``'s bf16)."""
+    return _load().LayerStack(weights, heads, kv_heads, head_dim, scale, eps, products, attn_bf16, cos, sin)
 
 
 def step_meta(positions: torch.Tensor, slots: torch.Tensor, q_lens: list[int], ctx_lens: list[int],

@@ -124,7 +124,8 @@ class StageWorker:
                 "node": os.uname().nodename, "device": str(self.device), "layers": [u / 2 if u % 2 else u // 2 for u in self.units],
                 "weight_bytes": self.weight_bytes, "layer_weight_bytes": self._layer_bytes(),
                 "attention": self.model.backend.name, "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
-                "bf16_linears": self.reduced_linears["bf16"], "int8_linears": self.reduced_linears["int8"]}
+                "bf16_linears": self.reduced_linears["bf16"], "int8_linears": self.reduced_linears["int8"],
+                "bf16_attention": getattr(self.model.backend, "bf16", False)}
 
     def _layer_bytes(self) -> int:
         """Resident bytes of the decoder layers alone (embedding and LM head excluded)."""

@@ -73,6 +73,9 @@ class TorchAttention:
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
+        # the CPU prefill kernel's products in bf16 (set_matmul_precision sets it for "medium" and
+        # "int8" where the kernels have AVX512-BF16); decodes keep fp32: they are bound by reading K/V
+        self.bf16 = False
 
     @staticmethod
     def _use_paged_kernel(q: torch.Tensor) -> bool:
@@ -91,7 +94,7 @@ class TorchAttention:
             n, ctx = meta.q_lens[i], meta.ctx_lens[i]
             if paged:  # causal blocks only, K/V read in place (the chunk's own were just written)
                 cpu_kernels.paged_prefill(q[row:row + n], k_cache, v_cache, meta.prefill_tables[i], ctx, self.scale,
-                                        out[row:row + n])
+                                          out[row:row + n], self.bf16)
                 row += n
                 continue
             qi = q[row:row + n].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)

@@ -7,7 +7,9 @@ void bind_layer_stack(pybind11::module& m);  // stack.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (fp32 q, fp32 or fp16 K/V caches, CPU)");
-  m.def("paged_prefill", &paged_prefill, "paged causal prefill attention of one chunk, into out (fp32 q, fp32 or fp16 K/V caches, CPU)");
+  m.def("paged_prefill", &paged_prefill, "paged causal prefill attention of one chunk, into out (fp32 q, fp32, fp16 or fp8 K/V caches, CPU; bf16: bf16 products)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("table"), py::arg("ctx"), py::arg("scale"),
+        py::arg("out"), py::arg("bf16") = false);
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (fp32, CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "h += x in place, then RMSNorm of h (fp32, CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused (T, 2I) gate/up output (fp32, CPU)");

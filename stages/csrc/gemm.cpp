@@ -710,20 +710,10 @@ void quant_product(const RowTiles& rt, const uint8_t* q, int64_t NP, int64_t K, 
 // prefill chunk's products shrink while a few-row product, bound by streaming and dequantizing W,
 // would not: products of <= 2 row tiles (<= 12 rows) keep the fp32 path; any larger one, a
 // decode-only batch of 13+ sequences too, takes this one (packed_linear and quant_linear choose).
-#if defined(PP_AVX512) && defined(__AVX512BF16__)
-#define PP_BF16 1
+#ifdef PP_BF16
 // deepest K slab of the bf16 path: a pair of panels' 576-deep slab is 36 KB of bf16 pairs and
 // stays in L1; 576 against 192 (the fp32 rule) ran 2-10% faster at 32-256 rows
 constexpr int64_t BF_KC = 576;
-
-// two rows of 16 weights (k, k + 1) -> 16 words, word j holding bf16 w[k][j] (low) and w[k + 1][j]:
-// the pair one vdpbf16ps lane multiplies with x's (k, k + 1)
-inline __m512i pair_rows(__m512 r0, __m512 r1) {
-  // word 2j <- element j (r0's), 2j + 1 <- 16 + j (r1's); _mm512_set_epi16 lists word 31 first
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                       21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(idx, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(r1, r0)));
-}
 
 // x's rows in the same register tiles as pack_rows, as bf16 pairs: tile t's word p * m + i holds
 // x[r0 + i][2p] (low half) and x[r0 + i][2p + 1]; a tile starts at word r0[t] * K / 2.

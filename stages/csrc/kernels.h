@@ -9,7 +9,7 @@
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                            torch::Tensor lens, double scale);  // paged_decode.cpp
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
-                   int64_t ctx, double scale, torch::Tensor out);  // paged_prefill.cpp
+                   int64_t ctx, double scale, torch::Tensor out, bool bf16);  // paged_prefill.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);  // elementwise.cpp
 torch::Tensor add_rms_norm_(torch::Tensor h, torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);

@@ -11,12 +11,22 @@
 // micro-tiles of broadcast-FMA over K and V packed once per call into 16-wide panels (Kᵀ: D x 16
 // keys, V: keys x 16 columns), so that every micro-tile streams contiguous memory: read in
 // place, the cache's rows sit at a stride that maps a 16-key slab onto a few L1 sets.
+//
+// bf16 (matmul precision "medium" or "int8", where the build has AVX512-BF16; chunks of more than 12
+// tokens): q, K, the softmax
+// weights P and V rounded to bf16 (nearest even), fp32 sums, each vdpbf16ps adding two terms into
+// 16 of them (what a GPU's bf16 flash attention does; K and V from an fp8 cache are exact in bf16).
+// The panels then hold pairs: Kᵀ word (p, j) = K[j][2p], K[j][2p + 1]; V word (jp, c) = V[2jp][c],
+// V[2jp + 1][c]. A bf16 panel has as many elements as an fp32 one, so both layouts share offsets.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <type_traits>
 #include <vector>
 #include "vec.h"
 
@@ -37,10 +47,17 @@ struct Args {
   float* out;
   int64_t q_row, out_row, n, ctx, H, Hkv, G, D, BS;
   float scale;
-  const float* kt;  // (Hkv, Lp / NR, D, NR): Kᵀ panels, zero past ctx
-  const float* vp;  // (Hkv, D / NR, Lp, NR): V panels, rows past ctx unset (never read)
+  const void* kt;  // E: (Hkv, Lp / NR, D, NR): Kᵀ panels, zero past ctx
+  const void* vp;  // E: (Hkv, D / NR, Lp, NR): V panels, zero past ctx (a bf16 pair reads one row past)
   int64_t Lp;
 };
+
+// bf16 takes chunks of more than 12 tokens, as the GEMM's bf16 path takes products of more than
+// 12 rows: a shorter chunk is bound by reading its context, and a step of up to 12 rows stays
+// bit-identical to fp32 ("medium" promises it)
+constexpr int64_t kBf16MinTokens = 12;
+using Bf16 = uint16_t;  // a bf16's bits: the panels' element in the bf16 path (E), float in the other
+inline Bf16 to_bf16(float x) { return c10::BFloat16(x).x; }  // nearest even
 
 // s[r][c] = Σ_d q_r[d] kt[d][c] for r < MR, c < NR (kt: one D x NR panel; s row stride lds)
 template <int DC>
@@ -118,30 +135,152 @@ inline void pv_tile(const float* p, int64_t ldp, const float* vp, int64_t kc, fl
 }
 
 // The panels of KV head h for the positions of cache block blk (both read once, in place).
-template <typename T>
-void pack_block(const Args& a, int64_t h, int64_t blk, float* kt, float* vp) {
+template <typename T, typename E>
+void pack_block(const Args& a, int64_t h, int64_t blk, E* kt, E* vp) {
   const int64_t j0 = blk * a.BS, j1 = std::min(a.ctx, j0 + a.BS), D = a.D, row = a.Hkv * D;
   const T* kr = static_cast<const T*>(a.k) + (a.table[blk] * a.BS * a.Hkv + h) * D;
   const T* vr = static_cast<const T*>(a.v) + (a.table[blk] * a.BS * a.Hkv + h) * D;
   for (int64_t j = j0; j < j1; ++j, kr += row, vr += row) {
-    float* kp = kt + (h * (a.Lp / NR) + j / NR) * D * NR + j % NR;
-    for (int64_t d = 0; d < D; ++d) kp[d * NR] = to_f32(kr[d]);
-    for (int64_t c = 0; c < D; c += NR) {
-      float* vo = vp + ((h * (D / NR) + c / NR) * a.Lp + j) * NR;
-      for (int64_t i = 0; i < NR; ++i) vo[i] = to_f32(vr[c + i]);
+    E* kp = kt + (h * (a.Lp / NR) + j / NR) * D * NR;
+    E* vo = vp + h * D * a.Lp;
+    if constexpr (std::is_same_v<E, float>) {
+      for (int64_t d = 0; d < D; ++d) kp[d * NR + j % NR] = to_f32(kr[d]);
+      for (int64_t c = 0; c < D; c += NR)
+        for (int64_t i = 0; i < NR; ++i) vo[(c * a.Lp + j * NR) + i] = to_f32(vr[c + i]);
+    } else {  // pairs: K's (d, d + 1) in word (d / 2, j), V's rows (j, j + 1) in word (j / 2, c)
+      for (int64_t d = 0; d < D; ++d) kp[(d / 2 * NR + j % NR) * 2 + d % 2] = to_bf16(to_f32(kr[d]));
+      for (int64_t c = 0; c < D; c += NR)
+        for (int64_t i = 0; i < NR; ++i) vo[c * a.Lp + (j / 2 * NR + i) * 2 + j % 2] = to_bf16(to_f32(vr[c + i]));
     }
   }
 }
+
+#ifdef PP_BF16
+template <typename T>
+inline __m512 widen16(const T* p) {  // 16 cache elements -> their 16 values, exactly
+  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
+  else if constexpr (std::is_same_v<T, Fp8>) return _mm512_mul_ps(load16(p), _mm512_set1_ps(raw_unit<Fp8>()));
+  else return load16(p);
+}
+
+// pack_block's bf16 pairs, 16 elements at a time (the scalar one spent ~9% of a 256-token chunk's
+// attention converting them one by one): a K row's 16 bf16 go out as 8 words a panel row apart,
+// two V rows' 16 columns as 16 adjacent words (pair_rows). A V row without its pair in this block
+// (an odd block size) goes through the scalar path.
+template <typename T>
+void pack_block_bf16(const Args& a, int64_t h, int64_t blk, Bf16* kt, Bf16* vp) {
+  const int64_t j0 = blk * a.BS, j1 = std::min(a.ctx, j0 + a.BS), D = a.D, row = a.Hkv * D;
+  const T* k0 = static_cast<const T*>(a.k) + (a.table[blk] * a.BS * a.Hkv + h) * D;
+  const T* v0 = static_cast<const T*>(a.v) + (a.table[blk] * a.BS * a.Hkv + h) * D;
+  const T* kr = k0;
+  for (int64_t j = j0; j < j1; ++j, kr += row) {
+    uint32_t* kp = reinterpret_cast<uint32_t*>(kt + (h * (a.Lp / NR) + j / NR) * D * NR) + j % NR;
+    for (int64_t d = 0; d < D; d += 16) {
+      alignas(32) uint32_t w[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(w), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(widen16(kr + d))));
+      for (int i = 0; i < 8; ++i) kp[(d / 2 + i) * NR] = w[i];
+    }
+  }
+  Bf16* vo = vp + h * D * a.Lp;
+  for (int64_t j = j0; j < j1;) {
+    const T* vr = v0 + (j - j0) * row;
+    const bool last = j + 1 == a.ctx;  // its pair is padding: zero
+    if (j % 2 == 0 && (j + 1 < j1 || last)) {
+      for (int64_t c = 0; c < D; c += NR) {
+        const __m512 r1 = last ? _mm512_setzero_ps() : widen16(vr + row + c);
+        _mm512_storeu_si512(vo + c * a.Lp + j * NR, pair_rows(widen16(vr + c), r1));
+      }
+      j += 2;
+    } else {
+      for (int64_t c = 0; c < D; c += NR)
+        for (int64_t i = 0; i < NR; ++i) vo[c * a.Lp + (j / 2 * NR + i) * 2 + j % 2] = to_bf16(to_f32(vr[c + i]));
+      j += 1;
+    }
+  }
+}
+#endif
+
+#ifdef PP_BF16
+inline __m512bh bcast_pair(const Bf16* p) {  // the bf16 pair at p in all 16 words
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)));
+}
+
+// The bf16 tiles are MR rows x NP panels (up to 4: 64 keys or output columns): vdpbf16ps has
+// several cycles of latency, and 6 accumulators (one panel) left the dot-product pipes idle
+// (256-token chunk, 1 thread: 0.645 ms a layer against 0.912 fp32, where 24 make it ...).
+constexpr int NPB = 4;
+
+// s[r][c] = Σ_d q_r[d] kt_c[d] for r < MR, c < NP · NR as qk_tile over NP consecutive panels
+// (kt: the first, D / 2 x NR words each), from bf16: q rows at q + r * D
+template <int DC, int NP>
+inline void qk_tile_bf16(const Bf16* q, const Bf16* kt, int64_t D, float* s, int64_t lds) {
+  const int64_t Dn = DC > 0 ? DC : D;
+  __m512 c[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < NP; ++i) c[r][i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < Dn / 2; ++p) {
+    __m512bh b[NP];
+    for (int i = 0; i < NP; ++i) b[i] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kt + i * Dn * NR + p * 2 * NR));
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh x = bcast_pair(q + r * Dn + 2 * p);
+      for (int i = 0; i < NP; ++i) c[r][i] = _mm512_dpbf16_ps(c[r][i], x, b[i]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < NP; ++i) _mm512_storeu_ps(s + r * lds + i * NR, c[r][i]);
+}
+
+// o[r][c] += Σ_j p[r][j] v_c[j] for r < MR, c < NP · NR as pv_tile over kc2 keys (even) and NP
+// column panels (vp: the first's slab, kc2 / 2 x NR words; the next at + pstride), from bf16 P rows
+// at stride ldp
+template <int NP>
+inline void pv_tile_bf16(const Bf16* p, int64_t ldp, const Bf16* vp, int64_t pstride, int64_t kc2, float* o,
+                         int64_t ldo) {
+  __m512 c[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < NP; ++i) c[r][i] = _mm512_loadu_ps(o + r * ldo + i * NR);
+  for (int64_t j = 0; j < kc2; j += 2) {
+    __m512bh b[NP];
+    for (int i = 0; i < NP; ++i) b[i] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vp + i * pstride + j * NR));
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh x = bcast_pair(p + r * ldp + j);
+      for (int i = 0; i < NP; ++i) c[r][i] = _mm512_dpbf16_ps(c[r][i], x, b[i]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int i = 0; i < NP; ++i) _mm512_storeu_ps(o + r * ldo + i * NR, c[r][i]);
+}
+
+// f<NP>() for NP = n (1 .. NPB): the tiles' panel count as a compile-time constant
+template <typename F>
+inline void with_panels(int64_t n, const F& f) {
+  switch (n) {
+    case 1: return f(std::integral_constant<int, 1>());
+    case 2: return f(std::integral_constant<int, 2>());
+    case 3: return f(std::integral_constant<int, 3>());
+    default: return f(std::integral_constant<int, NPB>());
+  }
+}
+
+// n floats -> n bf16 (n a multiple of 16)
+inline void round_row(const float* x, int64_t n, Bf16* y) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
+}
+#endif
 
 struct Scratch {
   std::vector<const float*> qr;
   std::vector<float> s, o, m, l;
   std::vector<int64_t> pos;
+  std::vector<Bf16> qb, pb;  // the bf16 path's q rows and softmax weights
 };
 
 // Rows of task (h, t): position i0 + i / G, query head h * G + i % G; padded to MR with a zero row.
-template <int DC>
+// E: the panels' element (float, or Bf16 for bf16 products)
+template <int DC, typename E>
 void one_task(const Args& a, int64_t h, int64_t t, Scratch& w, const float* zero) {
+  constexpr bool BF = std::is_same_v<E, Bf16>;
   const int64_t D = DC > 0 ? DC : a.D, i0 = t * TQ, ni = std::min<int64_t>(TQ, a.n - i0);
   const int64_t R = ni * a.G, Rp = (R + MR - 1) / MR * MR, first = a.ctx - a.n;
   w.qr.resize(Rp);
@@ -156,30 +295,61 @@ void one_task(const Args& a, int64_t h, int64_t t, Scratch& w, const float* zero
   w.o.assign(Rp * D, 0.f);
   w.m.assign(Rp, kNoMax);
   w.l.assign(Rp, 0.f);
-  const float* kt = a.kt + h * a.Lp * D;  // this head's panels
-  const float* vp = a.vp + h * D * a.Lp;
+#ifdef PP_BF16
+  if constexpr (BF) {
+    w.qb.resize(Rp * D);
+    w.pb.resize(Rp * KC);
+    for (int64_t r = 0; r < Rp; ++r) round_row(w.qr[r], D, &w.qb[r * D]);
+  }
+#endif
+  const E* kt = static_cast<const E*>(a.kt) + h * a.Lp * D;  // this head's panels
+  const E* vp = static_cast<const E*>(a.vp) + h * D * a.Lp;
   for (int64_t j0 = 0; j0 < Lt; j0 += KC) {
     const int64_t kc = std::min<int64_t>(KC, Lt - j0), kcp = (kc + NR - 1) / NR * NR;
-    for (int64_t c = 0; c < kcp; c += NR)  // Kᵀ slab stays in L1 across the row tiles
-      for (int64_t r = 0; r < Rp; r += MR) qk_tile<DC>(&w.qr[r], kt + (j0 + c) * D, D, &w.s[r * KC + c], KC);
+#ifdef PP_BF16
+    if constexpr (BF) {
+      for (int64_t c = 0; c < kcp; c += NPB * NR)  // up to NPB panels of Kᵀ across the row tiles
+        with_panels((kcp - c) / NR, [&](auto np) {
+          for (int64_t r = 0; r < Rp; r += MR)
+            qk_tile_bf16<DC, np()>(&w.qb[r * D], kt + (j0 + c) * D, D, &w.s[r * KC + c], KC);
+        });
+    }
+#endif
+    if constexpr (!BF)
+      for (int64_t c = 0; c < kcp; c += NR)  // Kᵀ slab stays in L1 across the row tiles
+        for (int64_t r = 0; r < Rp; r += MR) qk_tile<DC>(&w.qr[r], kt + (j0 + c) * D, D, &w.s[r * KC + c], KC);
     for (int64_t r = 0; r < Rp; ++r) {  // online softmax: scores -> weights, rescale what is summed
       float* s = &w.s[r * KC];
       const int64_t valid = std::clamp<int64_t>(w.pos[r] - j0 + 1, 0, kc);
       if (valid == 0) {
-        std::fill(s, s + kc, 0.f);
-        continue;
+        std::fill(s, s + kcp, 0.f);
+      } else {
+        const float m_new = std::max(w.m[r], row_max(s, valid) * a.scale);
+        const float alpha = w.m[r] == kNoMax ? 0.f : std::exp(w.m[r] - m_new);
+        const float sum = exp_row(s, valid, a.scale, m_new);
+        std::fill(s + valid, s + kcp, 0.f);  // to kcp: the bf16 path's pairs read up to kc + 1
+        w.l[r] = w.l[r] * alpha + sum;
+        w.m[r] = m_new;
+        if (alpha != 1.f)
+          for (int64_t d = 0; d < D; ++d) w.o[r * D + d] *= alpha;
       }
-      const float m_new = std::max(w.m[r], row_max(s, valid) * a.scale);
-      const float alpha = w.m[r] == kNoMax ? 0.f : std::exp(w.m[r] - m_new);
-      const float sum = exp_row(s, valid, a.scale, m_new);
-      std::fill(s + valid, s + kc, 0.f);
-      w.l[r] = w.l[r] * alpha + sum;
-      w.m[r] = m_new;
-      if (alpha != 1.f)
-        for (int64_t d = 0; d < D; ++d) w.o[r * D + d] *= alpha;
+#ifdef PP_BF16
+      if constexpr (BF) round_row(s, kcp, &w.pb[r * KC]);
+#endif
     }
-    for (int64_t c = 0; c < D; c += NR)  // one V panel slab across the row tiles
-      for (int64_t r = 0; r < Rp; r += MR) pv_tile(&w.s[r * KC], KC, vp + (c * a.Lp + j0 * NR), kc, &w.o[r * D + c], D);
+#ifdef PP_BF16
+    if constexpr (BF) {
+      for (int64_t c = 0; c < D; c += NPB * NR)  // up to NPB V panels' slabs across the row tiles
+        with_panels((D - c) / NR, [&](auto np) {
+          for (int64_t r = 0; r < Rp; r += MR)
+            pv_tile_bf16<np()>(&w.pb[r * KC], KC, vp + (c * a.Lp + j0 * NR), NR * a.Lp, (kc + 1) / 2 * 2,
+                               &w.o[r * D + c], D);
+        });
+    }
+#endif
+    if constexpr (!BF)
+      for (int64_t c = 0; c < D; c += NR)  // one V panel slab across the row tiles
+        for (int64_t r = 0; r < Rp; r += MR) pv_tile(&w.s[r * KC], KC, vp + (c * a.Lp + j0 * NR), kc, &w.o[r * D + c], D);
   }
   for (int64_t r = 0; r < R; ++r) {
     float* o = a.out + (i0 + r / a.G) * a.out_row + (h * a.G + r % a.G) * D;
@@ -188,7 +358,7 @@ void one_task(const Args& a, int64_t h, int64_t t, Scratch& w, const float* zero
   }
 }
 
-template <int DC>
+template <int DC, typename E>
 void run(const Args& a) {
   const int64_t tiles = (a.n + TQ - 1) / TQ, tasks = tiles * a.Hkv;
   // Later tiles see more keys: pair tile t with tiles-1-t so that equal contiguous ranges
@@ -199,15 +369,50 @@ void run(const Args& a) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t slot = i / a.Hkv, h = i % a.Hkv;
       const int64_t t = slot % 2 == 0 ? slot / 2 : tiles - 1 - slot / 2;
-      one_task<DC>(a, h, t, w, zero.data());
+      one_task<DC, E>(a, h, t, w, zero.data());
     }
   });
+}
+
+// Packs the panels (elements E) and runs the tasks over them.
+template <typename E>
+void launch(Args a, c10::ScalarType kv) {
+  const int64_t Hkv = a.Hkv, D = a.D, Lp = a.Lp, ctx = a.ctx;
+  // Uninitialised (a long context's panels are MBs): packing writes every real key. What the
+  // tiles read past ctx is zeroed first: the last Kᵀ panel (the softmax masks its scores) and the
+  // V rows from the pair that holds ctx on (only P's zeros multiply them; NaN · 0 would not be 0).
+  std::unique_ptr<E[]> kt(new E[Hkv * D * Lp]), vp(new E[Hkv * D * Lp]);
+  for (int64_t h = 0; h < Hkv && Lp > ctx; ++h) {
+    std::fill_n(kt.get() + (h * (Lp / NR) + Lp / NR - 1) * D * NR, D * NR, E(0));
+    for (int64_t c = 0; c < D; c += NR)
+      std::fill_n(vp.get() + h * D * Lp + c * Lp + ctx / 2 * 2 * NR, (Lp - ctx / 2 * 2) * NR, E(0));
+  }
+  a.kt = kt.get();
+  a.vp = vp.get();
+  const int64_t blocks = (ctx + a.BS - 1) / a.BS;
+  auto pack = kv == torch::kFloat16 ? pack_block<c10::Half, E>  // the cache's element
+              : kv == torch::kFloat8_e4m3fn ? pack_block<Fp8, E> : pack_block<float, E>;
+#ifdef PP_BF16
+  if constexpr (std::is_same_v<E, Bf16>)
+    pack = kv == torch::kFloat16 ? pack_block_bf16<c10::Half>
+           : kv == torch::kFloat8_e4m3fn ? pack_block_bf16<Fp8> : pack_block_bf16<float>;
+#endif
+  at::parallel_for(0, Hkv * blocks, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) pack(a, i / blocks, i % blocks, kt.get(), vp.get());
+  });
+  if (D == 64) {
+    run<64, E>(a);
+  } else if (D == 128) {
+    run<128, E>(a);
+  } else {
+    run<0, E>(a);
+  }
 }
 
 }  // namespace
 
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
-                   int64_t ctx, double scale, torch::Tensor out) {
+                   int64_t ctx, double scale, torch::Tensor out, bool bf16) {
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(q.dtype() == torch::kFloat32 &&
               (kv == torch::kFloat32 || kv == torch::kFloat16 || kv == torch::kFloat8_e4m3fn) &&
@@ -225,28 +430,13 @@ void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache
   for (int64_t i = 0, nb = (ctx + BS - 1) / BS; i < nb; ++i)
     TORCH_CHECK(tp[i] >= 0 && tp[i] < k_cache.size(0), "paged_prefill: block ", tp[i], " outside the cache");
   if (n == 0) return;
-  const int64_t Lp = (ctx + NR - 1) / NR * NR;
-  // Uninitialised (a long context's panels are MBs): packing writes every real key; the K
-  // columns past ctx in the last panel are zeroed (the tiles read them; the softmax masks
-  // them), the V rows past ctx are never read.
-  std::unique_ptr<float[]> kt(new float[Hkv * D * Lp]), vp(new float[Hkv * D * Lp]);
-  for (int64_t h = 0; h < Hkv && Lp > ctx; ++h)
-    for (int64_t d = 0; d < D; ++d)
-      std::fill_n(kt.get() + ((h * (Lp / NR) + Lp / NR - 1) * D + d) * NR + ctx % NR, Lp - ctx, 0.f);
   Args a{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr<int64_t>(),
          out.data_ptr<float>(), q.stride(0), out.stride(0), n, ctx, H, Hkv, H / Hkv, D, BS,
-         static_cast<float>(scale), kt.get(), vp.get(), Lp};
-  const int64_t blocks = (ctx + BS - 1) / BS;
-  const auto pack = kv == torch::kFloat16 ? pack_block<c10::Half>  // the cache's element
-                    : kv == torch::kFloat8_e4m3fn ? pack_block<Fp8> : pack_block<float>;
-  at::parallel_for(0, Hkv * blocks, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) pack(a, i / blocks, i % blocks, kt.get(), vp.get());
-  });
-  if (D == 64) {
-    run<64>(a);
-  } else if (D == 128) {
-    run<128>(a);
-  } else {
-    run<0>(a);
-  }
+         static_cast<float>(scale), nullptr, nullptr, (ctx + NR - 1) / NR * NR};
+#ifdef PP_BF16
+  if (bf16 && n > kBf16MinTokens) return launch<Bf16>(a, kv);
+#else
+  TORCH_CHECK(!bf16, "paged_prefill: bf16 products need a build with AVX512-BF16 (bf16_products())");
+#endif
+  launch<float>(a, kv);
 }

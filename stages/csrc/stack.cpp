@@ -1,7 +1,8 @@
 // A stage's decoder layers as one call from Python (stages/layer_loop.py says when it applies).
 //
-//   stack = LayerStack(weights, heads, kv_heads, head_dim, scale, eps, products, cos, sin)
-//   products: "fp32", "bf16" or "int8", the linears' products (stages/layers.py: set_matmul_precision)
+//   stack = LayerStack(weights, heads, kv_heads, head_dim, scale, eps, products, attn_bf16, cos, sin)
+//   products: "fp32", "bf16" or "int8", the linears' products (stages/layers.py: set_matmul_precision);
+//   attn_bf16: the prefill attention's products in bf16 (TorchAttention.bf16, set there too)
 //   h = stack.forward(h, caches, StepMeta(positions, slots, q_lens, ctx_lens, prefill_tables, decode_tables,
 //                                         decode_lens), times)
 //   times: None, or a float64 (5,) tensor that each op's seconds are added to (preproj, attn, postproj,
@@ -65,9 +66,9 @@ struct StepMeta {
 class LayerStack {
  public:
   LayerStack(std::vector<torch::Tensor> weights, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
-             double eps, const std::string& products, torch::Tensor cos, torch::Tensor sin)
+             double eps, const std::string& products, bool attn_bf16, torch::Tensor cos, torch::Tensor sin)
       : w_(std::move(weights)), h_(heads), hkv_(kv_heads), d_(head_dim), scale_(scale), eps_(eps),
-        products_(products_of(products)),
+        products_(products_of(products)), attn_bf16_(attn_bf16),
         cos_(std::move(cos)), sin_(std::move(sin)) {
     TORCH_CHECK(!w_.empty() && w_.size() % PER_LAYER == 0, "LayerStack: ", int(PER_LAYER), " weights a layer");
   }
@@ -132,7 +133,8 @@ class LayerStack {
       out = torch::empty({t, h_, d_}, q.options());
       for (size_t i = 0; i < m.q_lens.size(); ++i) {
         const int64_t n = m.q_lens[i];
-        paged_prefill(q.narrow(0, row, n), kc, vc, m.prefill_tables[i], m.ctx_lens[i], scale_, out.narrow(0, row, n));
+        paged_prefill(q.narrow(0, row, n), kc, vc, m.prefill_tables[i], m.ctx_lens[i], scale_, out.narrow(0, row, n),
+                      attn_bf16_);
         row += n;
       }
       if (m.decode_tables)
@@ -154,6 +156,7 @@ class LayerStack {
   int64_t h_, hkv_, d_;
   double scale_, eps_;
   Products products_;
+  bool attn_bf16_;
   torch::Tensor cos_, sin_;
 };
 
@@ -166,8 +169,8 @@ void bind_layer_stack(pybind11::module& m) {
         return StepMeta{positions, slots, q_lens, ctx_lens, tables, decode_tables, decode_lens};
       }));
   py::class_<LayerStack>(m, "LayerStack", py::module_local())
-      .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, std::string, torch::Tensor,
-                    torch::Tensor>())
+      .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, std::string, bool,
+                    torch::Tensor, torch::Tensor>())
       .def("forward", &LayerStack::forward, py::arg("h"), py::arg("caches"), py::arg("meta"),
            py::arg("times") = py::none(), py::call_guard<py::gil_scoped_release>(),
            "the stage's decoder layers over h (T, H), as stages/model.py runs them on CPU");

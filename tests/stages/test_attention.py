@@ -125,6 +125,68 @@ def test_paged_prefill_matches_gather_sdpa(isa: str, threads: int, hkv: int, grp
     assert buf[0].isnan().all() and buf[n + 1].isnan().all()  # nothing written outside out
 
 
+def bf16_reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, n: int, ctx: int, scale: float) -> torch.Tensor:
+    """Causal attention with q, K, the softmax weights and V rounded to bf16 and everything else in
+    fp32: q (n, H, D), keys / vals (H_kv, ctx, D) -> (n, H, D)."""
+    g = q.shape[1] // keys.shape[0]
+    kb, vb = (t.bfloat16().float().repeat_interleave(g, 0) for t in (keys, vals))  # (H, ctx, D)
+    s = q.bfloat16().float().transpose(0, 1) @ kb.transpose(1, 2) * scale  # (H, n, ctx)
+    s = s.masked_fill(~causal_offset_mask(n, ctx, q.device), float("-inf"))
+    p = (s - s.amax(-1, keepdim=True)).exp()
+    return ((p.bfloat16().float() @ vb) / p.sum(-1, keepdim=True)).transpose(0, 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bs,kv", [(16, torch.float32), (5, torch.float8_e4m3fn), (16, torch.float16)])
+@pytest.mark.parametrize("hkv,grp,d", [(3, 3, 64), (2, 4, 128), (1, 5, 48), (4, 1, 16)])
+@pytest.mark.parametrize("n,ctx", [(256, 256), (100, 300), (37, 600), (1, 1), (12, 77), (13, 13), (40, 41)])
+def test_paged_prefill_bf16_products(threads: int, bs: int, kv: torch.dtype, hkv: int, grp: int, d: int, n: int,
+                                     ctx: int) -> None:
+    """The prefill kernel's bf16 path (matmul precision "medium" and "int8"): q, K, the softmax
+    weights and V rounded to bf16, fp32 sums, against that rounding done by torch. Up to 4 panels
+    a tile (d = 128 takes two groups, 48 three panels, 16 one), contexts of several softmax steps
+    (whose weights round against a running max, not the row's: the 6e-3), odd contexts (a V pair half padding)
+    and an odd block size (V rows without a pair in their block), fp32 / fp8 / fp16 caches; chunks
+    of up to 12 tokens keep the fp32 path. The fp32
+    kernel misses the same reference 28x or more further on average, so a bf16 flag that went
+    unused would fail here."""
+    if not cpu_kernels.bf16_products():
+        pytest.skip("no AVX512-BF16 in this build")
+    g = torch.Generator().manual_seed(n * 7 + ctx)
+    h, nb = hkv * grp, -(-ctx // bs)
+    kc = (torch.randn(nb + 9, bs, hkv, d, generator=g) * 3).to(kv)
+    vc = torch.randn(nb + 9, bs, hkv, d, generator=g).to(kv)
+    table = torch.randperm(nb + 9, generator=g)[:nb]
+    qkv = torch.randn(n, (h + 2 * hkv) * d, generator=g) * 3
+    q = qkv[:, :h * d].view(n, h, d)
+    out, out32 = torch.full((n + 2, h, d), float("nan")), torch.empty(n, h, d)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_kernels.paged_prefill(q, kc, vc, table, ctx, d ** -0.5, out[1:n + 1], bf16=True)
+        cpu_kernels.paged_prefill(q, kc, vc, table, ctx, d ** -0.5, out32)
+    finally:
+        torch.set_num_threads(old)
+    keys, vals = (c[table].view(-1, hkv, d)[:ctx].float().transpose(0, 1) for c in (kc, vc))  # (H_kv, ctx, D)
+    ref = bf16_reference(q, keys, vals, n, ctx, d ** -0.5)
+    assert out[0].isnan().all() and out[n + 1].isnan().all()  # nothing written outside out
+    if n <= 12:  # a short chunk keeps fp32, bit for bit (as a product of up to 12 rows does)
+        assert torch.equal(out[1:n + 1], out32)
+        return
+    torch.testing.assert_close(out[1:n + 1], ref, rtol=1e-3, atol=6e-3)  # measured: at most 3.9e-3
+    assert (out32 - ref).abs().mean() > 10 * (out[1:n + 1] - ref).abs().mean()  # measured: >= 28x
+
+
+def test_paged_prefill_bf16_needs_the_instructions(isa: str) -> None:
+    """Asked of a build without AVX512-BF16, the bf16 path is an error naming what it needs."""
+    if cpu_kernels.bf16_products():
+        pytest.skip("this build has AVX512-BF16")
+    kc = torch.zeros(1, 16, 1, 16)
+    q = torch.zeros(1, 1, 16)
+    with pytest.raises(RuntimeError, match="AVX512-BF16"):
+        cpu_kernels.paged_prefill(q, kc, kc, torch.zeros(1, dtype=torch.long), 1, 0.25, torch.empty_like(q), bf16=True)
+
+
 def test_xformers_packing_and_mask_match_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("xformers.ops.fmha.attn_bias")  # imported before CUDA is faked below
     chunks, q, k, v, kc, vc = mixed_batch(1)

@@ -145,6 +145,7 @@ def test_int8_stage_takes_every_block_quantized_linear(gguf_models: dict, varian
     panels = LAYERS * (3 if variant == "mixed" else 4)
     assert int8.info()["int8_linears"] == (panels if cpu_kernels.int8_products() else 0)
     assert int8.model.lm_head.products == "fp32"
+    assert int8.info()["bf16_attention"] == cpu_kernels.bf16_products() and not fp32.info()["bf16_attention"]
     assert (int8.model.lm_head.greedy is None) == (fp32.model.lm_head.greedy is None)
     ids = [(7 * i) % 250 + 3 for i in range(40)]
     a, b = prefill_logits(fp32, ids), prefill_logits(int8, ids)

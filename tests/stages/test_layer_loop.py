@@ -1,7 +1,7 @@
 """The C++ layer loop (stages/layer_loop.py, stages/csrc/stack.cpp) against the Python loop over the
 same layers: the same hidden states and the same KV caches, bit for bit, for every kind of step
 (fresh and cached prefill chunks, decodes, several chunks with decodes), half-layer stages,
-fp32/bf16 products, fp32/fp16 caches, GGUF panels and every kernel build; and where it must not
+fp32/bf16 products (the prefill attention's too), fp32/fp16/fp8 caches, GGUF panels and every kernel build; and where it must not
 apply (tensor parallelism, weights torch multiplies), the Python loop runs; per-op timing runs
 inside the C++ loop."""
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_c_loop_is_the_python_loop_bit_for_bit(hf_models: dict, threads: int, ar
 
 
 @pytest.mark.parametrize("precision,kv_dtype", [("medium", "auto"), ("highest", "float16"), ("medium", "float16"),
-                                              ("highest", "fp8")])
+                                              ("highest", "fp8"), ("medium", "fp8"), ("int8", "fp8")])
 @pytest.mark.parametrize("step", STEPS)
 def test_bf16_products_and_fp16_caches(hf_models: dict, threads: int, precision: str, kv_dtype: str, step: str) -> None:
     both_loops(worker(str(hf_models["qwen2"]), precision=precision, kv_dtype=kv_dtype), STEPS[step])

@@ -157,6 +157,7 @@ def test_matmul_precision_medium_rounds_only_many_row_products(hf_models: dict) 
     assert fp32.info()["bf16_linears"] == 0
     layers = mixed.spec.source.config.num_layers
     assert mixed.info()["bf16_linears"] == 4 * layers + 1  # (qkv, o, gate_up, down) per layer + LM head
+    assert mixed.info()["bf16_attention"] and not fp32.info()["bf16_attention"]  # chunks > 12 tokens
     table = tuple(range(16))
     with torch.inference_mode():
         a, b = run_chunks(fp32, prompt, 40, table), run_chunks(mixed, prompt, 40, table)
