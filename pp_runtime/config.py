@@ -253,9 +253,10 @@ class CacheConfig:
 
 GGUF_WEIGHTS = ("native", "dequantize")
 # torch.set_float32_matmul_precision's names: "highest" sums fp32 products of fp32 inputs;
-# "medium" lets them take bf16 inputs (fp32 sums), which the CPU GEMM does where AVX512-BF16 is.
-# Ours beside them: "int8" rounds x to int8 per block of 32 against GGUF weights' own codes
-# (llama.cpp's scheme), where the CPU has AVX512-VNNI
+# "medium" lets them take bf16 inputs (fp32 sums), which the CPU GEMM does where AVX512-BF16 is,
+# and so does the prefill attention's two products. Ours beside them: "int8" rounds x to int8 per
+# block of 32 against GGUF weights' own codes (llama.cpp's scheme), where the CPU has AVX512-VNNI,
+# its attention as under "medium"
 MATMUL_PRECISIONS = ("highest", "medium", "int8")
 
 
