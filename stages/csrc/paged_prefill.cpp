@@ -12,10 +12,10 @@
 // keys, V: keys x 16 columns), so that every micro-tile streams contiguous memory: read in
 // place, the cache's rows sit at a stride that maps a 16-key slab onto a few L1 sets.
 //
-// bf16 (matmul precision "medium" or "int8", where the build has AVX512-BF16; chunks of more than 12
-// tokens): q, K, the softmax
-// weights P and V rounded to bf16 (nearest even), fp32 sums, each vdpbf16ps adding two terms into
-// 16 of them (what a GPU's bf16 flash attention does; K and V from an fp8 cache are exact in bf16).
+// bf16 (matmul precision "medium" or "int8", where the build has AVX512-BF16; chunks of more than
+// 12 tokens): q, K, the softmax weights P and V rounded to bf16 (nearest even), fp32 sums, each
+// vdpbf16ps adding two terms into 16 of them (what a GPU's bf16 flash attention does; K and V from
+// an fp8 cache are exact in bf16).
 // The panels then hold pairs: Kᵀ word (p, j) = K[j][2p], K[j][2p + 1]; V word (jp, c) = V[2jp][c],
 // V[2jp + 1][c]. A bf16 panel has as many elements as an fp32 one, so both layouts share offsets.
 #include <torch/extension.h>
@@ -135,22 +135,17 @@ inline void pv_tile(const float* p, int64_t ldp, const float* vp, int64_t kc, fl
 }
 
 // The panels of KV head h for the positions of cache block blk (both read once, in place).
-template <typename T, typename E>
-void pack_block(const Args& a, int64_t h, int64_t blk, E* kt, E* vp) {
+template <typename T>
+void pack_block(const Args& a, int64_t h, int64_t blk, float* kt, float* vp) {
   const int64_t j0 = blk * a.BS, j1 = std::min(a.ctx, j0 + a.BS), D = a.D, row = a.Hkv * D;
   const T* kr = static_cast<const T*>(a.k) + (a.table[blk] * a.BS * a.Hkv + h) * D;
   const T* vr = static_cast<const T*>(a.v) + (a.table[blk] * a.BS * a.Hkv + h) * D;
   for (int64_t j = j0; j < j1; ++j, kr += row, vr += row) {
-    E* kp = kt + (h * (a.Lp / NR) + j / NR) * D * NR;
-    E* vo = vp + h * D * a.Lp;
-    if constexpr (std::is_same_v<E, float>) {
-      for (int64_t d = 0; d < D; ++d) kp[d * NR + j % NR] = to_f32(kr[d]);
-      for (int64_t c = 0; c < D; c += NR)
-        for (int64_t i = 0; i < NR; ++i) vo[(c * a.Lp + j * NR) + i] = to_f32(vr[c + i]);
-    } else {  // pairs: K's (d, d + 1) in word (d / 2, j), V's rows (j, j + 1) in word (j / 2, c)
-      for (int64_t d = 0; d < D; ++d) kp[(d / 2 * NR + j % NR) * 2 + d % 2] = to_bf16(to_f32(kr[d]));
-      for (int64_t c = 0; c < D; c += NR)
-        for (int64_t i = 0; i < NR; ++i) vo[c * a.Lp + (j / 2 * NR + i) * 2 + j % 2] = to_bf16(to_f32(vr[c + i]));
+    float* kp = kt + (h * (a.Lp / NR) + j / NR) * D * NR + j % NR;
+    for (int64_t d = 0; d < D; ++d) kp[d * NR] = to_f32(kr[d]);
+    for (int64_t c = 0; c < D; c += NR) {
+      float* vo = vp + ((h * (D / NR) + c / NR) * a.Lp + j) * NR;
+      for (int64_t i = 0; i < NR; ++i) vo[i] = to_f32(vr[c + i]);
     }
   }
 }
@@ -163,10 +158,11 @@ inline __m512 widen16(const T* p) {  // 16 cache elements -> their 16 values, ex
   else return load16(p);
 }
 
-// pack_block's bf16 pairs, 16 elements at a time (the scalar one spent ~9% of a 256-token chunk's
-// attention converting them one by one): a K row's 16 bf16 go out as 8 words a panel row apart,
-// two V rows' 16 columns as 16 adjacent words (pair_rows). A V row without its pair in this block
-// (an odd block size) goes through the scalar path.
+// pack_block's panels as bf16 pairs: K's (d, d + 1) in word (d / 2, j), V's rows (j, j + 1) in word
+// (j / 2, c); 16 elements at a time (converted one by one, packing took ~9% of a 256-token chunk's
+// attention): a K row's 16 bf16 go out as 8 words a panel row apart, two V rows' 16 columns as 16
+// adjacent words (pair_rows). A V row without its pair in this block (an odd block size) goes in
+// one element at a time.
 template <typename T>
 void pack_block_bf16(const Args& a, int64_t h, int64_t blk, Bf16* kt, Bf16* vp) {
   const int64_t j0 = blk * a.BS, j1 = std::min(a.ctx, j0 + a.BS), D = a.D, row = a.Hkv * D;
@@ -205,9 +201,10 @@ inline __m512bh bcast_pair(const Bf16* p) {  // the bf16 pair at p in all 16 wor
   return reinterpret_cast<__m512bh>(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)));
 }
 
-// The bf16 tiles are MR rows x NP panels (up to 4: 64 keys or output columns): vdpbf16ps has
-// several cycles of latency, and 6 accumulators (one panel) left the dot-product pipes idle
-// (256-token chunk, 1 thread: 0.645 ms a layer against 0.912 fp32, where 24 make it ...).
+// The bf16 tiles are MR rows x NP panels (up to 4: 64 keys or output columns), 24 accumulators
+// as the GEMM's bf16 tiles, against vdpbf16ps's latency. Measured against 6 (one panel): no
+// faster here (256-token chunk, 1 thread: 0.645 / 0.644 ms a layer), the kernel's products were
+// not waiting on it; kept at no cost for other cores and head sizes.
 constexpr int NPB = 4;
 
 // s[r][c] = Σ_d q_r[d] kt_c[d] for r < MR, c < NP · NR as qk_tile over NP consecutive panels
@@ -390,10 +387,11 @@ void launch(Args a, c10::ScalarType kv) {
   a.kt = kt.get();
   a.vp = vp.get();
   const int64_t blocks = (ctx + a.BS - 1) / a.BS;
-  auto pack = kv == torch::kFloat16 ? pack_block<c10::Half, E>  // the cache's element
-              : kv == torch::kFloat8_e4m3fn ? pack_block<Fp8, E> : pack_block<float, E>;
+  void (*pack)(const Args&, int64_t, int64_t, E*, E*);  // by the cache's element
+  if constexpr (std::is_same_v<E, float>)
+    pack = kv == torch::kFloat16 ? pack_block<c10::Half> : kv == torch::kFloat8_e4m3fn ? pack_block<Fp8> : pack_block<float>;
 #ifdef PP_BF16
-  if constexpr (std::is_same_v<E, Bf16>)
+  else
     pack = kv == torch::kFloat16 ? pack_block_bf16<c10::Half>
            : kv == torch::kFloat8_e4m3fn ? pack_block_bf16<Fp8> : pack_block_bf16<float>;
 #endif
