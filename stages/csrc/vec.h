@@ -125,16 +125,23 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 }
 #endif
 
+#ifdef PP_AVX512
+inline __mmask16 lanes16(int64_t left) {  // the first min(left, 16) lanes of a 16-lane step
+  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
+#endif
+
 // max of s[0..n), n >= 1
 inline float row_max(const float* s, int64_t n) {
   float mx = s[0];
   int64_t j = 1;
-#ifdef PP_AVX512
-  if (n >= 16) {
-    __m512 m = _mm512_loadu_ps(s);
-    for (j = 16; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
-    mx = _mm512_reduce_max_ps(m);
+#ifdef PP_AVX512  // 16 lanes, the tail masked (its lanes keep the running max), as exp_row
+  __m512 m = _mm512_set1_ps(mx);
+  for (j = 0; j < n; j += 16) {
+    const __mmask16 k = lanes16(n - j);
+    m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, k, s + j));
   }
+  return _mm512_reduce_max_ps(m);
 #elif defined(PP_AVX2)
   if (n >= 8) {
     __m256 m = _mm256_loadu_ps(s);
@@ -154,7 +161,7 @@ inline float exp_row(float* s, int64_t n, float scale, float m) {
   const __m512 vs = _mm512_set1_ps(scale), vm = _mm512_set1_ps(m);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 k = n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1);
+    const __mmask16 k = lanes16(n - j);
     const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), vs, vm)));
     _mm512_mask_storeu_ps(s + j, k, e);
     acc = _mm512_add_ps(acc, e);
