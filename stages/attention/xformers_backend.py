@@ -7,18 +7,37 @@ query. GQA uses xformers' (B, M, G, H, K) layout with K/V broadcast over each gr
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from stages.attention.metadata import AttentionMetadata
 from stages.attention.torch_backend import write_kv
 
 
-def xformers_available() -> bool:
+@functools.cache
+def xformers_unusable(dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why xformers' attention cannot run here in ``dtype`` (None: it can). That it imports is not
+    enough: a wheel built for another torch imports, warns, and has no CUDA operator (seen with
+    xformers 0.0.35, built for torch 2.10, under torch 2.11), so one tiny causal call decides."""
     try:
-        import xformers.ops  # noqa: F401
-    except Exception:  # ImportError, or a broken build: fall back to torch
-        return False
-    return torch.cuda.is_available()
+        import xformers.ops as xops
+        from xformers.ops.fmha.attn_bias import BlockDiagonalCausalFromBottomRightMask
+    except Exception as e:  # ImportError, or a broken build
+        return f"xformers does not import ({_first_line(e)})"
+    if not torch.cuda.is_available():
+        return "xformers needs CUDA, which is not available"
+    try:
+        q = torch.zeros(1, 2, 1, 1, 64, dtype=dtype, device="cuda")  # (B, M, G, H/G, D), our layout
+        bias = BlockDiagonalCausalFromBottomRightMask.from_seqlens([2], [2], device=q.device)
+        xops.memory_efficient_attention_forward(q, q, q, attn_bias=bias)
+    except Exception as e:  # NotImplementedError: "No operator found ..."
+        return f"xformers has no attention operator for {str(dtype).removeprefix('torch.')} here ({_first_line(e)})"
+    return None
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
 
 
 class XFormersAttention:

@@ -3,6 +3,7 @@ Marked ``gpu(n)`` and skipped when fewer than n GPUs exist (never needed by CI).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pp_runtime import LLM, SamplingParams
 from tests.conftest import hf_greedy, mixed_prompts
@@ -12,12 +13,16 @@ PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 
 @pytest.mark.gpu(1)
 @pytest.mark.parametrize("scheduler", ("sarathi", "orca"))
-def test_cuda_xformers_matches_hf(hf_models: dict, scheduler: str) -> None:
+@pytest.mark.parametrize("attention", ("xformers", "torch"))
+def test_cuda_matches_hf(hf_models: dict, scheduler: str, attention: str) -> None:
+    from stages.attention.xformers_backend import xformers_unusable
+    if attention == "xformers" and xformers_unusable(torch.float32):
+        pytest.skip(xformers_unusable(torch.float32))  # e.g. a wheel built for another torch
     prompts = mixed_prompts()
     expected = hf_greedy(hf_models["llama"], prompts, 10)
-    with LLM(model=str(hf_models["llama"]), device="cuda", attention="xformers", scheduler=scheduler,
+    with LLM(model=str(hf_models["llama"]), device="cuda", attention=attention, scheduler=scheduler,
              chunk_size=7, memory_budget_gb=2.0) as llm:
-        assert llm.workers_info()[0]["attention"] == "xformers"
+        assert llm.workers_info()[0]["attention"] == attention
         assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == expected
 
 

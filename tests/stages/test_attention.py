@@ -206,12 +206,35 @@ def test_xformers_packing_and_mask_match_torch_backend(monkeypatch: pytest.Monke
 
 def test_backend_selection() -> None:
     assert make_backend("auto", "cpu", 1.0).name == "torch"
-    with pytest.raises(ValueError, match="xformers"):
+    with pytest.raises(ValueError, match="'xformers' cannot run: xformers needs device cuda"):
         make_backend("xformers", "cpu", 1.0)
+
+
+def test_xformers_that_imports_but_cannot_run_is_not_picked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wheel built for another torch imports but has no operator: auto falls back to torch SDPA,
+    and asking for xformers says why (here the tiny probe call fails as it would on such a GPU)."""
+    pytest.importorskip("xformers.ops")
+    from stages.attention.xformers_backend import xformers_unusable
+    xformers_unusable.cache_clear()
+    if torch.cuda.is_available():
+        pytest.skip("the probe would run for real")
+    assert xformers_unusable(torch.float32) == "xformers needs CUDA, which is not available"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    xformers_unusable.cache_clear()
+    try:
+        assert xformers_unusable(torch.bfloat16).startswith("xformers has no attention operator for bfloat16 here (")
+        assert make_backend("auto", "cuda", 1.0, torch.bfloat16).name == "torch"
+        with pytest.raises(ValueError, match="cannot run: xformers has no attention operator for bfloat16"):
+            make_backend("xformers", "cuda", 1.0, torch.bfloat16)
+    finally:
+        xformers_unusable.cache_clear()
 
 
 @pytest.mark.gpu
 def test_xformers_kernel_matches_torch_on_cuda() -> None:
+    from stages.attention.xformers_backend import xformers_unusable
+    if xformers_unusable(torch.float32):
+        pytest.skip(xformers_unusable(torch.float32))
     chunks, q, k, v, kc, vc = (x.cuda() if isinstance(x, torch.Tensor) else x for x in mixed_batch(2))
     meta = build_metadata(chunks, BS, torch.device("cuda"))
     ours = make_backend("xformers", "cuda", D ** -0.5).forward(q, k, v, kc.clone(), vc.clone(), meta)
