@@ -4,8 +4,9 @@ On CPU in fp32 the kernels of ``stages.cpu_kernels`` read K/V blocks in place: a
 prefill chunk (it skips the keys a query block cannot see), one for all decodes. Elsewhere
 (and for head sizes the kernels do not tile): prefill chunks as one SDPA per chunk over its
 gathered context, causal with the diagonal offset by the tokens already cached (bottom-right
-aligned); decodes as one batched SDPA over their gathered, padded contexts with a padding
-mask. GQA through SDPA's ``enable_gqa``.
+aligned); decodes on CUDA in one Triton kernel that reads their blocks in place
+(``triton_decode``), elsewhere as one batched SDPA over their gathered, padded contexts with a
+padding mask. GQA through SDPA's ``enable_gqa``.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from stages import cpu_kernels
+from stages.attention import triton_decode
 from stages.attention.metadata import AttentionMetadata
 
 
@@ -61,11 +63,12 @@ def causal_offset_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.
     return torch.arange(ctx_len, device=device).unsqueeze(0) <= q_pos
 
 
-def decode_lens(meta: AttentionMetadata) -> torch.Tensor:
-    """(D,) int64 context length of every decode, built once per step."""
-    if "decode_lens" not in meta.backend_cache:
-        meta.backend_cache["decode_lens"] = torch.tensor(meta.ctx_lens[meta.num_prefills:], dtype=torch.long)
-    return meta.backend_cache["decode_lens"]
+def decode_lens(meta: AttentionMetadata, device: torch.device | None = None) -> torch.Tensor:
+    """(D,) int64 context length of every decode (on the CPU, or ``device``), built once per step."""
+    key = f"decode_lens:{device}"
+    if key not in meta.backend_cache:
+        meta.backend_cache[key] = torch.tensor(meta.ctx_lens[meta.num_prefills:], dtype=torch.long, device=device)
+    return meta.backend_cache[key]
 
 
 class TorchAttention:
@@ -76,6 +79,9 @@ class TorchAttention:
         # the CPU prefill kernel's products in bf16 (set_matmul_precision sets it for "medium" and
         # "int8" where the kernels have AVX512-BF16); decodes keep fp32: they are bound by reading K/V
         self.bf16 = False
+        # on CUDA, decodes read K/V in place (triton_decode) where it can run, else gathered; off
+        # only for a before/after measurement (benchmarks/decode_maximal.py --cuda-decode)
+        self.paged_cuda = True
 
     @staticmethod
     def _use_paged_kernel(q: torch.Tensor) -> bool:
@@ -114,6 +120,9 @@ class TorchAttention:
         if meta.num_decodes and kernels:  # K/V read in place, no gather
             out[row:] = cpu_kernels.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables,
                                                decode_lens(meta), self.scale)
+        elif meta.num_decodes and self.paged_cuda and triton_decode.usable(q, k_cache):
+            out[row:] = triton_decode.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables,
+                                                   decode_lens(meta, q.device), self.scale)
         elif meta.num_decodes:
             b = meta.num_decodes
             idx = meta.decode_tables.reshape(-1)

@@ -1,0 +1,113 @@
+"""Paged decode attention on CUDA: one Triton kernel that reads each decode's K/V in place.
+
+The torch path gathers every decode's blocks into a contiguous copy (``index_select``) and
+then SDPA reads the copy: K/V cross memory three times. On an H200, LLaMA-7B in bf16 with 64
+decodes at 512 context, that gather alone was 9.3 ms of a 35.7 ms decode-maximal step
+(docs/BENCHMARKS.md). Here one program per (decode, KV head) walks the sequence's keys
+``TOKENS`` at a time, each key's block looked up in its table row, and keeps an online softmax
+for the G query heads that share the KV head, in fp32; K/V are read once.
+
+Checked against the torch path on a GPU (tests/stages/test_attention.py, marked gpu) and, with
+no GPU, in Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors), where triton is installed.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # the kernel's body names triton.language at module level: Triton's JIT reads the module's globals
+    import triton.language as tl
+except Exception:  # no triton (CPU-only installs): usable() is False and the kernel is never built
+    tl = None
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def triton_missing() -> str | None:
+    """Why the kernel cannot be built here (None: it can)."""
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return f"triton does not import ({type(e).__name__})"
+    return None
+
+
+def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether this kernel takes these decodes: CUDA tensors, a power-of-two head size (Triton's
+    aranges), a cache of a float dtype laid out (NB, BS, H_kv, D) contiguously."""
+    d = q.shape[-1]
+    return (q.is_cuda and k_cache.dtype in DTYPES and d & (d - 1) == 0 and k_cache.is_contiguous()
+            and q.stride(-1) == 1 and triton_missing() is None)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                 lens: torch.Tensor, scale: float, tokens: int = 0, num_warps: int = 4,
+                 aligned: bool = True) -> torch.Tensor:
+    """q (B, H, D) one query per decode; caches (NB, BS, H_kv, D); tables (B, nb_max) block ids;
+    lens (B,) context lengths (≥ 1), both on q's device -> (B, H, D) in q's dtype. ``tokens``,
+    ``num_warps`` and ``aligned`` (tell Triton that K/V rows start 16-element aligned, so that it
+    loads them in 16-byte vectors) are tuning knobs for benchmarks/cuda_paged_decode.py."""
+    b, h, d = q.shape
+    bs, h_kv = k_cache.shape[1], k_cache.shape[2]
+    g = h // h_kv
+    g_pad = 1 << (g - 1).bit_length()
+    # keys per step: the (G_PAD, TOKENS, D) fp32 product stays at ~4K elements (32 registers a
+    # thread of 4 warps; LLaMA-7B: 32 keys, 8 KB of K a step), K and V tiles the same
+    tokens = tokens or max(16, 4096 // (g_pad * d))
+    out = torch.empty_like(q)
+    _kernel()[(b, h_kv)](q, k_cache, v_cache, tables, lens, out, scale,
+                         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                         tables.stride(0), out.stride(0), out.stride(1),
+                         G=g, G_PAD=g_pad, D=d, BS=bs, TOKENS=tokens, ALIGN=min(d, 16) if aligned else 1,
+                         num_warps=num_warps)
+    return out
+
+
+@functools.cache
+def _kernel() -> object:
+    """Compiled on first use: ``triton.jit`` reads TRITON_INTERPRET here (the tests set it first)."""
+    import triton
+    return triton.jit(_paged_decode_kernel)
+
+
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, scale,
+                         stride_qb, stride_qh, stride_kblk, stride_kslot, stride_kh, stride_tb,
+                         stride_ob, stride_oh,
+                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                         TOKENS: tl.constexpr, ALIGN: tl.constexpr):
+    """One (decode, KV head): the G heads' online softmax over the decode's keys, TOKENS at a time."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    t = tl.arange(0, TOKENS)
+    heads = kvh * G + g
+    has_head = g < G
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=has_head[:, None], other=0.0).to(tl.float32) * scale  # (G_PAD, D)
+    ctx = tl.load(lens_ptr + seq)
+    m = tl.full((G_PAD,), float("-inf"), tl.float32)  # running max of each head's scores
+    den = tl.zeros((G_PAD,), tl.float32)  # running softmax denominator
+    acc = tl.zeros((G_PAD, D), tl.float32)
+    for start in range(0, ctx, TOKENS):
+        pos = start + t
+        real = pos < ctx
+        blk = tl.load(table_ptr + seq * stride_tb + pos // BS, mask=real, other=0)
+        row = blk.to(tl.int64) * stride_kblk + (pos % BS) * stride_kslot + kvh * stride_kh  # (TOKENS,)
+        row = tl.multiple_of(row, ALIGN)  # every stride is a multiple of D: rows start aligned
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G_PAD, TOKENS)
+        s = tl.where(real[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)  # 0 on the first step (m = -inf); ctx >= 1 keeps m_new finite
+        p = tl.exp(s - m_new[:, None])
+        den = den * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (G_PAD, D)
+        m = m_new
+    o = acc / den[:, None]
+    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=has_head[:, None])
+

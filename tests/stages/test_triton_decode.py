@@ -1,0 +1,114 @@
+"""The CUDA paged decode kernel (stages/attention/triton_decode.py) against a dense reference:
+in Triton's interpreter on CPU tensors where triton is installed (the GPU image has it, CI's
+venv does not), and on a GPU, wired into the torch backend, against its gather path."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.attention import TorchAttention, build_metadata
+from stages.attention import triton_decode
+
+BS, HKV, NB = 16, 2, 64
+LENS = (1, 15, 16, 17, 150)  # one key; a block less one; exactly a block; a block and one; ten blocks, partial
+
+
+def decodes(g: int, d: int, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
+    """q (B, H, D) and (NB, BS, HKV, D) caches; each decode's blocks scattered over the cache,
+    its table row padded with its first block (as build_metadata pads)."""
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(NB, generator=gen).tolist()
+    nbs = [-(-n // BS) for n in LENS]
+    rows, used = [], 0
+    for nb in nbs:
+        rows.append(order[used:used + nb] + [order[used]] * (max(nbs) - nb))
+        used += nb
+    q = torch.randn(len(LENS), g * HKV, d, generator=gen)
+    kc, vc = (torch.randn(NB, BS, HKV, d, generator=gen) for _ in range(2))
+    tables, lens = torch.tensor(rows), torch.tensor(LENS)
+    return tuple(x.to(device, dtype) if x.is_floating_point() else x.to(device) for x in (q, kc, vc, tables, lens))
+
+
+def reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """fp32 softmax over each decode's keys, read slot by slot."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    g = q.shape[1] // kc.shape[2]
+    for i, n in enumerate(lens.tolist()):
+        slots = [(tables[i, p // BS].item(), p % BS) for p in range(n)]
+        keys = torch.stack([kc[b, o] for b, o in slots]).float().repeat_interleave(g, dim=1)  # (L, H, D)
+        vals = torch.stack([vc[b, o] for b, o in slots]).float().repeat_interleave(g, dim=1)
+        s = torch.einsum("hd,lhd->hl", q[i].float(), keys) * scale
+        out[i] = torch.einsum("hl,lhd->hd", s.softmax(-1), vals)
+    return out
+
+
+CASES = [(g, d, dtype) for g, d in ((1, 128), (3, 64), (4, 64), (2, 16)) for dtype in ("float32", "bfloat16")]
+
+
+def interpret_cases() -> None:
+    """Runs in a child process started with TRITON_INTERPRET=1 (triton reads it on import, and
+    its own library functions are built then). The interpreter holds a scalar as a (1,) array and
+    makes it an index with int(array), which numpy >= 2.4 refuses, so a loop to a loaded bound
+    fails there and not on a GPU: index through the array's one element instead."""
+    from triton.runtime import interpreter
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor: type, scope: object) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+    for g, d, name in CASES:
+        dtype = getattr(torch, name)
+        q, kc, vc, tables, lens = decodes(g, d, dtype, "cpu")
+        out = triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+        torch.testing.assert_close(out.float(), reference(q, kc, vc, tables, lens, d ** -0.5), rtol=tol, atol=tol,
+                                   msg=lambda m, c=(g, d, name): f"{c}: {m}")
+    print(f"{len(CASES)} cases match")
+
+
+def test_paged_decode_interpreted() -> None:
+    pytest.importorskip("triton")
+    code = "from tests.stages.test_triton_decode import interpret_cases; interpret_cases()"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=Path(__file__).parents[2])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"{len(CASES)} cases match" in r.stdout
+
+
+def test_usable_only_on_cuda_with_pow2_heads() -> None:
+    q, kc, *_ = decodes(1, 64, torch.float32, "cpu")
+    assert not triton_decode.usable(q, kc)  # a CPU tensor: the CPU kernels' job
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+@pytest.mark.parametrize("g,d", ((1, 128), (3, 64)))
+def test_paged_decode_on_cuda(g: int, d: int, dtype: torch.dtype) -> None:
+    q, kc, vc, tables, lens = decodes(g, d, dtype, "cuda")
+    assert triton_decode.usable(q, kc)
+    out = triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float().cpu(), reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), lens.cpu(),
+                                                            d ** -0.5), rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu(1)
+def test_torch_backend_decodes_through_the_kernel_on_cuda() -> None:
+    """The mixed batch of test_attention, on CUDA: the kernel's decodes equal the gather path's."""
+    from tests.stages.test_attention import mixed_batch
+    chunks, q, k, v, kc, vc = (x.cuda() if isinstance(x, torch.Tensor) else x for x in mixed_batch(3))
+    meta = build_metadata(chunks, 4, torch.device("cuda"))
+    backend = TorchAttention(q.shape[-1] ** -0.5)
+    ours = backend.forward(q, k, v, kc.clone(), vc.clone(), meta)
+    backend.paged_cuda = False
+    ref = backend.forward(q, k, v, kc.clone(), vc.clone(), build_metadata(chunks, 4, torch.device("cuda")))
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
