@@ -52,6 +52,7 @@ from pp_runtime.config import DTYPES, KV_DTYPES, MATMUL_PRECISIONS, ModelConfig
 from pp_runtime.profile_grid import Grid, Layout, Point, plan_chunks
 from stages.attention import build_metadata
 from stages.profile import build_worker, device_name, device_sync, fill_cache, forward_step
+from stages.worker import StageWorker
 
 
 def plan_flops(cfg: ModelConfig, chunks: tuple[SeqChunk, ...]) -> float:
@@ -80,16 +81,42 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, size: int, reps: int =
     return 2 * size ** 3 / statistics.median(times)
 
 
-def measure(model: str | None, chunk: int, decodes: list[int], context: int, threads: int, rounds: int,
+def measure(model: str | None, chunks: list[int], decodes: list[int], context: int, threads: int, rounds: int,
             gguf_weights: str = "native", matmul_precision: str = "highest", kv_dtype: str = "auto",
-            device: str = "cpu", dtype: str = "float32", attention: str = "auto", matmul_size: int = 0) -> dict:
+            device: str = "cpu", dtype: str = "float32", attention: str = "auto", matmul_size: int = 0,
+            profile: int = 0, cuda_decodes: tuple[str, ...] = ("paged",)) -> list[dict]:
+    """One result per chunk size and way of running the decodes' attention on CUDA (``paged``: K/V
+    read in place by the Triton kernel; ``gathered``: copied out, then SDPA), all on one worker
+    (building a 7B random model takes a minute)."""
     torch.set_num_threads(threads)
     w = build_worker(model, device=device, dtype=dtype, attention=attention, threads=threads,
                      gguf_weights=gguf_weights, kv_dtype=kv_dtype, matmul_precision=matmul_precision)
+    # against the rate of the products the chunk actually ran: bf16 where "medium" took effect (a
+    # core with AVX512-BF16; batches of <= 12 rows still run fp32), else the model's dtype
+    mm_dtype = torch.bfloat16 if w.reduced_linears["bf16"] else getattr(torch, dtype)
+    size = matmul_size or (8192 if w.device.type == "cuda" else 2048)
+    mm = {"dtype": str(mm_dtype).removeprefix("torch."), "size": size, "flop_s": matmul_rate(w.device, mm_dtype, size)}
+    labels = {"context": context, "threads": threads, "rounds": rounds, "gguf_weights": gguf_weights,
+              "matmul_precision": matmul_precision, "kv_cache_dtype": kv_dtype, "device": str(w.device),
+              "device_name": device_name(w.device), "dtype": dtype, "attention": type(w.model.backend).__name__,
+              "matmul": mm}
+    out = []
+    for c in chunks:
+        for way in cuda_decodes:
+            if hasattr(w.model.backend, "paged_cuda"):
+                w.model.backend.paged_cuda = way == "paged"
+            out.append({"chunk": c, "cuda_decode": way, **labels,
+                        **_measure_chunk(w, c, decodes, context, rounds, mm["flop_s"], profile)})
+    return out
+
+
+def _measure_chunk(w: StageWorker, chunk: int, decodes: list[int], context: int, rounds: int, rate: float,
+                   profile: int) -> dict:
     sync = device_sync(w.device)
     grid = Grid(prefill=(chunk,), prefill_with_context=(), decode=tuple(decodes), mixed_decode=tuple(decodes),
                 mixed_prefill=chunk, context=context)
     layout = Layout(grid)
+    w.kv_caches = []  # the last chunk's cache goes before this one's is allocated (a 7B model's is GBs)
     w.allocate_cache(layout.num_blocks)
     fill_cache(w)
     vocab = w.spec.source.config.vocab_size
@@ -118,7 +145,7 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
     # On CUDA the host only queues kernels. A share of the step well under 1 means the host ran
     # ahead and the GPU set the pace. Near 1 it proves nothing alone: the host was the bottleneck
     # (an eager forward is ~40 launches a layer), or it waited on a full launch queue; a profiler
-    # tells which. On a CPU the host does the work: ~1.
+    # tells which (--profile). On a CPU the host does the work: ~1.
     host: dict[str, list[float]] = {k: [] for k in plans}
     for _ in range(rounds):
         for k, chunks in plans.items():
@@ -127,25 +154,17 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
             host[k].append(issued)
     slopes = _round_slopes(times, decodes)
     cfg = w.spec.source.config
-    # against the rate of the products the chunk actually ran: bf16 where "medium" took effect (a
-    # core with AVX512-BF16; batches of <= 12 rows still run fp32), else the model's dtype
-    mm_dtype = torch.bfloat16 if w.reduced_linears["bf16"] else getattr(torch, dtype)
-    size = matmul_size or (8192 if w.device.type == "cuda" else 2048)
-    rate = matmul_rate(w.device, mm_dtype, size)
     flops = {k: plan_flops(cfg, chunks) for k, chunks in plans.items()}
     achieved = {k: flops[k] / statistics.median(times[k]) for k in plans}
     top = f"mixed{max(decodes)}"
-    out: dict = {"chunk": chunk, "context": context, "threads": threads, "rounds": rounds, "gguf_weights": gguf_weights,
-                 "matmul_precision": matmul_precision, "kv_cache_dtype": kv_dtype,
-                 "device": str(w.device), "device_name": device_name(w.device), "dtype": dtype,
-                 "attention": type(w.model.backend).__name__,
-                 "matmul": {"dtype": str(mm_dtype).removeprefix("torch."), "size": size, "flop_s": rate},
-                 "flops": flops, "achieved_flop_s": achieved,
+    out: dict = {"flops": flops, "achieved_flop_s": achieved,
                  "host_issue_fraction": {k: statistics.median(host[k]) / statistics.median(times[k]) for k in plans},
                  "decode_maximal": {"batch": top, "flop_s": achieved[top], "fraction_of_matmul": achieved[top] / rate},
                  "chunk_ms": statistics.median(times["chunk"]) * 1e3, "by_batch": {},
                  "slope_ms_per_decode": statistics.median(slopes) * 1e3,
                  "slope_ms_90": [x * 1e3 for x in _bootstrap(lambda ix: statistics.median(slopes[i] for i in ix), rounds)]}
+    if profile:
+        out["profile"] = profile_ops(lambda: run(plans[top]), profile, w.device.type == "cuda")
     for b in decodes:
         marg = [(m - c) / b for m, c in zip(times[f"mixed{b}"], times["chunk"])]
         alone = [d / b for d in times[f"decode{b}"]]
@@ -161,6 +180,25 @@ def measure(model: str | None, chunk: int, decodes: list[int], context: int, thr
                               "slope_ratio_90": _bootstrap(lambda ix: statistics.median(slopes[i] for i in ix)
                                                            / statistics.median(alone[i] for i in ix), rounds)}
     return out
+
+
+def profile_ops(step: Callable[[], object], reps: int, cuda: bool, top: int = 12) -> list[dict]:
+    """torch.profiler over ``reps`` steps: the ops that took the most self time (the device's on
+    CUDA, the host's on a CPU), in ms per step, each with its share of the summed self time."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(reps):
+            step()
+    if cuda:  # the kernels alone: an op's self device time repeats its kernels' (counted twice)
+        rows = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
+                if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        rows = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()]
+    total = sum(t for _, t, _ in rows) or 1.0
+    rows.sort(key=lambda r: -r[1])
+    return [{"op": k, "ms_per_step": t / reps / 1e3, "share": t / total, "calls_per_step": n / reps}
+            for k, t, n in rows[:top]]
 
 
 def _bootstrap(stat: Callable[[list[int]], float], rounds: int, draws: int = 2000) -> list[float]:
@@ -184,39 +222,10 @@ def _round_slopes(times: dict[str, list[float]], decodes: list[int]) -> list[flo
     return slopes
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--decodes", default="2,4,8,16,32")
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
-    ap.add_argument("--json", default=None, help="write the figures here too")
-    ap.add_argument("--plot", default=None, help="draw them to this PNG too (decode_maximal_plot.py)")
-    ap.add_argument("--gguf-weights", choices=("native", "dequantize"), default="native",
-                    help="GGUF matrices as stored blocks (default) or as fp32")
-    ap.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="highest",
-                    help="medium: products of > 12 rows on bf16 inputs (AVX512-BF16): the chunk's, and a "
-                         "decode-only batch's from B = 13; B <= 12 stays fp32")
-    ap.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--dtype", choices=DTYPES, default="float32", help="the model's weights and activations")
-    ap.add_argument("--attention", choices=("torch", "xformers", "auto"), default="auto",
-                    help="auto: xformers on CUDA when it imports, else torch SDPA")
-    ap.add_argument("--matmul-size", type=int, default=0,
-                    help="side of the square matmul that measures the device's rate (0: 8192 on CUDA, 2048 on CPU)")
-    a = ap.parse_args()
-    if a.smoke:
-        a.chunk, a.decodes, a.context, a.rounds, a.matmul_size = 16, "2", 16, 2, a.matmul_size or 256
-    try:
-        r = measure(a.model, a.chunk, [int(b) for b in a.decodes.split(",")], a.context, a.threads, a.rounds,
-                    a.gguf_weights, a.matmul_precision, a.kv_cache_dtype, a.device, a.dtype, a.attention,
-                    a.matmul_size)
-    except ValueError as e:  # a bad model, device, dtype or backend: one line, no traceback
-        raise SystemExit(f"decode_maximal: {e}") from None
-    print(f"{r['device_name']} ({r['device']}, {r['dtype']}, {r['attention']}): chunk {r['chunk']} (fresh) ± decodes "
+def report(r: dict, a: argparse.Namespace) -> None:
+    """Print one chunk size's figures."""
+    way = f", decodes' K/V {r['cuda_decode']}" if r["device"] != "cpu" else ""
+    print(f"{r['device_name']} ({r['device']}, {r['dtype']}, {r['attention']}{way}): chunk {r['chunk']} (fresh) ± decodes "
           f"at context {r['context']}, {r['threads']} thread(s), {r['rounds']} rounds, matmul precision "
           f"{a.matmul_precision}, KV {a.kv_cache_dtype}, GGUF weights {a.gguf_weights}; chunk alone {r['chunk_ms']:.1f} ms")
     print("   B   piggybacked ms/decode   alone ms/decode   ratio    (from minima: piggybacked, alone, ratio)"
@@ -239,12 +248,57 @@ def main() -> None:
               + issue)
     print(f"decode-maximal batch ({dm['batch']}): {dm['flop_s'] / 1e12:.3f} TFLOP/s = "
           f"{dm['fraction_of_matmul']:.3f} of the matmul rate")
+    for row in r.get("profile", []):
+        print(f"   {row['ms_per_step']:8.3f} ms/step {row['share']:6.1%} {row['calls_per_step']:7.1f} calls  {row['op'][:90]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--chunk", default="256", help="prefill chunk size(s), comma-separated: one worker runs each")
+    ap.add_argument("--decodes", default="2,4,8,16,32")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
+    ap.add_argument("--json", default=None, help="write the figures here too (a list where several chunks ran)")
+    ap.add_argument("--plot", default=None, help="draw them to this PNG too (decode_maximal_plot.py; the first chunk)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="also run torch.profiler over this many decode-maximal steps and print the top ops")
+    ap.add_argument("--gguf-weights", choices=("native", "dequantize"), default="native",
+                    help="GGUF matrices as stored blocks (default) or as fp32")
+    ap.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="highest",
+                    help="medium: products of > 12 rows on bf16 inputs (AVX512-BF16): the chunk's, and a "
+                         "decode-only batch's from B = 13; B <= 12 stays fp32")
+    ap.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", choices=DTYPES, default="float32", help="the model's weights and activations")
+    ap.add_argument("--attention", choices=("torch", "xformers", "auto"), default="auto",
+                    help="auto: xformers on CUDA when it imports, else torch SDPA")
+    ap.add_argument("--cuda-decode", default="paged",
+                    help="on CUDA, how decodes read K/V, comma-separated to compare: paged (in place, Triton), "
+                         "gathered (copied out, then SDPA)")
+    ap.add_argument("--matmul-size", type=int, default=0,
+                    help="side of the square matmul that measures the device's rate (0: 8192 on CUDA, 2048 on CPU)")
+    a = ap.parse_args()
+    if set(a.cuda_decode.split(",")) - {"paged", "gathered"}:
+        raise SystemExit(f"decode_maximal: --cuda-decode takes paged and/or gathered, not {a.cuda_decode!r}")
+    if a.smoke:
+        a.chunk, a.decodes, a.context, a.rounds, a.matmul_size = "16", "2", 16, 2, a.matmul_size or 256
+    try:
+        rs = measure(a.model, [int(c) for c in a.chunk.split(",")], [int(b) for b in a.decodes.split(",")], a.context,
+                     a.threads, a.rounds, a.gguf_weights, a.matmul_precision, a.kv_cache_dtype, a.device, a.dtype,
+                     a.attention, a.matmul_size, a.profile, tuple(a.cuda_decode.split(",")))
+    except ValueError as e:  # a bad model, device, dtype or backend: one line, no traceback
+        raise SystemExit(f"decode_maximal: {e}") from None
+    for r in rs:
+        report(r, a)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(r, f, indent=1)
+            json.dump(rs[0] if len(rs) == 1 else rs, f, indent=1)
     if a.plot:
         from decode_maximal_plot import plot_table2  # same directory: run as a script
-        print(f"figure: {plot_table2(r, Path(a.plot))}")
+        print(f"figure: {plot_table2(rs[0], Path(a.plot))}")
 
 
 if __name__ == "__main__":

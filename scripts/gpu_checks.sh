@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 8's GPU checks as one device call (docs/BENCHMARKS.md, "Utilisation of the decode-maximal
+# batch"): the Table-2 ratio and MFU of LLaMA-7B-shaped random weights in bf16 with each attention
+# backend, then the CUDA tests. Run from the repository root on a CUDA machine:
+#
+#   bash scripts/gpu_checks.sh            # figures and logs under $OUT (default /tmp/gpu_checks)
+#
+# xformers may be carried as a wheel in .whl/ (the GPU image has none); each step has its own
+# timeout, so one that fails or hangs leaves the others' figures.
+set -u
+OUT=${OUT:-/tmp/gpu_checks}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:.
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+python3 -c "import xformers, xformers.ops; print('xformers', xformers.__version__)" 2>&1 | tail -1
+# decodes' K/V read in place (Triton), then gathered, on one worker; xformers fails in a
+# second where its wheel has no operator for this torch (it says so), else runs the same
+timeout 300 python3 benchmarks/decode_maximal.py --model llama-7b --device cuda --dtype bfloat16 \
+    --attention torch --chunk "${CHUNKS:-512,1024,2048}" --cuda-decode paged,gathered --decodes 4,16,32,64 \
+    --context 512 --rounds 10 --threads 4 --profile 3 --json "$OUT/dm_7b_torch.json" 2>&1 | tee "$OUT/dm_7b_torch.log"
+timeout 200 python3 benchmarks/decode_maximal.py --model llama-7b --device cuda --dtype bfloat16 \
+    --attention xformers --chunk 512 --decodes 4,16,32,64 --context 512 --rounds 10 --threads 4 \
+    --json "$OUT/dm_7b_xformers.json" 2>&1 | tee "$OUT/dm_7b_xformers.log"
+timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/launch/test_gpu.py tests/stages/test_triton_decode.py \
+    tests/stages/test_attention.py 2>&1 | tee "$OUT/pytest_gpu.log"
