@@ -4,7 +4,8 @@
     PYTHONPATH=. python3 benchmarks/cuda_paged_decode.py --json out.json --context 2048
 
 One layer's paged K/V cache (blocks shuffled, as a long-running cache leaves them), the decodes'
-attention timed with CUDA events (median of --reps after a warm-up). Each way reads the decodes'
+attention timed with CUDA events: the torch backend's decode path gathered and paged (K/V write
+and output copy included), then the Triton kernel alone in each tuning (median of --reps after a warm-up). Each way reads the decodes'
 K/V at least once, so the figure of merit is bytes of K/V over time against the card's HBM rate
 (H200: ~4.3 TB/s measured by a device copy). A layer's K/V for 64 × 512 keys is 537 MB, well
 past the 60 MB L2, so each call streams from HBM.
@@ -67,9 +68,12 @@ def main() -> None:
     q = torch.randn(a.decodes, a.heads, a.head_size, device=dev, dtype=dtype)
     k, v = (torch.randn(a.decodes, a.kv_heads, a.head_size, device=dev, dtype=dtype) for _ in range(2))
     lens, scale = torch.tensor(meta.ctx_lens, device=dev), a.head_size ** -0.5
-    gathered = TorchAttention(scale)
-    gathered.paged_cuda = False  # the backend's whole decode path (its K/V write included)
-    ways = {"gathered": lambda: gathered.forward(q, k, v, kc, vc, meta)}
+    # the backend's whole decode path either way (its K/V write and output copy included), then
+    # the kernel alone in each tuning
+    gathered, paged = TorchAttention(scale), TorchAttention(scale)
+    gathered.paged_cuda = False
+    ways = {"gathered": lambda: gathered.forward(q, k, v, kc, vc, meta),
+            "paged-backend": lambda: paged.forward(q, k, v, kc, vc, meta)}
     ways |= {name: (lambda kw=kw: triton_decode.paged_decode(q, kc, vc, meta.decode_tables, lens, scale, **kw))
              for name, kw in VARIANTS.items()}
     ref = ways["gathered"]().float()

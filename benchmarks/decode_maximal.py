@@ -50,7 +50,7 @@ from pp_runtime.batch import SeqChunk
 from pp_runtime.chunk_budget import chunk_cost
 from pp_runtime.config import DTYPES, KV_DTYPES, MATMUL_PRECISIONS, ModelConfig
 from pp_runtime.profile_grid import Grid, Layout, Point, plan_chunks
-from stages.attention import build_metadata
+from stages.attention import build_metadata, triton_decode
 from stages.profile import build_worker, device_name, device_sync, fill_cache, forward_step
 from stages.worker import StageWorker
 
@@ -84,10 +84,9 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, size: int, reps: int =
 def measure(model: str | None, chunks: list[int], decodes: list[int], context: int, threads: int, rounds: int,
             gguf_weights: str = "native", matmul_precision: str = "highest", kv_dtype: str = "auto",
             device: str = "cpu", dtype: str = "float32", attention: str = "auto", matmul_size: int = 0,
-            profile: int = 0, cuda_decodes: tuple[str, ...] = ("paged",)) -> list[dict]:
-    """One result per chunk size and way of running the decodes' attention on CUDA (``paged``: K/V
-    read in place by the Triton kernel; ``gathered``: copied out, then SDPA), all on one worker
-    (building a 7B random model takes a minute)."""
+            profile: int = 0, cuda_decodes: tuple[str, ...] = ()) -> list[dict]:
+    """One result per chunk size and way of running the decodes' attention (``decode_ways``), all
+    on one worker (building a 7B random model takes a minute)."""
     torch.set_num_threads(threads)
     w = build_worker(model, device=device, dtype=dtype, attention=attention, threads=threads,
                      gguf_weights=gguf_weights, kv_dtype=kv_dtype, matmul_precision=matmul_precision)
@@ -101,13 +100,34 @@ def measure(model: str | None, chunks: list[int], decodes: list[int], context: i
               "device_name": device_name(w.device), "dtype": dtype, "attention": type(w.model.backend).__name__,
               "matmul": mm}
     out = []
+    ways = decode_ways(w, cuda_decodes)
     for c in chunks:
-        for way in cuda_decodes:
+        for way in ways:
             if hasattr(w.model.backend, "paged_cuda"):
                 w.model.backend.paged_cuda = way == "paged"
             out.append({"chunk": c, "cuda_decode": way, **labels,
                         **_measure_chunk(w, c, decodes, context, rounds, mm["flop_s"], profile)})
     return out
+
+
+def decode_ways(w: StageWorker, asked: tuple[str, ...]) -> tuple[str, ...]:
+    """The labels of the decode attention each result runs: on CUDA's torch backend those asked
+    for of ``paged`` (K/V read in place by the Triton kernel) and ``gathered`` (copied out, then
+    SDPA), by default whichever the backend takes; else the one path there is (``cpu``, or the
+    backend's name). Raises ValueError for a way that cannot run here."""
+    backend, cfg = w.model.backend, w.spec.source.config
+    if w.device.type != "cuda" or not hasattr(backend, "paged_cuda"):
+        if asked:
+            raise ValueError("--cuda-decode compares the torch backend's two decode paths on CUDA")
+        return (backend.name if w.device.type == "cuda" else "cpu",)
+    q = torch.empty(1, cfg.num_heads // w.tp.size, cfg.head_size, device=w.device, dtype=w.dtype)
+    kc = torch.empty(1, w.block_size, cfg.num_kv_heads // w.tp.size, cfg.head_size, device=w.device, dtype=w.kv_dtype)
+    if triton_decode.usable(q, kc, kc):
+        return asked or ("paged",)
+    if "paged" in asked:
+        raise ValueError("--cuda-decode paged: the Triton decode kernel cannot run here "
+                         f"({triton_decode.triton_missing() or 'head size or cache dtype'})")
+    return asked or ("gathered",)
 
 
 def _measure_chunk(w: StageWorker, chunk: int, decodes: list[int], context: int, rounds: int, rate: float,
@@ -224,8 +244,7 @@ def _round_slopes(times: dict[str, list[float]], decodes: list[int]) -> list[flo
 
 def report(r: dict, a: argparse.Namespace) -> None:
     """Print one chunk size's figures."""
-    way = f", decodes' K/V {r['cuda_decode']}" if r["device"] != "cpu" else ""
-    print(f"{r['device_name']} ({r['device']}, {r['dtype']}, {r['attention']}{way}): chunk {r['chunk']} (fresh) ± decodes "
+    print(f"{r['device_name']} ({r['device']}, {r['dtype']}, {r['attention']}, decodes: {r['cuda_decode']}): chunk {r['chunk']} (fresh) ± decodes "
           f"at context {r['context']}, {r['threads']} thread(s), {r['rounds']} rounds, matmul precision "
           f"{a.matmul_precision}, KV {a.kv_cache_dtype}, GGUF weights {a.gguf_weights}; chunk alone {r['chunk_ms']:.1f} ms")
     print("   B   piggybacked ms/decode   alone ms/decode   ratio    (from minima: piggybacked, alone, ratio)"
@@ -261,8 +280,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
-    ap.add_argument("--json", default=None, help="write the figures here too (a list where several chunks ran)")
-    ap.add_argument("--plot", default=None, help="draw them to this PNG too (decode_maximal_plot.py; the first chunk)")
+    ap.add_argument("--json", default=None,
+                    help="write the figures here too: one result as a dict, several (chunks × --cuda-decode) as a list")
+    ap.add_argument("--plot", default=None, help="draw them to this PNG too (decode_maximal_plot.py; the first result)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also run torch.profiler over this many decode-maximal steps and print the top ops")
     ap.add_argument("--gguf-weights", choices=("native", "dequantize"), default="native",
@@ -274,21 +294,21 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--dtype", choices=DTYPES, default="float32", help="the model's weights and activations")
     ap.add_argument("--attention", choices=("torch", "xformers", "auto"), default="auto",
-                    help="auto: xformers on CUDA when it imports, else torch SDPA")
-    ap.add_argument("--cuda-decode", default="paged",
-                    help="on CUDA, how decodes read K/V, comma-separated to compare: paged (in place, Triton), "
-                         "gathered (copied out, then SDPA)")
+                    help="auto: xformers on CUDA where its operators run, else torch SDPA")
+    ap.add_argument("--cuda-decode", default="",
+                    help="on CUDA with --attention torch, how decodes read K/V, comma-separated to compare: paged (in "
+                         "place, the Triton kernel), gathered (copied out, then SDPA); default: the backend's own")
     ap.add_argument("--matmul-size", type=int, default=0,
                     help="side of the square matmul that measures the device's rate (0: 8192 on CUDA, 2048 on CPU)")
     a = ap.parse_args()
-    if set(a.cuda_decode.split(",")) - {"paged", "gathered"}:
+    if a.cuda_decode and set(a.cuda_decode.split(",")) - {"paged", "gathered"}:
         raise SystemExit(f"decode_maximal: --cuda-decode takes paged and/or gathered, not {a.cuda_decode!r}")
     if a.smoke:
         a.chunk, a.decodes, a.context, a.rounds, a.matmul_size = "16", "2", 16, 2, a.matmul_size or 256
     try:
         rs = measure(a.model, [int(c) for c in a.chunk.split(",")], [int(b) for b in a.decodes.split(",")], a.context,
                      a.threads, a.rounds, a.gguf_weights, a.matmul_precision, a.kv_cache_dtype, a.device, a.dtype,
-                     a.attention, a.matmul_size, a.profile, tuple(a.cuda_decode.split(",")))
+                     a.attention, a.matmul_size, a.profile, tuple(filter(None, a.cuda_decode.split(","))))
     except ValueError as e:  # a bad model, device, dtype or backend: one line, no traceback
         raise SystemExit(f"decode_maximal: {e}") from None
     for r in rs:

@@ -1,7 +1,8 @@
 """decode_maximal.py's figure: the paper's Table 2 as three panels (matplotlib, Agg, no pyplot).
 
     .venv/bin/python benchmarks/decode_maximal.py --plot table2.png     # measure, then draw
-    plot_table2(json.load(open("r.json")), Path("table2.png"))        # from a --json of this version
+    plot_table2(json.load(open("r.json")), Path("table2.png"))        # from a --json of one result
+                                                                      # (of several: the list's items)
 
 1. step time against B: the chunk plus B decodes, the fitted slope through the chunk alone, and
    the B decodes alone;

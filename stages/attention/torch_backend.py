@@ -120,7 +120,7 @@ class TorchAttention:
         if meta.num_decodes and kernels:  # K/V read in place, no gather
             out[row:] = cpu_kernels.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables,
                                                decode_lens(meta), self.scale)
-        elif meta.num_decodes and self.paged_cuda and triton_decode.usable(q, k_cache):
+        elif meta.num_decodes and self.paged_cuda and triton_decode.usable(q, k_cache, v_cache):
             out[row:] = triton_decode.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables,
                                                    decode_lens(meta, q.device), self.scale)
         elif meta.num_decodes:

@@ -7,8 +7,9 @@ decodes at 512 context, that gather alone was 9.3 ms of a 35.7 ms decode-maximal
 ``TOKENS`` at a time, each key's block looked up in its table row, and keeps an online softmax
 for the G query heads that share the KV head, in fp32; K/V are read once.
 
-Checked against the torch path on a GPU (tests/stages/test_attention.py, marked gpu) and, with
-no GPU, in Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors), where triton is installed.
+Checked against a dense reference and the gather path on a GPU (tests/stages/test_triton_decode.py,
+marked gpu) and, with no GPU, in Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors),
+where triton is installed.
 """
 from __future__ import annotations
 
@@ -34,12 +35,20 @@ def triton_missing() -> str | None:
     return None
 
 
-def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether this kernel takes these decodes: CUDA tensors, a power-of-two head size (Triton's
-    aranges), a cache of a float dtype laid out (NB, BS, H_kv, D) contiguously."""
-    d = q.shape[-1]
-    return (q.is_cuda and k_cache.dtype in DTYPES and d & (d - 1) == 0 and k_cache.is_contiguous()
-            and q.stride(-1) == 1 and triton_missing() is None)
+def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether this kernel takes these decodes: CUDA tensors, triton importable, and shapes it
+    handles (``shapes_fit``)."""
+    return q.is_cuda and shapes_fit(q, k_cache, v_cache) and triton_missing() is None
+
+
+def shapes_fit(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """q (B, H, D) with contiguous head rows; K and V caches alike, (NB, BS, H_kv, D) contiguous
+    (the kernel reads V at K's offsets), of a float dtype; H a multiple of H_kv; D a power of two
+    (Triton's aranges)."""
+    d, h, h_kv = q.shape[-1], q.shape[-2], k_cache.shape[2]
+    return (k_cache.dtype in DTYPES and k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[3] == d
+            and d & (d - 1) == 0 and h % h_kv == 0 and q.stride(-1) == 1)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -53,8 +62,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     bs, h_kv = k_cache.shape[1], k_cache.shape[2]
     g = h // h_kv
     g_pad = 1 << (g - 1).bit_length()
-    # keys per step: the (G_PAD, TOKENS, D) fp32 product stays at ~4K elements (32 registers a
-    # thread of 4 warps; LLaMA-7B: 32 keys, 8 KB of K a step), K and V tiles the same
+    # keys per step: the (G_PAD, TOKENS, D) fp32 product kept at ~4K elements (32 registers a
+    # thread of 4 warps; LLaMA-7B: 32 keys, 8 KB of K a step) down to 16 keys (G_PAD · D > 256:
+    # 16 keys of 8 heads of 128 make 16K elements, which spill; H200-measured shapes did not)
     tokens = tokens or max(16, 4096 // (g_pad * d))
     out = torch.empty_like(q)
     _kernel()[(b, h_kv)](q, k_cache, v_cache, tables, lens, out, scale,

@@ -16,10 +16,11 @@ from stages.attention.torch_backend import write_kv
 
 
 @functools.cache
-def xformers_unusable(dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """Why xformers' attention cannot run here in ``dtype`` (None: it can). That it imports is not
-    enough: a wheel built for another torch imports, warns, and has no CUDA operator (seen with
-    xformers 0.0.35, built for torch 2.10, under torch 2.11), so one tiny causal call decides."""
+def xformers_unusable(dtype: torch.dtype = torch.bfloat16, head_size: int = 64) -> str | None:
+    """Why xformers' attention cannot run here in ``dtype`` at ``head_size`` (None: it can). That
+    it imports is not enough: a wheel built for another torch imports, warns, and has no CUDA
+    operator (seen with xformers 0.0.35, built for torch 2.10, under torch 2.11), so one tiny
+    causal call decides, once per process."""
     try:
         import xformers.ops as xops
         from xformers.ops.fmha.attn_bias import BlockDiagonalCausalFromBottomRightMask
@@ -27,12 +28,15 @@ def xformers_unusable(dtype: torch.dtype = torch.bfloat16) -> str | None:
         return f"xformers does not import ({_first_line(e)})"
     if not torch.cuda.is_available():
         return "xformers needs CUDA, which is not available"
+    name = str(dtype).removeprefix("torch.")
     try:
-        q = torch.zeros(1, 2, 1, 1, 64, dtype=dtype, device="cuda")  # (B, M, G, H/G, D), our layout
+        q = torch.zeros(1, 2, 1, 1, head_size, dtype=dtype, device="cuda")  # (B, M, G, H/G, D), our layout
         bias = BlockDiagonalCausalFromBottomRightMask.from_seqlens([2], [2], device=q.device)
         xops.memory_efficient_attention_forward(q, q, q, attn_bias=bias)
-    except Exception as e:  # NotImplementedError: "No operator found ..."
-        return f"xformers has no attention operator for {str(dtype).removeprefix('torch.')} here ({_first_line(e)})"
+    except NotImplementedError as e:  # "No operator found ..."
+        return f"xformers has no attention operator for {name} at head size {head_size} here ({_first_line(e)})"
+    except Exception as e:  # anything else (CUDA init, memory): not xformers' verdict, but not usable now
+        return f"xformers' probe call failed ({_first_line(e)})"
     return None
 
 

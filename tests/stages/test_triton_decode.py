@@ -15,7 +15,7 @@ from stages.attention import TorchAttention, build_metadata
 from stages.attention import triton_decode
 
 BS, HKV, NB = 16, 2, 64
-LENS = (1, 15, 16, 17, 150)  # one key; a block less one; exactly a block; a block and one; ten blocks, partial
+LENS = (1, 15, 16, 17, 64, 150)  # one key; a block less one; a block; a block and one; whole steps (16, 32, 64 keys); ten blocks, partial
 
 
 def decodes(g: int, d: int, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
@@ -84,9 +84,18 @@ def test_paged_decode_interpreted() -> None:
     assert f"{len(CASES)} cases match" in r.stdout
 
 
-def test_usable_only_on_cuda_with_pow2_heads() -> None:
-    q, kc, *_ = decodes(1, 64, torch.float32, "cpu")
-    assert not triton_decode.usable(q, kc)  # a CPU tensor: the CPU kernels' job
+def test_usable_only_where_the_kernel_is_right() -> None:
+    q, kc, vc, *_ = decodes(1, 64, torch.float32, "cpu")
+    assert triton_decode.shapes_fit(q, kc, vc)
+    assert not triton_decode.usable(q, kc, vc)  # a CPU tensor: the CPU kernels' job
+    q96, kc96, vc96, *_ = decodes(1, 96, torch.float32, "cpu")
+    assert not triton_decode.shapes_fit(q96, kc96, vc96)  # Triton's aranges take powers of two
+    wide = torch.zeros(NB, BS, HKV, 128)
+    assert not triton_decode.shapes_fit(q, kc, wide[..., :64])  # V read at K's offsets: must be laid out alike
+    assert not triton_decode.shapes_fit(q, kc, vc.half())
+    assert not triton_decode.shapes_fit(q, kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn))
+    q6 = decodes(3, 64, torch.float32, "cpu")[0]  # 6 query heads over 2 KV heads
+    assert triton_decode.shapes_fit(q6, kc, vc) and not triton_decode.shapes_fit(q6[:, :5], kc, vc)
 
 
 @pytest.mark.gpu(1)
@@ -94,7 +103,7 @@ def test_usable_only_on_cuda_with_pow2_heads() -> None:
 @pytest.mark.parametrize("g,d", ((1, 128), (3, 64)))
 def test_paged_decode_on_cuda(g: int, d: int, dtype: torch.dtype) -> None:
     q, kc, vc, tables, lens = decodes(g, d, dtype, "cuda")
-    assert triton_decode.usable(q, kc)
+    assert triton_decode.usable(q, kc, vc)
     out = triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float().cpu(), reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), lens.cpu(),
@@ -108,6 +117,7 @@ def test_torch_backend_decodes_through_the_kernel_on_cuda() -> None:
     chunks, q, k, v, kc, vc = (x.cuda() if isinstance(x, torch.Tensor) else x for x in mixed_batch(3))
     meta = build_metadata(chunks, 4, torch.device("cuda"))
     backend = TorchAttention(q.shape[-1] ** -0.5)
+    assert triton_decode.usable(q, kc, vc)  # else this compares the gather path with itself
     ours = backend.forward(q, k, v, kc.clone(), vc.clone(), meta)
     backend.paged_cuda = False
     ref = backend.forward(q, k, v, kc.clone(), vc.clone(), build_metadata(chunks, 4, torch.device("cuda")))
