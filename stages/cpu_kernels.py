@@ -46,6 +46,7 @@ from __future__ import annotations
 import fcntl
 import sys
 import threading
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,7 +62,11 @@ TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a mu
 PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a multiple of it
 
 
-_NAME = f"pp_runtime_cpu_kernels_{host_tag()}"
+# one build per kind of CPU and per checkout: ninja rebuilds every object when build.ninja names
+# other source paths, so two checkouts sharing one build folder (a CI clone beside a working tree)
+# rebuilt each other's kernels (~90 s) each time the other one loaded them
+_CHECKOUT = f"{zlib.crc32(str(Path(__file__).resolve().parent).encode()) & 0xFFFF:04x}"
+_NAME = f"pp_runtime_cpu_kernels_{host_tag()}_{_CHECKOUT}"
 _lock = threading.Lock()
 _module: object | None = None
 _failed: str | None = None
