@@ -97,7 +97,7 @@ class StageModel(nn.Module):
         super().__init__()
         self.cfg, self.units, self.is_first, self.is_last = cfg, units, is_first, is_last
         self.layer_range = (units[0] // 2, (units[1] + 1) // 2)  # layers this stage holds a part of
-        self.backend = make_backend(attention, device, cfg.head_size ** -0.5, dtype, cfg.head_size)
+        self.backend = make_backend(attention, device, cfg.head_size, dtype)
         rope = RotaryEmbedding(cfg.head_size, cfg.max_position_embeddings, cfg.rope_theta)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ctx, dtype) if is_first else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, ctx, dtype, rope, self.backend,

@@ -205,9 +205,9 @@ def test_xformers_packing_and_mask_match_torch_backend(monkeypatch: pytest.Monke
 
 
 def test_backend_selection() -> None:
-    assert make_backend("auto", "cpu", 1.0).name == "torch"
+    assert make_backend("auto", "cpu", D).name == "torch"
     with pytest.raises(ValueError, match="'xformers' cannot run: xformers needs device cuda"):
-        make_backend("xformers", "cpu", 1.0)
+        make_backend("xformers", "cpu", D)
 
 
 def test_xformers_that_imports_but_cannot_run_is_not_picked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -225,9 +225,9 @@ def test_xformers_that_imports_but_cannot_run_is_not_picked(monkeypatch: pytest.
     try:
         # a CPU build of torch fails the probe's CUDA allocation, not xformers' dispatch
         assert xformers_unusable(torch.bfloat16).startswith("xformers' probe call failed (")
-        assert make_backend("auto", "cuda", 1.0, torch.bfloat16).name == "torch"
+        assert make_backend("auto", "cuda", D, torch.bfloat16).name == "torch"
         with pytest.raises(ValueError, match="cannot run: xformers' probe call failed"):
-            make_backend("xformers", "cuda", 1.0, torch.bfloat16)
+            make_backend("xformers", "cuda", D, torch.bfloat16)
     finally:
         xformers_unusable.cache_clear()
 
@@ -239,7 +239,7 @@ def test_xformers_kernel_matches_torch_on_cuda() -> None:
         pytest.skip(xformers_unusable(torch.float32))
     chunks, q, k, v, kc, vc = (x.cuda() if isinstance(x, torch.Tensor) else x for x in mixed_batch(2))
     meta = build_metadata(chunks, BS, torch.device("cuda"))
-    ours = make_backend("xformers", "cuda", D ** -0.5).forward(q, k, v, kc.clone(), vc.clone(), meta)
+    ours = make_backend("xformers", "cuda", D).forward(q, k, v, kc.clone(), vc.clone(), meta)
     ref = TorchAttention(D ** -0.5).forward(q, k, v, kc, vc, meta)
     torch.testing.assert_close(ours, ref, rtol=2e-3, atol=2e-3)
 
