@@ -50,6 +50,7 @@ from pp_runtime.batch import SeqChunk
 from pp_runtime.chunk_budget import chunk_cost
 from pp_runtime.config import DTYPES, KV_DTYPES, MATMUL_PRECISIONS, ModelConfig
 from pp_runtime.profile_grid import Grid, Layout, Point, plan_chunks
+from stages import triton_elementwise
 from stages.attention import build_metadata, triton_decode
 from stages.profile import build_worker, device_name, device_sync, fill_cache, forward_step
 from stages.worker import StageWorker
@@ -84,9 +85,10 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, size: int, reps: int =
 def measure(model: str | None, chunks: list[int], decodes: list[int], context: int, threads: int, rounds: int,
             gguf_weights: str = "native", matmul_precision: str = "highest", kv_dtype: str = "auto",
             device: str = "cpu", dtype: str = "float32", attention: str = "auto", matmul_size: int = 0,
-            profile: int = 0, cuda_decodes: tuple[str, ...] = ()) -> list[dict]:
-    """One result per chunk size and way of running the decodes' attention (``decode_ways``), all
-    on one worker (building a 7B random model takes a minute)."""
+            profile: int = 0, cuda_decodes: tuple[str, ...] = (), cuda_elementwise: tuple[str, ...] = ()) -> list[dict]:
+    """One result per chunk size, way of running the decodes' attention (``decode_ways``) and way of
+    running the elementwise ops (``elementwise_ways``), all on one worker (building a 7B random
+    model takes a minute)."""
     torch.set_num_threads(threads)
     w = build_worker(model, device=device, dtype=dtype, attention=attention, threads=threads,
                      gguf_weights=gguf_weights, kv_dtype=kv_dtype, matmul_precision=matmul_precision)
@@ -100,14 +102,33 @@ def measure(model: str | None, chunks: list[int], decodes: list[int], context: i
               "device_name": device_name(w.device), "dtype": dtype, "attention": type(w.model.backend).__name__,
               "matmul": mm}
     out = []
-    ways = decode_ways(w, cuda_decodes)
+    ways, elementwise = decode_ways(w, cuda_decodes), elementwise_ways(w, cuda_elementwise)
     for c in chunks:
         for way in ways:
-            if hasattr(w.model.backend, "paged_cuda"):
-                w.model.backend.paged_cuda = way == "paged"
-            out.append({"chunk": c, "cuda_decode": way, **labels,
-                        **_measure_chunk(w, c, decodes, context, rounds, mm["flop_s"], profile)})
+            for ew in elementwise:
+                if hasattr(w.model.backend, "paged_cuda"):
+                    w.model.backend.paged_cuda = way == "paged"
+                triton_elementwise.enabled = ew != "eager"
+                out.append({"chunk": c, "cuda_decode": way, "elementwise": ew, **labels,
+                            **_measure_chunk(w, c, decodes, context, rounds, mm["flop_s"], profile)})
+    triton_elementwise.enabled = True
     return out
+
+
+def elementwise_ways(w: StageWorker, asked: tuple[str, ...]) -> tuple[str, ...]:
+    """The labels of how each result runs norms, RoPE and SiLU·mul: on CUDA those asked for of
+    ``fused`` (stages/triton_elementwise.py) and ``eager`` (torch ops), by default whichever runs;
+    on CPU ``cpu`` (the C++ kernels). Raises ValueError for a way that cannot run here."""
+    if w.device.type != "cuda":
+        if asked:
+            raise ValueError("--cuda-elementwise compares the CUDA path's fused and eager elementwise ops")
+        return ("cpu",)
+    if triton_elementwise.takes(torch.empty(1, device=w.device, dtype=w.dtype)):
+        return asked or ("fused",)
+    if "fused" in asked:
+        raise ValueError("--cuda-elementwise fused: the Triton kernels cannot run here "
+                         f"({triton_elementwise.unusable(w.dtype, w.device.index)})")
+    return asked or ("eager",)
 
 
 def decode_ways(w: StageWorker, asked: tuple[str, ...]) -> tuple[str, ...]:
@@ -244,7 +265,8 @@ def _round_slopes(times: dict[str, list[float]], decodes: list[int]) -> list[flo
 
 def report(r: dict, a: argparse.Namespace) -> None:
     """Print one chunk size's figures."""
-    print(f"{r['device_name']} ({r['device']}, {r['dtype']}, {r['attention']}, decodes: {r['cuda_decode']}): chunk {r['chunk']} (fresh) ± decodes "
+    print(f"{r['device_name']} ({r['device']}, {r['dtype']}, {r['attention']}, decodes: {r['cuda_decode']}, "
+          f"elementwise: {r['elementwise']}): chunk {r['chunk']} (fresh) ± decodes "
           f"at context {r['context']}, {r['threads']} thread(s), {r['rounds']} rounds, matmul precision "
           f"{a.matmul_precision}, KV {a.kv_cache_dtype}, GGUF weights {a.gguf_weights}; chunk alone {r['chunk_ms']:.1f} ms")
     print("   B   piggybacked ms/decode   alone ms/decode   ratio    (from minima: piggybacked, alone, ratio)"
@@ -281,7 +303,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
     ap.add_argument("--json", default=None,
-                    help="write the figures here too: one result as a dict, several (chunks × --cuda-decode) as a list")
+                    help="write the figures here too: one result as a dict, several (chunks × --cuda-decode × "
+                         "--cuda-elementwise) as a list")
     ap.add_argument("--plot", default=None, help="draw them to this PNG too (decode_maximal_plot.py; the first result)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="also run torch.profiler over this many decode-maximal steps and print the top ops")
@@ -298,17 +321,23 @@ def main() -> None:
     ap.add_argument("--cuda-decode", default="",
                     help="on CUDA with --attention torch, how decodes read K/V, comma-separated to compare: paged (in "
                          "place, the Triton kernel), gathered (copied out, then SDPA); default: the backend's own")
+    ap.add_argument("--cuda-elementwise", default="",
+                    help="on CUDA, how norms, RoPE and SiLU·mul run, comma-separated to compare: fused (one Triton "
+                         "kernel each) and eager (torch ops); default: fused where it runs")
     ap.add_argument("--matmul-size", type=int, default=0,
                     help="side of the square matmul that measures the device's rate (0: 8192 on CUDA, 2048 on CPU)")
     a = ap.parse_args()
     if a.cuda_decode and set(a.cuda_decode.split(",")) - {"paged", "gathered"}:
         raise SystemExit(f"decode_maximal: --cuda-decode takes paged and/or gathered, not {a.cuda_decode!r}")
+    if a.cuda_elementwise and set(a.cuda_elementwise.split(",")) - {"fused", "eager"}:
+        raise SystemExit(f"decode_maximal: --cuda-elementwise takes fused and/or eager, not {a.cuda_elementwise!r}")
     if a.smoke:
         a.chunk, a.decodes, a.context, a.rounds, a.matmul_size = "16", "2", 16, 2, a.matmul_size or 256
     try:
         rs = measure(a.model, [int(c) for c in a.chunk.split(",")], [int(b) for b in a.decodes.split(",")], a.context,
                      a.threads, a.rounds, a.gguf_weights, a.matmul_precision, a.kv_cache_dtype, a.device, a.dtype,
-                     a.attention, a.matmul_size, a.profile, tuple(filter(None, a.cuda_decode.split(","))))
+                     a.attention, a.matmul_size, a.profile, tuple(filter(None, a.cuda_decode.split(","))),
+                     tuple(filter(None, a.cuda_elementwise.split(","))))
     except ValueError as e:  # a bad model, device, dtype or backend: one line, no traceback
         raise SystemExit(f"decode_maximal: {e}") from None
     for r in rs:

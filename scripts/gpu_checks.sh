@@ -19,11 +19,13 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 python3 -c "import xformers, xformers.ops; print('xformers', xformers.__version__)" 2>&1 | tail -1
-# decodes' K/V read in place (Triton), then gathered, on one worker; xformers fails in a
-# second where its wheel has no operator for this torch (it says so, and the script exits 1), else
-# runs the same
+# norms, RoPE and SiLU·mul as one Triton kernel each, then as torch's eager ops, on one worker
+# (decodes' K/V read in place; paged against gathered was the eighth session's pair: CUDA_DECODE);
+# xformers fails in a second where its wheel has no operator for this torch (it says so, and the
+# script exits 1), else runs the same
 timeout 300 python3 benchmarks/decode_maximal.py --model llama-7b --device cuda --dtype bfloat16 \
-    --attention torch --chunk "${CHUNKS:-512,1024,2048}" --cuda-decode paged,gathered --decodes 4,16,32,64 \
+    --attention torch --chunk "${CHUNKS:-512,1024,2048}" --cuda-decode "${CUDA_DECODE:-paged}" \
+    --cuda-elementwise fused,eager --decodes 4,16,32,64 \
     --context 512 --rounds 10 --threads 4 --profile 3 --json "$OUT/dm_7b_torch.json" 2>&1 | tee "$OUT/dm_7b_torch.log" \
     || failed+=" decode_maximal(torch)"
 timeout 200 python3 benchmarks/decode_maximal.py --model llama-7b --device cuda --dtype bfloat16 \
@@ -32,6 +34,7 @@ timeout 200 python3 benchmarks/decode_maximal.py --model llama-7b --device cuda 
 timeout 120 python3 benchmarks/cuda_paged_decode.py --json "$OUT/paged_decode.json" 2>&1 | tee "$OUT/paged_decode.log" \
     || failed+=" cuda_paged_decode"
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/launch/test_gpu.py tests/stages/test_triton_decode.py \
+    tests/stages/test_triton_elementwise.py \
     tests/stages/test_attention.py tests/test_benchmarks_smoke.py 2>&1 | tee "$OUT/pytest_gpu.log" || failed+=" pytest"
 if [ -n "$failed" ]; then echo "gpu_checks: failed:$failed"; exit 1; fi
 echo "gpu_checks: all steps ran"

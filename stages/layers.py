@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from stages import cpu_kernels, greedy, quant
+from stages import cpu_kernels, greedy, quant, triton_elementwise
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H)
         if cpu_kernels.usable(x) and x.is_contiguous():  # one pass (torch: five kernels on CPU)
             return cpu_kernels.rms_norm(x, self.weight, self.eps)
+        if triton_elementwise.takes(x) and x.stride(-1) == 1:  # one kernel (eager: eight in bf16)
+            return triton_elementwise.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Other dtypes as the reference implementations: normalise in float32, cast back, scale.
@@ -67,6 +69,8 @@ class RMSNorm(nn.Module):
         caller gives up: on CPU the sum is written into it, in the same pass as the norm."""
         if cpu_kernels.usable(h) and h.is_contiguous() and x.is_contiguous():
             return h, cpu_kernels.add_rms_norm_(h, x, self.weight, self.eps)
+        if triton_elementwise.takes(h) and h.stride(-1) == 1 and x.stride(-1) == 1:
+            return h, triton_elementwise.add_rms_norm_(h, x, self.weight, self.eps)
         h = h + x
         return h, self(h)
 
@@ -85,11 +89,13 @@ class RotaryEmbedding(nn.Module):
         """x (T, heads, D) -> rotated. The caller passes q's and k's heads as one tensor (they
         sit side by side in the fused QKV output), so every layer rotates both in four kernels;
         ``cache`` (per step: the attention metadata's) keeps the gathered cos/sin rows for the
-        step's other layers. On CPU in fp32 the rotation is one pass, in place: x is then the
-        caller's fresh QKV output and comes back rotated."""
+        step's other layers. On CPU in fp32, and on CUDA where the Triton kernels run, the rotation
+        is one pass, in place: x is then the caller's fresh QKV output and comes back rotated."""
         if cpu_kernels.usable(x) and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
             cpu_kernels.rope_(x, positions, self.cos, self.sin)
             return x
+        if triton_elementwise.takes(x) and triton_elementwise.rope_fits(x):  # in place too, one kernel
+            return triton_elementwise.rope_(x, positions, self.cos, self.sin)
         key = ("rope", x.dtype)
         cs = cache.get(key)
         if cs is None:

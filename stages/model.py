@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pp_runtime.config import ModelConfig
-from stages import cpu_kernels
+from stages import cpu_kernels, triton_elementwise
 from stages.attention import AttentionMetadata, make_backend
 from stages.layer_loop import LayerLoop
 from stages.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
@@ -61,6 +61,8 @@ class MLP(nn.Module):
         # one pass on CPU: torch's SiLU on the strided gate half is 2x slower
         if cpu_kernels.usable(gate_up) and gate_up.is_contiguous():
             return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        if triton_elementwise.takes(gate_up) and gate_up.stride(-1) == 1:  # one kernel, not two
+            return self.down_proj(triton_elementwise.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))  # in place: one (T, I) buffer fewer
 

@@ -91,10 +91,27 @@ def test_decode_maximal_several_chunks_and_a_profile(hf_models: dict, tmp_path: 
     --profile adds the top ops of the decode-maximal batch."""
     r = run(["benchmarks/decode_maximal.py", "--model", str(hf_models["llama"]), "--chunk", "8,16", "--decodes", "2",
              "--context", "16", "--rounds", "2", "--matmul-size", "64", "--profile", "2"], tmp_path)
-    assert [x["chunk"] for x in r] == [8, 16] and all(x["cuda_decode"] == "cpu" for x in r)
+    assert [x["chunk"] for x in r] == [8, 16] and all(x["cuda_decode"] == x["elementwise"] == "cpu" for x in r)
     assert r[1]["flops"]["chunk"] > r[0]["flops"]["chunk"] > 0
     top = r[0]["profile"]
     assert 0 < len(top) <= 12 and all(row["ms_per_step"] > 0 and 0 < row["share"] <= 1 for row in top)
+
+
+@pytest.mark.parametrize("flag,way,why", (
+    ("--cuda-decode", "paged", "compares the torch backend's two decode paths on CUDA"),
+    ("--cuda-elementwise", "fused", "compares the CUDA path's fused and eager elementwise ops")))
+def test_decode_maximal_refuses_a_cuda_way_on_cpu(hf_models: dict, flag: str, way: str, why: str) -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/decode_maximal.py", "--smoke", "--model", str(hf_models["llama"]),
+                           flag, way], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [f"decode_maximal: {flag} {why}"]
+
+
+@pytest.mark.gpu(1)
+def test_decode_maximal_fused_and_eager_elementwise_on_cuda(hf_models: dict, tmp_path: Path) -> None:
+    r = run(["benchmarks/decode_maximal.py", "--smoke", "--model", str(hf_models["llama"]), "--device", "cuda",
+             "--dtype", "bfloat16", "--cuda-elementwise", "fused,eager"], tmp_path)
+    assert [x["elementwise"] for x in r] == ["fused", "eager"] and all(x["chunk_ms"] > 0 for x in r)
 
 
 @pytest.mark.gpu(1)

@@ -34,7 +34,7 @@ def run_chunks(w: StageWorker, prompt: list[int], chunk: int, table: tuple[int, 
         ids = prompt[start:start + chunk]
         c = SeqChunk(0, start, tuple(ids), table, True, None)
         meta = build_metadata((c,), BLOCK, w.device)
-        h = w.model(torch.tensor(ids), meta, w.kv_caches)
+        h = w.model(torch.tensor(ids, device=w.device), meta, w.kv_caches)
         rows.append(w.model.logits(h))
     return torch.cat(rows)
 

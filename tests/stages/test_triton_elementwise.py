@@ -1,0 +1,184 @@
+"""The fused elementwise kernels of stages/triton_elementwise.py against the eager ops they replace:
+in Triton's interpreter on CPU tensors where triton is installed (scripts/setup.sh installs it),
+and on a GPU, each kernel and a whole model with them on and off."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages import triton_elementwise as te
+from tests.conftest import mixed_prompts
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """fp32: to fp32 rounding. bf16/fp16: at most one unit in the last place anywhere, and equal in
+    ≥ 99% of elements (the kernels round where the eager ops round; only the order of fp32 sums
+    differs, which moves a result across a rounding boundary rarely)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+        return
+    ulp = torch.finfo(got.dtype).eps  # one unit in the last place, relative
+    torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=ulp, msg=lambda m: f"{what}: {m}")
+    assert (got != want).float().mean() <= 0.01, f"{what}: {(got != want).float().mean():.3%} of elements differ"
+
+
+def cases(name: str, device: str) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(what, kernel output, eager output) for every kernel at a few shapes, in dtype ``name``."""
+    dtype = getattr(torch, name)
+    gen = torch.Generator().manual_seed(1)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 2).to(device, dtype)
+
+    out = []
+    for t, n in ((7, 576), (3, 64), (1, 100), (33, 4096)):  # SmolLM2's and LLaMA-7B's hidden, odd sizes
+        x, r, w = rand(t, n), rand(t, n), rand(n)
+        out.append((f"rms_norm {t}x{n}", te.rms_norm(x, w, 1e-5), te.eager_rms_norm(x, w, 1e-5)))
+        h = x.clone()
+        normed = te.add_rms_norm_(h, r, w, 1e-5)
+        out += [(f"add_rms_norm_ sum {t}x{n}", h, x + r),
+                (f"add_rms_norm_ norm {t}x{n}", normed, te.eager_rms_norm(x + r, w, 1e-5))]
+    for t, hq, hkv, d in ((5, 9, 3, 64), (4, 32, 32, 128), (2, 2, 1, 16)):
+        qkv = rand(t, (hq + 2 * hkv) * d)  # the fused QKV output: q and k heads rotated, v left alone
+        pos = torch.randint(0, 50, (t,), generator=gen).to(device)
+        freqs = torch.outer(torch.arange(50.0), 1.0 / (10000 ** (torch.arange(0, d, 2.0) / d))).to(device)
+        view = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)
+        want, v_before = te.eager_rope(view, pos, freqs.cos(), freqs.sin()), qkv[:, (hq + hkv) * d:].clone()
+        assert te.rope_fits(view)
+        out += [(f"rope_ {t}x{hq}+{hkv}x{d}", te.rope_(view, pos, freqs.cos(), freqs.sin()), want),
+                (f"rope_ leaves v {t}x{hq}+{hkv}x{d}", qkv[:, (hq + hkv) * d:], v_before)]
+    for t, i in ((6, 1536), (3, 100), (2, 11008)):
+        gu = rand(t, 2 * i)
+        out.append((f"silu_mul {t}x{i}", te.silu_mul(gu), te.eager_silu_mul(gu)))
+    return out
+
+
+def round_bf16_to_nearest() -> None:
+    """The interpreter narrows fp32 to bf16 by cutting the low 16 bits (its own converter, numpy
+    having no bf16), where a GPU rounds to nearest even; half of all casts then differ by an ulp.
+    Cast as torch does (to nearest even), the GPU's rounding, so that the comparison is exact."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+    cast = interpreter.InterpreterBuilder.cast_impl
+
+    def rounded(self: object, src: interpreter.TensorHandle, dst_type: object) -> interpreter.TensorHandle:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
+            return interpreter.TensorHandle(bits.numpy().view(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    interpreter.InterpreterBuilder.cast_impl = rounded
+
+
+def interpret_cases() -> None:
+    """Runs in a child process started with TRITON_INTERPRET=1 (triton reads it on import)."""
+    round_bf16_to_nearest()
+    n = 0
+    for name in DTYPES:
+        for what, got, want in cases(name, "cpu"):
+            close(got, want, f"{name} {what}")
+            n += 1
+        assert te._probe(getattr(torch, name), torch.device("cpu")) is None, name  # the runtime's own check
+    model_with_and_without(Path(sys.argv[1]))
+    print(f"{n} cases match")
+
+
+def model_with_and_without(folder: Path) -> None:
+    """The wiring (stages/layers.py, model.py): a random LLaMA in bf16 on CPU tensors, where the
+    CPU kernels (fp32 only) leave every op to the CUDA path; chunked prefill logits with the
+    kernels taking CPU tensors, against the eager ops."""
+    from tests.conftest import make_hf_model
+    from tests.stages.test_model import run_chunks
+    te.takes = lambda x: te.enabled and x.dtype in te.DTYPES  # the interpreter runs on CPU tensors
+    logits = {}
+    for on in (True, False):
+        te.enabled = on
+        w = bf16_worker(make_hf_model("llama", folder), "cpu")
+        with torch.inference_mode():
+            logits[on] = run_chunks(w, mixed_prompts(lengths=(20,))[0], 7, tuple(range(8)))
+    # bit for bit here; 1% of the largest logit still fails a kernel that truncates where eager rounds (~5%)
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=1e-2 * float(logits[False].abs().max()))
+
+
+def test_kernels_interpreted(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    code = "from tests.stages.test_triton_elementwise import interpret_cases; interpret_cases()"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=Path(__file__).parents[2])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "cases match" in r.stdout
+
+
+def test_takes_only_cuda_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not te.takes(torch.zeros(2, 8))  # the CPU kernels' job
+    monkeypatch.setattr(te, "enabled", False)
+    assert not te.takes(torch.zeros(2, 8))
+    assert te.rope_fits(torch.zeros(3, 4, 64)) and not te.rope_fits(torch.zeros(3, 4, 96))
+    assert not te.rope_fits(torch.zeros(3, 64, 4).transpose(1, 2))
+
+
+def test_a_failing_probe_means_eager_ops_with_the_reason(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    def broken(dtype: torch.dtype, device: torch.device) -> str | None:
+        raise RuntimeError("PassManager::run failed\nmore lines")
+
+    monkeypatch.setattr(te, "_probe", broken)
+    monkeypatch.setattr(te, "triton_missing", lambda: None)
+    with caplog.at_level(logging.WARNING):
+        reason = te.unusable.__wrapped__(torch.bfloat16, 0)
+    assert reason == "RuntimeError: PassManager::run failed"
+    assert "running eager ops" in caplog.text
+    monkeypatch.setattr(te, "_probe", lambda dtype, device: "rope_ disagrees with the eager ops (...)")
+    assert te.unusable.__wrapped__(torch.bfloat16, 0).startswith("rope_ disagrees")
+    monkeypatch.setattr(te, "triton_missing", lambda: "triton does not import (ImportError)")
+    assert te.unusable.__wrapped__(torch.bfloat16, 0) == "triton does not import (ImportError)"
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("name", DTYPES)
+def test_kernels_on_cuda(name: str) -> None:
+    assert te.unusable(getattr(torch, name), torch.cuda.current_device()) is None
+    for what, got, want in cases(name, "cuda"):
+        close(got, want, f"{name} {what}")
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_model_with_and_without_the_kernels_on_cuda(hf_models: dict, dtype: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The random LLaMA on CUDA: chunked prefill logits, fused ops on and off."""
+    from tests.stages.test_model import run_chunks
+    w = bf16_worker(hf_models["llama"], "cuda", dtype)
+    prompt = mixed_prompts(lengths=(40,))[0]
+    assert te.takes(torch.zeros(1, device="cuda", dtype=getattr(torch, dtype)))
+    with torch.inference_mode():
+        fused = run_chunks(w, prompt, 7, tuple(range(10)))
+        monkeypatch.setattr(te, "enabled", False)
+        eager = run_chunks(w, prompt, 7, tuple(range(10)))
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    torch.testing.assert_close(fused, eager, rtol=0, atol=tol * float(eager.abs().max()))
+
+
+def bf16_worker(folder: Path, device: str, dtype: str = "bfloat16") -> object:
+    """A one-stage worker of the HF model in ``folder`` (test_model's block size), its cache for 32 blocks."""
+    from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
+    from stages.layers import TPContext
+    from stages.model_source import resolve_model
+    from stages.worker import StageWorker, WorkerSpec
+    from tests.stages.test_model import BLOCK
+    spec = WorkerSpec(resolve_model(str(folder)), 0, 0, ParallelConfig(1), CacheConfig(BLOCK, 1 << 26),
+                      DeviceConfig(device, dtype, "torch"))
+    w = StageWorker(spec, TPContext(), None)
+    w.allocate_cache(32)
+    return w
