@@ -116,7 +116,7 @@ def measure(model: str | None, chunks: list[int], decodes: list[int], context: i
 
 
 def elementwise_ways(w: StageWorker, asked: tuple[str, ...]) -> tuple[str, ...]:
-    """The labels of how each result runs norms, RoPE and SiLU·mul: on CUDA those asked for of
+    """The labels of how each result runs norms, RoPE, SiLU·mul and the K/V write: on CUDA those asked for of
     ``fused`` (stages/triton_elementwise.py) and ``eager`` (torch ops), by default whichever runs;
     on CPU ``cpu`` (the C++ kernels). Raises ValueError for a way that cannot run here."""
     if w.device.type != "cuda":
@@ -322,7 +322,7 @@ def main() -> None:
                     help="on CUDA with --attention torch, how decodes read K/V, comma-separated to compare: paged (in "
                          "place, the Triton kernel), gathered (copied out, then SDPA); default: the backend's own")
     ap.add_argument("--cuda-elementwise", default="",
-                    help="on CUDA, how norms, RoPE and SiLU·mul run, comma-separated to compare: fused (one Triton "
+                    help="on CUDA, how norms, RoPE, SiLU·mul and the K/V write run, comma-separated to compare: fused (one Triton "
                          "kernel each) and eager (torch ops); default: fused where it runs")
     ap.add_argument("--matmul-size", type=int, default=0,
                     help="side of the square matmul that measures the device's rate (0: 8192 on CUDA, 2048 on CPU)")

@@ -19,7 +19,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 python3 -c "import xformers, xformers.ops; print('xformers', xformers.__version__)" 2>&1 | tail -1
-# norms, RoPE and SiLU·mul as one Triton kernel each, then as torch's eager ops, on one worker
+# norms, RoPE, SiLU·mul and the K/V write as one Triton kernel each, then as torch's eager ops, on one worker
 # (decodes' K/V read in place; paged against gathered was the eighth session's pair: CUDA_DECODE);
 # xformers fails in a second where its wheel has no operator for this torch (it says so, and the
 # script exits 1), else runs the same

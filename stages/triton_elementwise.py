@@ -2,14 +2,16 @@
 
 Eager PyTorch runs RMSNorm in a reduced dtype as eight kernels (to fp32, pow, mean, add, rsqrt,
 mul, back to the dtype, times the weight), the residual add before it as one more, rotate-half
-RoPE as four and SiLU·mul as two. On an H200 with LLaMA-7B in bf16 a 512-token decode-maximal
-step was bound by the host issuing them (~40 kernels a layer, the host busy for 0.74-1.00 of the
+RoPE as four, SiLU·mul as two and the K/V write as two (six into an fp16 cache). On an H200
+with LLaMA-7B in bf16 a 512-token decode-maximal step was bound by the host issuing them (~40 kernels a layer, the host busy for 0.74-1.00 of the
 step; docs/BENCHMARKS.md, "The first GPU run"). Here each is one launch and one pass:
 
 * ``rms_norm(x, w, eps)``             (T, H) -> (T, H)
 * ``add_rms_norm_(h, x, w, eps)``     h += x in place (rounded to h's dtype), returns rms_norm(h)
 * ``rope_(x, positions, cos, sin)``   x (T, heads, D), rows of any stride, rotated in place
 * ``silu_mul(gu)``                    (T, 2I) = [gate | up] -> silu(gate) · up (T, I)
+* ``write_kv_(k, v, kc, vc, slots)``  a step's K and V rows into the paged caches (two
+                                      ``index_copy_`` in torch, more where the cache is narrower)
 
 Each rounds where the eager ops round (fp32 math inside, the dtype at the same points as the
 reference implementations: ``x.float()`` normalised and cast back before the weight, SiLU cast
@@ -105,6 +107,27 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def kv_fits(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """write_kv_'s layout: k, v (T, H_kv, D) with each (H_kv, D) row contiguous; caches
+    (NB, BS, H_kv, D) contiguous, alike, of a float dtype (an fp8 cache takes the eager write)."""
+    return (k_cache.dtype in DTYPES and k_cache.dtype == v_cache.dtype and k_cache.shape == v_cache.shape
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and all(x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] for x in (k, v)))
+
+
+def write_kv_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slots: torch.Tensor) -> None:
+    """Row t of k and v into slot ``slots[t]`` (flat: block · BS + offset) of the caches, in the
+    cache's dtype; into fp16 clamped to ±65504 first, as the eager write (an inf key would make
+    every score of its row NaN)."""
+    t, row = k.shape[0], k.shape[1] * k.shape[2]
+    if t == 0:
+        return
+    top = torch.finfo(torch.float16).max if k_cache.dtype == torch.float16 and k.dtype != torch.float16 else 0.0
+    _kernels()["write_kv"][(t, 2)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), row,
+                                   TOP=top, BLOCK=_pow2(row), num_warps=4)
+
+
 # ---- the eager ops each kernel replaces: the probe's reference, and the tests' --------------
 def eager_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
@@ -152,6 +175,11 @@ def _probe(dtype: torch.dtype, device: torch.device) -> str | None:
     table = torch.randn(8, 8, generator=gen).to(device)
     got["rope_"], want["rope_"] = rope_(qk.clone(), pos, table, table.flip(0)), eager_rope(qk, pos, table, table.flip(0))
     got["silu_mul"], want["silu_mul"] = silu_mul(x), eager_silu_mul(x)
+    kc, vc = (torch.zeros(3, 2, 2, 16, dtype=dtype, device=device) for _ in range(2))  # (NB, BS, H_kv, D)
+    slots = torch.tensor([5, 0, 2, 3, 1], device=device)
+    write_kv_(qk[:, :2], qk[:, 1:], kc, vc, slots)
+    got["write_kv_"] = (kc.view(6, 2, 16)[slots], vc.view(6, 2, 16)[slots])
+    want["write_kv_"] = (qk[:, :2], qk[:, 1:])
     for name in got:
         try:
             torch.testing.assert_close(got[name], want[name], **tol)
@@ -165,7 +193,7 @@ def _kernels() -> dict[str, object]:
     """Compiled on first use: ``triton.jit`` reads TRITON_INTERPRET here (the tests set it first)."""
     import triton
     return {"norm": triton.jit(_norm_kernel), "rope": triton.jit(_rope_kernel),
-            "silu_mul": triton.jit(_silu_mul_kernel)}
+            "silu_mul": triton.jit(_silu_mul_kernel), "write_kv": triton.jit(_write_kv_kernel)}
 
 
 def _norm_kernel(h_ptr, x_ptr, w_ptr, out_ptr, stride_h, stride_x, n, eps,
@@ -216,3 +244,21 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_g, n, BLOCK: tl.constexpr):
     dtype = out_ptr.dtype.element_ty
     a = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * n + i, (a * u).to(dtype), mask=real)
+
+
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, row,
+                     TOP: tl.constexpr, BLOCK: tl.constexpr):
+    """One token's K row (program (t, 0)) or V row (t, 1), cast to the cache's dtype, to its slot."""
+    t = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    real = i < row
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if tl.program_id(1) == 0:
+        x = tl.load(k_ptr + t * stride_k + i, mask=real, other=0.0).to(tl.float32)  # exact from any of DTYPES
+        dst = kc_ptr + slot * row + i
+    else:
+        x = tl.load(v_ptr + t * stride_v + i, mask=real, other=0.0).to(tl.float32)
+        dst = vc_ptr + slot * row + i
+    if TOP > 0:  # a wider dtype into fp16: clamped to its finite range
+        x = tl.minimum(tl.maximum(x, -TOP), TOP)
+    tl.store(dst, x.to(kc_ptr.dtype.element_ty), mask=real)

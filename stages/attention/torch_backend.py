@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from stages import cpu_kernels
+from stages import cpu_kernels, triton_elementwise
 from stages.attention import triton_decode
 from stages.attention.metadata import AttentionMetadata
 
@@ -25,6 +25,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if cpu_kernels.usable(k) and _rows(k) and _rows(v) and k_cache.is_contiguous() and v_cache.is_contiguous():
         # one call for both, ~1 us a layer where two index_copy_ took ~40 (a 32-row decode step)
         cpu_kernels.write_kv_(k, v, k_cache, v_cache, meta.slot_mapping)
+        return
+    if triton_elementwise.takes(k) and triton_elementwise.kv_fits(k, v, k_cache, v_cache):
+        triton_elementwise.write_kv_(k, v, k_cache, v_cache, meta.slot_mapping)  # one kernel for both
         return
     h, d = k.shape[1:]
     for x, cache in ((k, k_cache), (v, v_cache)):
@@ -43,7 +46,8 @@ def _narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return x
     if dtype in (torch.float16, torch.float8_e4m3fn):
         top = torch.finfo(dtype).max
-        x = x.clamp(-top, top)
+        # in fp32: bf16 has no 65504, a clamp in bf16 gave 65536, which fp16 made inf
+        x = x.float().clamp(-top, top)
     return x.to(dtype)
 
 
@@ -121,8 +125,8 @@ class TorchAttention:
             out[row:] = cpu_kernels.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables,
                                                decode_lens(meta), self.scale)
         elif meta.num_decodes and self.paged_cuda and triton_decode.usable(q, k_cache, v_cache):
-            out[row:] = triton_decode.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables,
-                                                   decode_lens(meta, q.device), self.scale)
+            triton_decode.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables, decode_lens(meta, q.device),
+                                       self.scale, out=out[row:])  # written in place: no copy
         elif meta.num_decodes:
             b = meta.num_decodes
             idx = meta.decode_tables.reshape(-1)

@@ -53,9 +53,10 @@ def shapes_fit(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor, scale: float, tokens: int = 0, num_warps: int = 4,
-                 aligned: bool = True) -> torch.Tensor:
+                 aligned: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, H, D) one query per decode; caches (NB, BS, H_kv, D); tables (B, nb_max) block ids;
-    lens (B,) context lengths (≥ 1), both on q's device -> (B, H, D) in q's dtype. ``tokens``,
+    lens (B,) context lengths (≥ 1), both on q's device -> (B, H, D) in q's dtype, written into
+    ``out`` where given (any strides with contiguous head rows: a slice of the layer's output). ``tokens``,
     ``num_warps`` and ``aligned`` (tell Triton that K/V rows start 16-element aligned, so that it
     loads them in 16-byte vectors) are tuning knobs for benchmarks/cuda_paged_decode.py."""
     b, h, d = q.shape
@@ -66,7 +67,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # thread of 4 warps; LLaMA-7B: 32 keys, 8 KB of K a step) down to 16 keys (G_PAD · D > 256:
     # 16 keys of 8 heads of 128 make 16K elements, which spill; H200-measured shapes did not)
     tokens = tokens or max(16, 4096 // (g_pad * d))
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     _kernel()[(b, h_kv)](q, k_cache, v_cache, tables, lens, out, scale,
                          q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                          tables.stride(0), out.stride(0), out.stride(1),

@@ -326,3 +326,12 @@ def test_narrow_cache_write_clamps_to_its_finite_range(paged_kernel: bool, narro
     top = torch.finfo(narrow).max
     assert torch.isfinite(kc16.float()).all() and torch.isfinite(vc16.float()).all() and not out.isnan().any()
     assert kc16.float().max() == top and vc16.float().min() == -top
+
+
+@pytest.mark.parametrize("narrow", NARROW, ids=["fp16", "fp8"])
+def test_narrow_cache_write_from_bf16_clamps_in_float32(narrow: torch.dtype) -> None:
+    """bf16 has no 65504: clamped in bf16 it rounded to 65536, which fp16 stored as inf."""
+    from stages.attention.torch_backend import _narrow
+    x = torch.tensor([1e6, -1e6, 3.0], dtype=torch.bfloat16)
+    top = torch.finfo(narrow).max
+    assert _narrow(x, narrow).float().tolist() == [top, -top, 3.0]

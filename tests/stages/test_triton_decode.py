@@ -71,6 +71,9 @@ def interpret_cases() -> None:
         tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
         torch.testing.assert_close(out.float(), reference(q, kc, vc, tables, lens, d ** -0.5), rtol=tol, atol=tol,
                                    msg=lambda m, c=(g, d, name): f"{c}: {m}")
+        layer_out = torch.zeros(len(LENS) + 2, q.shape[1], d, dtype=dtype)  # decodes after a prefill's rows
+        triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5, out=layer_out[2:])
+        assert torch.equal(layer_out[2:], out) and not layer_out[:2].any(), (g, d, name)
     print(f"{len(CASES)} cases match")
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from stages import triton_elementwise as te
+from stages.attention.torch_backend import _narrow
 from tests.conftest import mixed_prompts
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -59,6 +60,17 @@ def cases(name: str, device: str) -> list[tuple[str, torch.Tensor, torch.Tensor]
     for t, i in ((6, 1536), (3, 100), (2, 11008)):
         gu = rand(t, 2 * i)
         out.append((f"silu_mul {t}x{i}", te.silu_mul(gu), te.eager_silu_mul(gu)))
+    for t, hkv, d, cache in ((5, 3, 64, name), (4, 2, 16, "float16"), (2, 1, 128, name)):
+        qkv = rand(t, (2 + 2 * hkv) * d) * (1e5 if cache == "float16" and name != "float16" else 1)  # past fp16's range
+        k, v = (qkv[:, a * d:(a + hkv) * d].view(t, hkv, d) for a in (2, 2 + hkv))
+        kc, vc = (torch.full((4, 4, hkv, d), 7.0, dtype=getattr(torch, cache), device=device) for _ in range(2))
+        ref_k, ref_v = kc.clone(), vc.clone()
+        slots = torch.randperm(16, generator=gen)[:t].to(device)
+        assert te.kv_fits(k, v, kc, vc)
+        te.write_kv_(k, v, kc, vc, slots)
+        for ref, x in ((ref_k, k), (ref_v, v)):  # the eager write (stages/attention/torch_backend.py)
+            ref.view(-1, hkv, d).index_copy_(0, slots, _narrow(x, ref.dtype))
+        out += [(f"write_kv_ k {t}x{hkv}x{d} into {cache}", kc, ref_k), (f"write_kv_ v {t}x{hkv}x{d} into {cache}", vc, ref_v)]
     return out
 
 
@@ -126,6 +138,11 @@ def test_takes_only_cuda_activations(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not te.takes(torch.zeros(2, 8))
     assert te.rope_fits(torch.zeros(3, 4, 64)) and not te.rope_fits(torch.zeros(3, 4, 96))
     assert not te.rope_fits(torch.zeros(3, 64, 4).transpose(1, 2))
+    k, cache = torch.zeros(3, 2, 16), torch.zeros(4, 4, 2, 16)
+    assert te.kv_fits(k, k, cache, cache)
+    assert not te.kv_fits(k, k, cache, cache.half())  # the two caches alike
+    assert not te.kv_fits(k, k, cache.to(torch.float8_e4m3fn), cache.to(torch.float8_e4m3fn))  # fp8: eager
+    assert not te.kv_fits(torch.zeros(3, 16, 2).transpose(1, 2), k, cache, cache)
 
 
 def test_a_failing_probe_means_eager_ops_with_the_reason(monkeypatch: pytest.MonkeyPatch,
