@@ -18,7 +18,7 @@ import torch
 
 from pp_runtime.batch import MicroBatch
 from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
-from stages import cpu_kernels
+from stages import cpu_kernels, triton_elementwise
 from stages.attention import build_metadata
 from stages.layers import TPContext, pack_linears, set_matmul_precision
 from stages.model import StageModel
@@ -109,6 +109,9 @@ class StageWorker:
         if self.model.lm_head is not None:  # greedy rows: int8 or bf16 products, the fp32 argmax exactly
             self.weight_bytes += self.model.lm_head.prepare_argmax()  # what it keeps is resident too: M_S
         self.model.prepare_layer_loop()  # CPU kernels: the layers as one C++ call
+        # CUDA: whether the fused elementwise kernels run, decided here (their probe call) and not
+        # inside the first request
+        self.fused_elementwise = triton_elementwise.takes(torch.empty(0, device=self.device, dtype=self.dtype))
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = spec.cache.block_size
         self.timings: list[tuple[int, float, float, float]] = []  # (mb, t_ready, t_start, t_end)
@@ -125,7 +128,8 @@ class StageWorker:
                 "weight_bytes": self.weight_bytes, "layer_weight_bytes": self._layer_bytes(),
                 "attention": self.model.backend.name, "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "bf16_linears": self.reduced_linears["bf16"], "int8_linears": self.reduced_linears["int8"],
-                "bf16_attention": getattr(self.model.backend, "bf16", False)}
+                "bf16_attention": getattr(self.model.backend, "bf16", False),
+                "fused_elementwise": self.fused_elementwise}
 
     def _layer_bytes(self) -> int:
         """Resident bytes of the decoder layers alone (embedding and LM head excluded)."""

@@ -145,6 +145,10 @@ def test_takes_only_cuda_activations(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not te.kv_fits(torch.zeros(3, 16, 2).transpose(1, 2), k, cache, cache)
 
 
+def test_workers_say_whether_the_kernels_run(hf_models: dict) -> None:
+    assert bf16_worker(hf_models["llama"], "cpu", "float32").info()["fused_elementwise"] is False
+
+
 def test_a_failing_probe_means_eager_ops_with_the_reason(monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     def broken(dtype: torch.dtype, device: torch.device) -> str | None:
@@ -177,6 +181,7 @@ def test_model_with_and_without_the_kernels_on_cuda(hf_models: dict, dtype: str,
     """The random LLaMA on CUDA: chunked prefill logits, fused ops on and off."""
     from tests.stages.test_model import run_chunks
     w = bf16_worker(hf_models["llama"], "cuda", dtype)
+    assert w.info()["fused_elementwise"]  # decided at load
     prompt = mixed_prompts(lengths=(40,))[0]
     assert te.takes(torch.zeros(1, device="cuda", dtype=getattr(torch, dtype)))
     with torch.inference_mode():
