@@ -103,15 +103,17 @@ def measure(model: str | None, chunks: list[int], decodes: list[int], context: i
               "matmul": mm}
     out = []
     ways, elementwise = decode_ways(w, cuda_decodes), elementwise_ways(w, cuda_elementwise)
-    for c in chunks:
-        for way in ways:
-            for ew in elementwise:
-                if hasattr(w.model.backend, "paged_cuda"):
-                    w.model.backend.paged_cuda = way == "paged"
-                triton_elementwise.enabled = ew != "eager"
-                out.append({"chunk": c, "cuda_decode": way, "elementwise": ew, **labels,
-                            **_measure_chunk(w, c, decodes, context, rounds, mm["flop_s"], profile)})
-    triton_elementwise.enabled = True
+    try:
+        for c in chunks:
+            for way in ways:
+                for ew in elementwise:
+                    if hasattr(w.model.backend, "paged_cuda"):
+                        w.model.backend.paged_cuda = way == "paged"
+                    triton_elementwise.enabled = ew != "eager"
+                    out.append({"chunk": c, "cuda_decode": way, "elementwise": ew, **labels,
+                                **_measure_chunk(w, c, decodes, context, rounds, mm["flop_s"], profile)})
+    finally:
+        triton_elementwise.enabled = True
     return out
 
 

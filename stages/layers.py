@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, H)
         if cpu_kernels.usable(x) and x.is_contiguous():  # one pass (torch: five kernels on CPU)
             return cpu_kernels.rms_norm(x, self.weight, self.eps)
-        if triton_elementwise.takes(x) and x.stride(-1) == 1:  # one kernel (eager: eight in bf16)
+        if triton_elementwise.takes(x) and x.dim() == 2 and x.stride(-1) == 1:  # one kernel (eager: eight in bf16)
             return triton_elementwise.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -69,7 +69,7 @@ class RMSNorm(nn.Module):
         caller gives up: on CPU the sum is written into it, in the same pass as the norm."""
         if cpu_kernels.usable(h) and h.is_contiguous() and x.is_contiguous():
             return h, cpu_kernels.add_rms_norm_(h, x, self.weight, self.eps)
-        if triton_elementwise.takes(h) and h.stride(-1) == 1 and x.stride(-1) == 1:
+        if triton_elementwise.takes(h) and h.dim() == 2 and h.stride(-1) == 1 and x.stride(-1) == 1:
             return h, triton_elementwise.add_rms_norm_(h, x, self.weight, self.eps)
         h = h + x
         return h, self(h)

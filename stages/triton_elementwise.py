@@ -18,8 +18,10 @@ reference implementations: ``x.float()`` normalised and cast back before the wei
 before the product, ``round(x1·cos)`` before the ``− x2·sin``), so bf16 outputs match eager ones
 to the dtype's last bit in all but rare ties of the fp32 sums' order. ``takes(x)`` decides: a
 CUDA tensor of a float dtype, triton importable, and this process's ``unusable(dtype)`` probe
-passed (one small call of every kernel against the eager ops, once per dtype: a Triton that
-cannot compile these kernels costs a logged fallback, not a failed request).
+passed (one small call of every kernel against the eager ops, once per dtype, at a worker's load:
+a Triton that cannot compile or run these kernels costs a logged fallback, not a failed
+request; the model's own sizes compile on its first step, as the decode kernel's do. Each
+kernel was also compiled for sm_90 with Triton 3.6 at LLaMA shapes, without a GPU).
 
 Checked in Triton's interpreter on CPU tensors (tests/stages/test_triton_elementwise.py, where
 triton is installed: scripts/setup.sh installs it) and on a GPU (marked gpu).
@@ -86,8 +88,10 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     cos/sin (P, D/2) fp32 rows at ``positions`` (T,), rounded to x's dtype first (as HF)."""
     t, heads, d = x.shape
     if t:
+        # a warp per 512 elements of the (heads, D/2) tile (LLaMA-7B's 64 × 64: 8): with 4 warps it
+        # took 193 registers a thread (compiled for sm_90), and spilled at 128 × 64
         _kernels()["rope"][(t,)](x, positions, cos, sin, x.stride(0), heads, HEADS=_pow2(heads), HALF=d // 2,
-                                 num_warps=4)
+                                 num_warps=min(16, max(4, _pow2(heads) * d // 2 // 512)))
     return x
 
 
@@ -199,7 +203,7 @@ def _kernels() -> dict[str, object]:
 def _norm_kernel(h_ptr, x_ptr, w_ptr, out_ptr, stride_h, stride_x, n, eps,
                  RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     """One row: (h [+= x]) normalised in fp32, cast to the dtype, times the weight."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row · stride past 2³¹ on long batches
     i = tl.arange(0, BLOCK)
     real = i < n
     h = tl.load(h_ptr + row * stride_h + i, mask=real, other=0.0)
@@ -217,7 +221,7 @@ def _norm_kernel(h_ptr, x_ptr, w_ptr, out_ptr, stride_h, stride_x, n, eps,
 def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, heads,
                  HEADS: tl.constexpr, HALF: tl.constexpr):
     """One token: every head of its row, both halves, rotated in place."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     hh = tl.arange(0, HEADS)[:, None]
     j = tl.arange(0, HALF)[None, :]
     real = hh < heads
@@ -236,7 +240,7 @@ def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, heads,
 
 def _silu_mul_kernel(gu_ptr, out_ptr, stride_g, n, BLOCK: tl.constexpr):
     """BLOCK columns of one row: silu(gate) cast to the dtype, times up."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row · 2I passes 2³¹ from ~37K rows at 70B's I
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     real = i < n
     g = tl.load(gu_ptr + row * stride_g + i, mask=real, other=0.0).to(tl.float32)
@@ -249,7 +253,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_g, n, BLOCK: tl.constexpr):
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, row,
                      TOP: tl.constexpr, BLOCK: tl.constexpr):
     """One token's K row (program (t, 0)) or V row (t, 1), cast to the cache's dtype, to its slot."""
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     real = i < row
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -260,5 +264,6 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v,
         x = tl.load(v_ptr + t * stride_v + i, mask=real, other=0.0).to(tl.float32)
         dst = vc_ptr + slot * row + i
     if TOP > 0:  # a wider dtype into fp16: clamped to its finite range
-        x = tl.minimum(tl.maximum(x, -TOP), TOP)
+        # NaN kept, as torch's clamp: PTX max/min would return the other operand
+        x = tl.minimum(tl.maximum(x, -TOP, propagate_nan=tl.PropagateNan.ALL), TOP, propagate_nan=tl.PropagateNan.ALL)
     tl.store(dst, x.to(kc_ptr.dtype.element_ty), mask=real)
