@@ -91,6 +91,15 @@ class TorchAttention:
     def _use_paged_kernel(q: torch.Tensor) -> bool:
         return cpu_kernels.usable(q)
 
+    @staticmethod
+    def _decode_kernel_takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             meta: AttentionMetadata) -> bool:
+        """triton_decode.usable, asked once per step: every layer's q and caches are alike, and on a
+        host-bound CUDA step each layer's Python counts."""
+        if "triton_decode" not in meta.backend_cache:
+            meta.backend_cache["triton_decode"] = triton_decode.usable(q, k_cache, v_cache)
+        return meta.backend_cache["triton_decode"]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q (T, H, D), k/v (T, H_kv, D) -> (T, H, D)."""
@@ -124,7 +133,7 @@ class TorchAttention:
         if meta.num_decodes and kernels:  # K/V read in place, no gather
             out[row:] = cpu_kernels.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables,
                                                decode_lens(meta), self.scale)
-        elif meta.num_decodes and self.paged_cuda and triton_decode.usable(q, k_cache, v_cache):
+        elif meta.num_decodes and self.paged_cuda and self._decode_kernel_takes(q, k_cache, v_cache, meta):
             triton_decode.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables, decode_lens(meta, q.device),
                                        self.scale, out=out[row:])  # written in place: no copy
         elif meta.num_decodes:

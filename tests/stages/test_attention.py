@@ -335,3 +335,19 @@ def test_narrow_cache_write_from_bf16_clamps_in_float32(narrow: torch.dtype) -> 
     x = torch.tensor([1e6, -1e6, 3.0], dtype=torch.bfloat16)
     top = torch.finfo(narrow).max
     assert _narrow(x, narrow).float().tolist() == [top, -top, 3.0]
+
+
+def test_decode_kernel_is_asked_once_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer's q and caches are alike: whether the CUDA decode kernel takes them is asked
+    once per step (meta.backend_cache), not once per layer on a host-bound step."""
+    from stages.attention import triton_decode
+    asked = []
+    monkeypatch.setattr(cpu_kernels, "usable", lambda x: False)
+    monkeypatch.setattr(triton_decode, "usable", lambda *a: asked.append(a) or False)
+    chunks, q, k, v, kc, vc = mixed_batch()
+    meta = build_metadata(chunks, BS, torch.device("cpu"))
+    backend = TorchAttention(q.shape[-1] ** -0.5)
+    outs = [backend.forward(q, k, v, kc, vc, meta) for _ in range(3)]  # three layers of one step
+    assert len(asked) == 1 and all(torch.equal(o, outs[0]) for o in outs)
+    backend.forward(q, k, v, kc, vc, build_metadata(chunks, BS, torch.device("cpu")))  # the next step asks again
+    assert len(asked) == 2
