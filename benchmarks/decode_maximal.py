@@ -125,7 +125,7 @@ def elementwise_ways(w: StageWorker, asked: tuple[str, ...]) -> tuple[str, ...]:
         if asked:
             raise ValueError("--cuda-elementwise compares the CUDA path's fused and eager elementwise ops")
         return ("cpu",)
-    if triton_elementwise.takes(torch.empty(1, device=w.device, dtype=w.dtype)):
+    if w.fused_elementwise:  # the worker's own probe, at its load
         return asked or ("fused",)
     if "fused" in asked:
         raise ValueError("--cuda-elementwise fused: the Triton kernels cannot run here "

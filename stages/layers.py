@@ -91,7 +91,7 @@ class RotaryEmbedding(nn.Module):
         ``cache`` (per step: the attention metadata's) keeps the gathered cos/sin rows for the
         step's other layers. On CPU in fp32, and on CUDA where the Triton kernels run, the rotation
         is one pass, in place: x is then the caller's fresh QKV output and comes back rotated."""
-        if cpu_kernels.usable(x) and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+        if cpu_kernels.usable(x) and triton_elementwise.heads_contiguous(x):
             cpu_kernels.rope_(x, positions, self.cos, self.sin)
             return x
         if triton_elementwise.takes(x) and triton_elementwise.rope_fits(x):  # in place too, one kernel

@@ -3,8 +3,9 @@
 Eager PyTorch runs RMSNorm in a reduced dtype as eight kernels (to fp32, pow, mean, add, rsqrt,
 mul, back to the dtype, times the weight), the residual add before it as one more, rotate-half
 RoPE as four, SiLU·mul as two and the K/V write as two (six into an fp16 cache). On an H200
-with LLaMA-7B in bf16 a 512-token decode-maximal step was bound by the host issuing them (~40 kernels a layer, the host busy for 0.74-1.00 of the
-step; docs/BENCHMARKS.md, "The first GPU run"). Here each is one launch and one pass:
+with LLaMA-7B in bf16 a 512-token decode-maximal step was bound by the host issuing them (~40
+kernels a layer, the host busy for 0.74-1.00 of the step; docs/BENCHMARKS.md, "The first GPU
+run"). Here each is one launch and one pass:
 
 * ``rms_norm(x, w, eps)``             (T, H) -> (T, H)
 * ``add_rms_norm_(h, x, w, eps)``     h += x in place (rounded to h's dtype), returns rms_norm(h)
@@ -95,10 +96,16 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     return x
 
 
+def heads_contiguous(x: torch.Tensor) -> bool:
+    """Whether each (heads, D) row of x (T, heads, D) is contiguous, rows of any stride (a view of
+    the fused QKV output is): the layout rope_, write_kv_ and the CPU kernels' write_kv_ take."""
+    return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+
+
 def rope_fits(x: torch.Tensor) -> bool:
     """rope_'s layout: contiguous heads of a power-of-two size, rows of any stride."""
     d = x.shape[-1]
-    return x.stride(-1) == 1 and x.stride(-2) == d and d >= 2 and d & (d - 1) == 0
+    return heads_contiguous(x) and d >= 2 and d & (d - 1) == 0
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -116,7 +123,7 @@ def kv_fits(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     (NB, BS, H_kv, D) contiguous, alike, of a float dtype (an fp8 cache takes the eager write)."""
     return (k_cache.dtype in DTYPES and k_cache.dtype == v_cache.dtype and k_cache.shape == v_cache.shape
             and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and all(x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] for x in (k, v)))
+            and heads_contiguous(k) and heads_contiguous(v))
 
 
 def write_kv_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -22,7 +22,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              meta: AttentionMetadata) -> None:
     """Store the new tokens' K/V (T, H_kv, D) in the paged caches (NB, BS, H_kv, D), rounded to
     the cache's dtype where it is narrower (``CacheConfig.kv_dtype``)."""
-    if cpu_kernels.usable(k) and _rows(k) and _rows(v) and k_cache.is_contiguous() and v_cache.is_contiguous():
+    if (cpu_kernels.usable(k) and triton_elementwise.heads_contiguous(k) and triton_elementwise.heads_contiguous(v)
+            and k_cache.is_contiguous() and v_cache.is_contiguous()):
         # one call for both, ~1 us a layer where two index_copy_ took ~40 (a 32-row decode step)
         cpu_kernels.write_kv_(k, v, k_cache, v_cache, meta.slot_mapping)
         return
@@ -32,11 +33,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     h, d = k.shape[1:]
     for x, cache in ((k, k_cache), (v, v_cache)):
         _raw(cache).view(-1, h, d).index_copy_(0, meta.slot_mapping, _raw(_narrow(x, cache.dtype)))
-
-
-def _rows(x: torch.Tensor) -> bool:
-    """Whether each (H, D) row of x (T, H, D) is contiguous (any row stride): write_kv_ takes it."""
-    return x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
 
 
 def _narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
