@@ -13,7 +13,10 @@ thread each); throughput = (prompt + generated tokens) / wall seconds, and the p
 efficiency tput(pp=2) / (2 × tput(pp=1)) (target ≥ 0.9 for sarathi). sarathi's chunk budget is
 "flops" (the default: a chunk deep into its prompt takes fewer tokens, so micro-batches take
 equally long and stages do not wait on each other); --chunk-budgets flops,tokens also runs
-SARATHI's plain token budget, paired the same way, labelled sarathi[tokens]. Same batch size and KV
+SARATHI's plain token budget, paired the same way, labelled sarathi[tokens]; --admissions
+fcfs,longest_first runs each scheduler under both admission orders (longest_first: most
+max_tokens first, so the longest decodes finish beside later prompts' chunks rather than in the
+drain), labelled [longest_first]. Same batch size and KV
 budget everywhere, and the same chunk unless --pp2-chunk gives pp=2 its own: at pp=2 each
 request decodes once per two micro-batches, so a chunk half as long keeps a round trip's mix of
 prompt and decode tokens what it is at pp=1 (SARATHI sizes the chunk from the P:D ratio and the
@@ -57,7 +60,7 @@ from pathlib import Path
 from launch.parser import parse_partition
 from pairing import alternating, ratios  # same directory: run as a script
 from pp_runtime import LLM, SamplingParams
-from pp_runtime.config import CHUNK_BUDGETS, KV_DTYPES, MATMUL_PRECISIONS
+from pp_runtime.config import ADMISSIONS, CHUNK_BUDGETS, KV_DTYPES, MATMUL_PRECISIONS
 from pp_runtime.workload import generate_workload
 from pp_runtime.workload_config import WorkloadConfig
 
@@ -79,8 +82,8 @@ def deployments(stack: contextlib.ExitStack, model: str | None, chunk: int, max_
     return {pp: stack.enter_context(LLM(pp=pp, **own[pp], **common)) for pp in (1, 2)}
 
 
-def run_once(llm: LLM, items: list, policy: str, chunk: int, budget: str = "flops") -> float:
-    llm.reconfigure(policy=policy, chunk_size=chunk, chunk_budget=budget)
+def run_once(llm: LLM, items: list, policy: str, chunk: int, budget: str = "flops", admission: str = "fcfs") -> float:
+    llm.reconfigure(policy=policy, chunk_size=chunk, chunk_budget=budget, admission=admission)
     reqs = [llm.make_request(it.request_id, it.prompt_token_ids,
                              SamplingParams(max_tokens=it.max_tokens, ignore_eos=True)) for it in items]
     t = time.perf_counter()
@@ -177,13 +180,16 @@ def stage_steps(worker: list, kinds: dict[int, bool], rows: dict[int, int]) -> d
                                       for k, v in sorted(by.items())}}
 
 
-def variants(policies: list[str], budgets: list[str]) -> list[tuple[str, str, str]]:
-    """(label, policy, chunk budget) to run: sarathi once per budget (the first unlabelled), the
-    other policies once (they do not chunk)."""
+def variants(policies: list[str], budgets: list[str], admissions: list[str] = ("fcfs",)) -> list[tuple[str, ...]]:
+    """(label, policy, chunk budget, admission) to run: every policy once per admission order, sarathi
+    also once per budget (the others do not chunk); a label names what differs from the first
+    budget and admission, e.g. sarathi[tokens,longest_first]."""
     out = []
     for policy in policies:
-        for i, budget in enumerate(budgets if policy == "sarathi" else budgets[:1]):
-            out.append((policy if i == 0 else f"{policy}[{budget}]", policy, budget))
+        for budget in budgets if policy == "sarathi" else budgets[:1]:
+            for admission in admissions:
+                tags = [x for x, first in ((budget, budgets[0]), (admission, admissions[0])) if x != first]
+                out.append((f"{policy}[{','.join(tags)}]" if tags else policy, policy, budget, admission))
     return out
 
 
@@ -192,12 +198,12 @@ def paired_runs(llms: dict[int, LLM], items: list, tokens: int, runs: list[tuple
     """Every variant's runs at pp=1 and pp=2 (chunk per pp), alternating within each round; per-round
     figures in r, by label. Per-phase and control-plane figures come from the first variant."""
     r["rounds"] = {}
-    for label, policy, budget in runs:
+    for label, policy, budget, admission in runs:
         per = {1: [], 2: []}
         for k, pp in alternating(rounds, (1, 2)):
             llm = llms[pp]
             llm.executor.drain_timings()
-            wall = run_once(llm, items, policy, chunks[pp], budget)
+            wall = run_once(llm, items, policy, chunks[pp], budget, admission)
             per[pp].append(tokens / wall)
             print(f"{label:15s} pp={pp} round {k}: {tokens} tokens in {wall:7.1f} s = {tokens / wall:6.1f} tok/s",
                   flush=True)
@@ -252,6 +258,10 @@ def main() -> None:
     ap.add_argument("--chunk-budgets", default="flops",
                     help="sarathi's chunk budgets to run, comma separated (flops,tokens: both, paired; the "
                          "first is the one reported as sarathi)")
+    ap.add_argument("--admissions", default="fcfs",
+                    help="admission orders to run, comma separated (fcfs,longest_first: both, paired; the first "
+                         "is the one reported unlabelled). longest_first starts the most max_tokens first, so "
+                         "the longest decodes finish beside later prompts' chunks instead of in the drain")
     ap.add_argument("--rounds", type=int, default=2, help="pp=1 / pp=2 pairs per scheduler")
     ap.add_argument("--plot", default=None, help="draw the rounds and round 0's phases to this PNG (pp_scaling_plot.py)")
     a = ap.parse_args()
@@ -264,11 +274,16 @@ def main() -> None:
     bad = [b for b in budgets if b not in CHUNK_BUDGETS]
     if bad:
         ap.error(f"--chunk-budgets: {', '.join(bad)} not among {', '.join(CHUNK_BUDGETS)}")
-    runs = variants(policies, budgets)
+    admissions = a.admissions.split(",")
+    bad = [x for x in admissions if x not in ADMISSIONS]
+    if bad:
+        ap.error(f"--admissions: {', '.join(bad)} not among {', '.join(ADMISSIONS)}")
+    runs = variants(policies, budgets, admissions)
     r: dict = {"workload": {"num_requests": a.num_requests, "min_len": a.min_len, "max_len": a.max_len,
                             "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "max_batch_size": a.max_batch_size,
                "kv_cache_dtype": a.kv_cache_dtype, "matmul_precision": a.matmul_precision,
                "pp2_chunk": a.pp2_chunk or a.chunk, "pp2_partition": a.pp2_partition, "chunk_budgets": budgets,
+               "admissions": admissions,
                "warmup": "one unmeasured run per pp",
                "throughput_tok_s": {}, "efficiency": {}}
     with contextlib.ExitStack() as stack:
@@ -277,11 +292,12 @@ def main() -> None:
         items = generate_workload(wl, llms[1].source.config.vocab_size)
         tokens = sum(len(it.prompt_token_ids) + it.max_tokens for it in items)
         chunks = {1: a.chunk, 2: a.pp2_chunk or a.chunk}
+        _, policy, budget, admission = runs[0]
         for pp, llm in llms.items():
             # A whole unmeasured run each: a process's first run is 2-8% slower (the OS faults in and
             # zeroes the KV cache's pages as blocks are first written), which would flatter whichever
             # side pays it more in round 0.
-            run_once(llm, items, runs[0][1], chunks[pp], runs[0][2])
+            run_once(llm, items, policy, chunks[pp], budget, admission)
         paired_runs(llms, items, tokens, runs, a.rounds, chunks, r)
         r["memory_pp2"] = memory(llms[2])
     print("pipeline efficiency tput(pp=2) / (2 × tput(pp=1)), median of paired rounds, target >= 0.9 for sarathi: "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pp_runtime.config import CHUNK_BUDGETS, DTYPES, GGUF_WEIGHTS, KV_DTYPES, MATMUL_PRECISIONS, SCHEDULER_POLICIES
+from pp_runtime.config import ADMISSIONS, CHUNK_BUDGETS, DTYPES, GGUF_WEIGHTS, KV_DTYPES, MATMUL_PRECISIONS, SCHEDULER_POLICIES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,6 +82,10 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
                    help="what sarathi's --chunk-size counts: flops (default: attention included, so a chunk deep "
                         "into a long prompt takes fewer tokens and every micro-batch takes about as long) or "
                         "tokens (SARATHI's plain token budget)")
+    p.add_argument("--admission", choices=ADMISSIONS, default="fcfs",
+                   help="the order waiting requests start in: fcfs (default, arrival order) or longest_first "
+                        "(most max_tokens first: the longest decodes start early and finish beside later "
+                        "prompts' chunks, a shorter batch end to end)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--attention", choices=("torch", "xformers", "auto"), default="auto")
@@ -177,7 +181,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     partition = parse_partition(a.partition)
     return dict(model=a.model, pp=a.pp, tp=a.tp, launcher=a.launcher, scheduler=a.scheduler,
                 chunk_size=a.chunk_size, max_batch_size=a.max_batch_size, tile_align=a.tile_align,
-                chunk_budget=a.chunk_budget,
+                chunk_budget=a.chunk_budget, admission=a.admission,
                 dtype=a.dtype, device=a.device, attention=a.attention, seed=a.seed, block_size=a.block_size,
                 memory_budget_gb=a.memory_budget_gb, max_model_len=a.max_model_len, partition=partition,
                 threads=a.threads, gguf_weights=a.gguf_weights, kv_cache_dtype=a.kv_cache_dtype,

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+_SLACK = 1e-9  # tokens of cost: far below one token's, far above the sums' rounding
+
 
 def chunk_cost(start: int, n: int, key_cost: float) -> float:
     """Cost of prompt tokens start .. start + n − 1 in tokens: each costs 1 for its linear layers
@@ -30,6 +32,9 @@ def fit_chunk(start: int, remaining: int, budget: float, key_cost: float) -> int
     # then a step either way for float rounding
     b = 1 + key_cost * (start + 0.5)
     n = max(0, min(remaining, int((math.sqrt(b * b + 2 * key_cost * budget) - b) / key_cost)))
+    # A budget is what is left after earlier chunks' costs were subtracted in floats: a chunk that
+    # fits it exactly can come out a rounding error over (1.02 left, 1.02 asked, 1.0199999 held)
+    budget += _SLACK
     while n > 0 and chunk_cost(start, n, key_cost) > budget:
         n -= 1
     while n < remaining and chunk_cost(start, n + 1, key_cost) <= budget:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 SCHEDULER_POLICIES = ("sarathi", "orca", "prefill_first", "request_level")
 CHUNK_BUDGETS = ("flops", "tokens")
+ADMISSIONS = ("fcfs", "longest_first")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -174,6 +175,13 @@ class SchedulerConfig:
       at pp = 2 on 96 P:D = 10 Zipf requests the stages' idle time fell by ~35% in a paired
       run (docs/BENCHMARKS.md). Needs the model's ``key_cost`` (the Scheduler's); without it the two
       are the same.
+    admission: the order waiting requests start in. "fcfs" (default): arrival order.
+      "longest_first": most max_tokens first, ties in arrival order (the LPT rule for makespan):
+      each decode token costs a pass through the pipeline whatever pp is, so the longest decodes
+      set a batch's end; started first, they finish while later prompts still give the
+      micro-batches chunks to ride on, instead of decoding alone in few-row micro-batches after
+      the last prompt (pp = 2, 48 P:D = 10 Zipf requests: docs/BENCHMARKS.md, target 4). A
+      preempted request keeps its place at the head of the queue either way.
     """
 
     policy: str = "sarathi"
@@ -183,6 +191,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     max_running: int = 0
     chunk_budget: str = "flops"
+    admission: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULER_POLICIES:
@@ -191,6 +200,9 @@ class SchedulerConfig:
         if self.chunk_budget not in CHUNK_BUDGETS:
             raise ValueError(f"SchedulerConfig.chunk_budget must be one of {', '.join(CHUNK_BUDGETS)}, "
                              f"got {self.chunk_budget!r}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"SchedulerConfig.admission must be one of {', '.join(ADMISSIONS)}, "
+                             f"got {self.admission!r}")
         _positive(self, "chunk_size", "max_batch_size", "max_model_len")
         if self.max_running < 0:
             raise ValueError(f"SchedulerConfig.max_running must be ≥ 0 (0: max_batch_size), got {self.max_running}")

@@ -28,7 +28,8 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
                         max_model_len: int | None = None, partition: Sequence[float] | None = None,
                         threads: int = 0, gguf_weights: str = "native",
                         kv_cache_dtype: str = "auto", matmul_precision: str = "highest",
-                        chunk_budget: str = "flops", prefault_kv: bool = False) -> tuple[EngineConfig, object]:
+                        chunk_budget: str = "flops", prefault_kv: bool = False,
+                        admission: str = "fcfs") -> tuple[EngineConfig, object]:
     """Resolve the model and validate every setting; raises ValueError naming the bad one.
     max_batch_size None is kept as 1 here and replaced once the memory plan gives B."""
     from stages.model_source import resolve_model
@@ -50,7 +51,7 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
     cfg = EngineConfig(
         model_path=source.path, parallel=parallel,
         scheduler=SchedulerConfig(scheduler, chunk_size, 1 if max_batch_size is None else max_batch_size, tile_align,
-                                  max_len, chunk_budget=chunk_budget),
+                                  max_len, chunk_budget=chunk_budget, admission=admission),
         cache=CacheConfig(block_size, budget, kv_cache_dtype, prefault_kv), device=DeviceConfig(device, dtype, attention, threads, gguf_weights, matmul_precision),
         seed=seed)
     if max_len > mcfg.max_position_embeddings:

@@ -31,7 +31,7 @@ from pp_runtime.scheduler import Scheduler
 from pp_runtime.workers import keep_sigterm_handler, kill_workers, make_executor
 
 DEFAULT_MAX_BATCH = 64
-RECONFIGURABLE = ("policy", "chunk_size", "max_batch_size", "tile_align", "chunk_budget")
+RECONFIGURABLE = ("policy", "chunk_size", "max_batch_size", "tile_align", "chunk_budget", "admission")
 SHUT_DOWN = "shut down"
 
 
@@ -59,11 +59,12 @@ class LLM:
                  memory_budget_gb: float | None = None, max_model_len: int | None = None,
                  partition: Sequence[float] | None = None, threads: int = 0, verbose: bool = False,
                  gguf_weights: str = "native", kv_cache_dtype: str = "auto",
-                 matmul_precision: str = "highest", chunk_budget: str = "flops", prefault_kv: bool = False) -> None:
+                 matmul_precision: str = "highest", chunk_budget: str = "flops", prefault_kv: bool = False,
+                 admission: str = "fcfs") -> None:
         self.config, self.source = build_engine_config(
             model, pp, tp, scheduler, chunk_size, max_batch_size, tile_align, dtype, device, attention, seed,
             block_size, memory_budget_gb, max_model_len, partition, threads, gguf_weights, kv_cache_dtype,
-            matmul_precision, chunk_budget, prefault_kv)
+            matmul_precision, chunk_budget, prefault_kv, admission)
         parallel, max_len = self.config.parallel, self.config.scheduler.max_model_len
         self.launcher = launcher or ("local" if parallel.world_size == 1 else "ray")
         with keep_sigterm_handler():
@@ -106,7 +107,7 @@ class LLM:
         return self._tokenizer
 
     def reconfigure(self, **changes: object) -> None:
-        """Change the driver-side scheduling (policy, chunk_size, max_batch_size, tile_align, chunk_budget)
+        """Change the driver-side scheduling (policy, chunk_size, max_batch_size, tile_align, chunk_budget, admission)
         between runs, keeping the workers and their weights: ``bench`` compares schedulers this way.
         Anything else is fixed by the workers (max_model_len: their positions and KV pool)."""
         bad = sorted(set(changes) - set(RECONFIGURABLE))

@@ -27,7 +27,8 @@ from pp_runtime.workload_config import WorkloadConfig
 # documented schema; the rest are further LLM settings accepted so a config can pin them.
 ENGINE_KEYS = ("model", "pp", "tp", "chunk_size", "max_batch_size", "tile_align", "memory_budget_gb",
                "max_model_len", "threads", "seed", "launcher", "dtype", "device", "attention",
-               "block_size", "partition", "gguf_weights", "kv_cache_dtype", "matmul_precision", "chunk_budget")
+               "block_size", "partition", "gguf_weights", "kv_cache_dtype", "matmul_precision", "chunk_budget",
+               "admission")
 RUN_KEYS = ENGINE_KEYS + ("schedulers", "workload")
 
 
@@ -38,7 +39,7 @@ def _check_engine(engine: Mapping[str, Any]) -> None:
         if key not in ENGINE_KEYS:
             raise ValueError(f"unknown engine key {key!r} (known: {', '.join(ENGINE_KEYS)})")
         if key in ("model", "launcher", "dtype", "device", "attention", "gguf_weights", "kv_cache_dtype",
-                   "matmul_precision", "chunk_budget"):
+                   "matmul_precision", "chunk_budget", "admission"):
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{key} must be a string, got {value!r}")
         elif key in ("pp", "tp", "chunk_size", "max_batch_size", "max_model_len", "block_size"):

@@ -11,6 +11,9 @@ Policies (SchedulerConfig.policy):
                  prompts up to C tokens per batch (a lone longer prompt runs by itself).
   request_level  static batches: admit a batch, run it to completion, then admit the next.
 
+Admission (SchedulerConfig.admission), for every policy: waiting requests start in arrival
+order (fcfs) or most max_tokens first (longest_first).
+
 Invariants the property tests check: a decoding request is in at most one in-flight
 micro-batch (its next input is the token the previous one samples); consecutive prefill
 chunks of one prompt may be in flight together (stages run micro-batches in issue order).
@@ -20,6 +23,7 @@ later recomputed from its tokens.
 from __future__ import annotations
 
 import time
+from bisect import bisect_right
 from collections import deque
 from typing import Callable
 
@@ -36,6 +40,13 @@ def sample_seed(base: int, position: int) -> int:
     """Seed of the token sampled at ``position``: depends on nothing but the request and position,
     so a seeded request samples the same tokens however it was batched, chunked or preempted."""
     return (base * _SEED_MIX + position * 0x2545F4914F6CDD1D) % (1 << 62)
+
+
+def _queue_key(req: Request) -> tuple[int, int]:
+    """Where a request sorts in a longest_first queue: preempted ones (back at the head, in the order
+    they went back) before every fresh one, fresh ones by max_tokens, most first. The queue stays
+    sorted by this key, so a new request goes in by bisection, after its equals (FCFS among ties)."""
+    return (0, 0) if req.num_preemptions else (1, -req.params.max_tokens)
 
 
 class Scheduler:
@@ -73,7 +84,10 @@ class Scheduler:
             req.finish("error", error)
             return False
         self._by_seq[req.seq_id] = req
-        self.waiting.append(req)
+        if self.cfg.admission == "longest_first":
+            self.waiting.insert(bisect_right(self.waiting, _queue_key(req), key=_queue_key), req)
+        else:
+            self.waiting.append(req)
         return True
 
     def _check(self, req: Request) -> str | None:

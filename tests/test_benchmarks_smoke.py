@@ -125,11 +125,12 @@ def test_cuda_paged_decode_smoke(tmp_path: Path) -> None:
 def test_pp_scaling_smoke(tmp_path: Path) -> None:
     png = tmp_path / "pp_scaling.png"
     r = run(["benchmarks/pp_scaling.py", "--smoke", "--chunk-budgets", "flops,tokens", "--plot", str(png),
-             "--pp2-partition", "2.5,1.5"], tmp_path)
+             "--pp2-partition", "2.5,1.5", "--admissions", "fcfs,longest_first"], tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert set(r["throughput_tok_s"]) == {"sarathi_pp1", "sarathi_pp2", "sarathi[tokens]_pp1", "sarathi[tokens]_pp2",
-                                          "orca_pp1", "orca_pp2"}
-    assert set(r["efficiency"]) == {"sarathi", "sarathi[tokens]", "orca"}
+    labels = {"sarathi", "sarathi[tokens]", "orca", "sarathi[longest_first]", "sarathi[tokens,longest_first]",
+              "orca[longest_first]"}
+    assert set(r["throughput_tok_s"]) == {f"{x}_pp{pp}" for x in labels for pp in (1, 2)}
+    assert set(r["efficiency"]) == labels and r["admissions"] == ["fcfs", "longest_first"]
     for pp in ("pp1", "pp2"):  # the phases add up to the work done
         ph = r["phases"][pp]
         assert ph["prefill_s"] > 0 and ph["drain_s"] >= 0 and ph["piggybacked_decodes"] + ph["decode_only_decodes"] > 0
@@ -224,7 +225,7 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     walls = {1: [10.0, 12.0, 8.0], 2: [6.0, 4.0, 5.0]}  # seconds per round
     calls = []
 
-    def run_once(llm: Fake, items: list, policy: str, chunk: int, budget: str) -> float:
+    def run_once(llm: Fake, items: list, policy: str, chunk: int, budget: str, admission: str) -> float:
         assert budget == "flops"
         calls.append((policy, llm.pp))
         assert chunk == {1: 256, 2: 128}[llm.pp]  # each pp runs at its own chunk
@@ -244,7 +245,14 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     assert r["control_plane_pp2"] == {"pp": 2}
     # sarathi runs once per chunk budget, the others (which do not chunk) once
     assert ps.variants(["sarathi", "orca"], ["flops", "tokens"]) == [
-        ("sarathi", "sarathi", "flops"), ("sarathi[tokens]", "sarathi", "tokens"), ("orca", "orca", "flops")]
+        ("sarathi", "sarathi", "flops", "fcfs"), ("sarathi[tokens]", "sarathi", "tokens", "fcfs"),
+        ("orca", "orca", "flops", "fcfs")]
+    # ... and every policy once per admission order, labelled by what differs from the first
+    assert ps.variants(["sarathi", "orca"], ["flops", "tokens"], ["longest_first", "fcfs"]) == [
+        ("sarathi", "sarathi", "flops", "longest_first"), ("sarathi[fcfs]", "sarathi", "flops", "fcfs"),
+        ("sarathi[tokens]", "sarathi", "tokens", "longest_first"),
+        ("sarathi[tokens,fcfs]", "sarathi", "tokens", "fcfs"),
+        ("orca", "orca", "flops", "longest_first"), ("orca[fcfs]", "orca", "flops", "fcfs")]
 
 
 def test_pairing_alternates_and_takes_the_median_of_ratios() -> None:

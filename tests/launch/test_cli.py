@@ -109,7 +109,8 @@ def test_generate_stdout_and_run_dir(hf_models: dict, tmp_path: Path, capsys: py
     inp.write_text('{"id": "a", "prompt_token_ids": [1, 2], "max_tokens": 3}\n{"id": "b", "prompt_token_ids": []}\n')
     run_dir = tmp_path / "run"
     rc, out, err = run_main(["generate", "--model", str(hf_models["qwen2"]), "--input", str(inp), "--run-dir",
-                             str(run_dir), "--quiet", "--chunk-budget", "tokens", *FAST], capsys)
+                             str(run_dir), "--quiet", "--chunk-budget", "tokens", "--admission", "longest_first", *FAST],
+                            capsys)
     assert rc == 0, err
     rows = [json.loads(x) for x in out.splitlines()]
     assert [(r["id"], r["finish_reason"], len(r["token_ids"])) for r in rows] == [("a", "length", 3), ("b", "error", 0)]
@@ -118,6 +119,7 @@ def test_generate_stdout_and_run_dir(hf_models: dict, tmp_path: Path, capsys: py
     assert [(w["stage"], w["tp_rank"], w["device"]) for w in workers] == [(0, 0, "cpu")]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["chunk_budget"] == "tokens" and summary["scheduler"] == "sarathi"
+    assert summary["admission"] == "longest_first"
     assert (summary["pp"], summary["tp"], summary["chunk_size"]) == (1, 1, 256)
     assert summary["num_requests"] == 2 and summary["decode_tokens"] == 3
     assert isinstance(summary["max_batch_size"], int) and 1 <= summary["max_batch_size"] <= 64
@@ -200,6 +202,7 @@ BAD_CONFIGS = {  # name: (extra arguments, message); {llama} {gguf} {dir} {missi
     "kv_fp8_on_bf16": (["--model", "{llama}", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8"],
                        "kv_cache_dtype fp8 is for float32 models on CPU"),
     "chunk_budget": (["--model", "{llama}", "--chunk-budget", "bytes"], "argument --chunk-budget: invalid choice"),
+    "admission": (["--model", "{llama}", "--admission", "lifo"], "argument --admission: invalid choice"),
     "matmul_precision": (["--model", "{llama}", "--matmul-precision", "low"],
                          "argument --matmul-precision: invalid choice"),
     "matmul_medium_on_bf16": (["--model", "{llama}", "--dtype", "bfloat16", "--matmul-precision", "medium"],

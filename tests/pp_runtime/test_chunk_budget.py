@@ -30,3 +30,12 @@ def test_chunk_cost_counts_each_tokens_keys() -> None:
 
 def test_module_examples() -> None:
     assert doctest.testmod(chunk_budget).failed == 0
+
+
+def test_a_chunk_that_exactly_fits_what_is_left_is_taken() -> None:
+    # what the scheduler holds after a (1, 5) chunk out of a fresh 6-token budget: 1.02 less a
+    # rounding error, exactly one fresh token's cost; refused before (seen under longest_first)
+    k = 0.02
+    left = chunk_cost(0, 6, k) - chunk_cost(1, 5, k)
+    assert left < chunk_cost(0, 1, k)  # the float sum lands just under
+    assert fit_chunk(0, 11, left, k) == 1

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pp_runtime.batch import MicroBatch, SeqChunk
-from pp_runtime.config import SchedulerConfig
+from pp_runtime.config import ADMISSIONS, SchedulerConfig
 from pp_runtime.kv_cache import BlockManager, blocks_for
 from pp_runtime.request import Request, SamplingParams
 from pp_runtime.chunk_budget import chunk_cost
@@ -237,10 +237,14 @@ class FakePipeline:
         # Whatever is in flight is still running: preemption only takes requests not in flight.
         running = {r.seq_id for r in self.sched.running}
         assert all(c.seq_id in running for m in self.in_flight for c in m.chunks), "an in-flight request was preempted"
-        # FCFS (every workload here arrives at once, in seq_id order): newcomers start in arrival order,
-        # and a preempted request goes back to the head of the queue, ahead of every newcomer.
-        fresh = [r.seq_id for r in self.sched.waiting if not r.num_preemptions]
-        assert fresh == sorted(fresh) and (not fresh or not running or max(running) < fresh[0])
+        # Every workload here arrives at once, in seq_id order: newcomers start in arrival order (fcfs)
+        # or by max_tokens, most first, ties in arrival order (longest_first); a preempted request
+        # goes back to the head of the queue, ahead of every newcomer.
+        def order(r: Request) -> tuple[int, int]:
+            return (0 if self.cfg.admission == "fcfs" else -r.params.max_tokens, r.seq_id)
+        fresh = [order(r) for r in self.sched.waiting if not r.num_preemptions]
+        started = [order(r) for r in self.sched.running]
+        assert fresh == sorted(fresh) and (not fresh or not started or max(started) < fresh[0])
         assert list(self.sched.waiting)[len(self.sched.waiting) - len(fresh):] == \
             [r for r in self.sched.waiting if not r.num_preemptions], "a preempted request queued behind a newcomer"
 
@@ -281,8 +285,8 @@ def make_requests(lengths: list[int], max_tokens: int | list[int], seed: int = 0
 
 def make_scheduler(policy: str, chunk: int, mbs: int, num_blocks: int = HUGE_KV, block_size: int = 4,
                    tile_align: bool = False, max_model_len: int = 4096, depth: int = 1,
-                   key_cost: float = 0.0) -> Scheduler:
-    cfg = SchedulerConfig(policy, chunk, mbs, tile_align, max_model_len)
+                   key_cost: float = 0.0, admission: str = "fcfs") -> Scheduler:
+    cfg = SchedulerConfig(policy, chunk, mbs, tile_align, max_model_len, admission=admission)
     return Scheduler(cfg, BlockManager(num_blocks, block_size), eos_token_ids=(EOS,), depth=depth, key_cost=key_cost)
 
 
@@ -352,14 +356,16 @@ def test_stops_at_eos_and_stop_ids(policy: str, pp: int, chunk: int, tile: bool,
     assert {r.finish_reason for r in reqs} == {"stop", "length"}
 
 
+@pytest.mark.parametrize("admission", ADMISSIONS)
 @pytest.mark.parametrize("policy, pp, chunk, tile, kc", CASES)
-def test_preemption_under_tiny_kv_changes_no_output(policy: str, pp: int, chunk: int, tile: bool, kc: float) -> None:
+def test_preemption_under_tiny_kv_changes_no_output(policy: str, pp: int, chunk: int, tile: bool, kc: float,
+                                                    admission: str) -> None:
     lengths, max_tokens = [9, 14, 3, 20, 6, 11], [12, 8, 16, 5, 10, 9]
     big = run_workload(policy, pp, chunk, make_requests(lengths, max_tokens), mbs=case_mbs(chunk, tile),
-                       tile_align=tile, key_cost=kc)
+                       tile_align=tile, key_cost=kc, admission=admission)
     # 7 blocks of 4 tokens: the largest request (20 + 5 tokens) just fits alone, a few together do not.
     small = run_workload(policy, pp, chunk, make_requests(lengths, max_tokens), mbs=case_mbs(chunk, tile),
-                         tile_align=tile, num_blocks=7, key_cost=kc)
+                         tile_align=tile, num_blocks=7, key_cost=kc, admission=admission)
     assert_matches_oracle(small)
     assert [r.output_token_ids for r in small.reqs.values()] == [r.output_token_ids for r in big.reqs.values()]
     if case_mbs(chunk, tile) > 1:
@@ -549,6 +555,7 @@ def workloads(draw: st.DrawFn) -> dict:
     num_blocks = draw(st.one_of(st.integers(1, need + 4), st.integers(need, need + 4),
                                 st.integers(need, 4 * need), st.just(HUGE_KV)))
     return dict(policy=policy, pp=draw(st.integers(1, 3)), chunk=chunk, tile=tile, mbs=mbs,
+                admission=draw(st.sampled_from(ADMISSIONS)),
                 block_size=block_size, num_blocks=num_blocks, lengths=lengths, max_tokens=max_tokens,
                 max_model_len=draw(st.one_of(st.just(4096), st.integers(8, 56))),
                 ignore_eos=draw(st.booleans()), stop=tuple(draw(st.lists(st.integers(0, VOCAB - 1), max_size=2))),
@@ -562,7 +569,7 @@ def test_random_workloads_complete_with_unconstrained_outputs(w: dict) -> None:
         return make_requests(w["lengths"], w["max_tokens"], w["seed"], w["ignore_eos"], w["stop"])
     reference = run_workload("sarathi", 1, 4096, reqs(), mbs=64)
     pipe = FakePipeline(make_scheduler(w["policy"], w["chunk"], w["mbs"], w["num_blocks"], w["block_size"],
-                                       w["tile"], w["max_model_len"]), w["pp"],
+                                       w["tile"], w["max_model_len"], admission=w["admission"]), w["pp"],
                         ample_kv=w["num_blocks"] == HUGE_KV)
     pipe.add(reqs())
     pipe.run()
@@ -672,3 +679,39 @@ def test_key_cost_from_model_shapes() -> None:
     assert smol.key_cost == pytest.approx(2 * 576 / (2 * 576**2 + 2 * 576 * 192 + 3 * 576 * 1536))
     plain = SimModel("gpt-like", 12, 768, 12, 12, 3072, 50257, gated_mlp=False)
     assert plain.key_cost == pytest.approx(2 * 768 / (4 * 768**2 + 2 * 768 * 3072))
+
+
+# ---- admission order ----------------------------------------------------------------------------
+def first_chunks(pipe: FakePipeline) -> list[int]:
+    """seq ids in the order their first prefill chunk was scheduled."""
+    order: list[int] = []
+    for mb in pipe.history:
+        order += [c.seq_id for c in mb.chunks if c.is_prefill and c.start == 0 and c.seq_id not in order]
+    return order
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_longest_first_starts_the_most_max_tokens_first_ties_in_arrival_order(policy: str) -> None:
+    max_tokens = [3, 9, 1, 9, 5, 12, 3]
+    fcfs = run_workload(policy, 2, 8, make_requests([6] * 7, max_tokens), mbs=1)
+    longest = run_workload(policy, 2, 8, make_requests([6] * 7, max_tokens), mbs=1, admission="longest_first")
+    assert first_chunks(fcfs) == [0, 1, 2, 3, 4, 5, 6]
+    assert first_chunks(longest) == [5, 1, 3, 4, 0, 6, 2]  # 12, 9, 9 (arrival order), 5, 3, 3, 1
+    assert_matches_oracle(longest)  # the order changes when tokens come, not which
+    assert [r.output_token_ids for r in longest.reqs.values()] == [r.output_token_ids for r in fcfs.reqs.values()]
+
+
+def test_longest_first_keeps_a_preempted_request_at_the_head() -> None:
+    sched = make_scheduler("sarathi", 64, 4, admission="longest_first")
+    old, new, newer = make_requests([5, 5, 5], [2, 7, 4])
+    sched.add(old)
+    assert sched.schedule() is not None and sched.running == [old]
+    sched._preempt(old)  # back to waiting, as when KV blocks ran out
+    sched.add(new)
+    sched.add(newer)
+    assert list(sched.waiting) == [old, new, newer]  # old first though it has the fewest max_tokens
+
+
+def test_bad_admission_is_named() -> None:
+    with pytest.raises(ValueError, match="SchedulerConfig.admission must be one of fcfs, longest_first, got 'lifo'"):
+        SchedulerConfig("sarathi", 64, 4, admission="lifo")

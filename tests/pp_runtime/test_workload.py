@@ -261,6 +261,7 @@ def test_trace_path_relative_to_config(tmp_path: Path) -> None:
      "multiples of 0.5"),
     ("tile_align: 1\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}", "tile_align"),
     ("chunk_budget: 1\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}", "chunk_budget"),
+    ("admission: 1\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}", "admission"),
     ("memory_budget_gb: -2\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}",
      "memory_budget_gb"),
     ("max_model_len: 64\nworkload: {kind: uniform, num_requests: 4, min_len: 8, max_len: 100, pd_ratio: 2}",
