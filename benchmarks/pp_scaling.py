@@ -6,6 +6,8 @@
     .venv/bin/python benchmarks/pp_scaling.py --num-requests 48    # configs/runs/pp2_zipf.yaml's size
     .venv/bin/python benchmarks/pp_scaling.py --smoke              # llama-tiny, seconds (CI)
     .venv/bin/python benchmarks/pp_scaling.py --num-requests 48 --plot pp_scaling.png   # and as a figure
+    .venv/bin/python benchmarks/pp_scaling.py --num-requests 48 --matmul-precision int8 --kv-cache-dtype fp8 \
+        --admissions longest_first,fcfs --rounds 3    # target 4 as last measured (~17 min)
 
 For sarathi and orca: the same requests (total lengths Zipf θ = 0.4 in --min-len..--max-len,
 P:D = 10, all at t = 0) at pp=1 (in process, one thread) and pp=2 (two Ray workers, one
