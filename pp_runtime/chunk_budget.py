@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import math
 
-_SLACK = 1e-9  # tokens of cost: far below one token's, far above the sums' rounding
+_SLACK = 1e-12  # relative: far above a budget's rounding after a batch's subtractions, far below a token
+
+
+def fits(cost: float, budget: float) -> bool:
+    """cost ≤ budget, within the float rounding of a budget the scheduler holds after subtracting
+    earlier chunks' costs (a chunk that fits exactly can come out 1e-16 over: 1.02 asked of a
+    1.0199999 left)."""
+    return cost <= budget + _SLACK * max(1.0, abs(budget))
 
 
 def chunk_cost(start: int, n: int, key_cost: float) -> float:
@@ -25,18 +32,15 @@ def chunk_cost(start: int, n: int, key_cost: float) -> float:
 
 
 def fit_chunk(start: int, remaining: int, budget: float, key_cost: float) -> int:
-    """The most tokens (≤ remaining) from position ``start`` whose chunk_cost fits in budget."""
+    """The most tokens (≤ remaining) from position ``start`` whose chunk_cost fits in budget (``fits``)."""
     if key_cost <= 0:
         return max(0, min(remaining, int(budget)))
     # chunk_cost(n) = budget is (k/2)·n² + (1 + k(start + ½))·n − budget = 0: its positive root,
     # then a step either way for float rounding
     b = 1 + key_cost * (start + 0.5)
     n = max(0, min(remaining, int((math.sqrt(b * b + 2 * key_cost * budget) - b) / key_cost)))
-    # A budget is what is left after earlier chunks' costs were subtracted in floats: a chunk that
-    # fits it exactly can come out a rounding error over (1.02 left, 1.02 asked, 1.0199999 held)
-    budget += _SLACK
-    while n > 0 and chunk_cost(start, n, key_cost) > budget:
+    while n > 0 and not fits(chunk_cost(start, n, key_cost), budget):
         n -= 1
-    while n < remaining and chunk_cost(start, n + 1, key_cost) <= budget:
+    while n < remaining and fits(chunk_cost(start, n + 1, key_cost), budget):
         n += 1
     return n

@@ -56,7 +56,7 @@ def interrupted(llm: LLM, reqs: list[Request]) -> RunInterrupted:
     llm.broken = "a run was interrupted"
     workers = llm.executor.workers_info()
     kill_workers(llm.executor)
-    return RunInterrupted([RequestOutput.from_request(r) for r in reqs], llm.sched_config.policy, workers)
+    return RunInterrupted([RequestOutput.from_request(r) for r in reqs], llm.engine.scheduler.cfg.policy, workers)
 
 
 def drain(llm: LLM, reqs: list[Request]) -> None:

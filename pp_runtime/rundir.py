@@ -30,10 +30,12 @@ def collect_records(llm: object) -> list[TimingRecord]:
 
 def run_settings(llm: object) -> dict:
     c = llm.config
-    return {"scheduler": c.scheduler.policy, "pp": c.parallel.pp, "tp": c.parallel.tp,
-            "chunk_size": c.scheduler.chunk_size, "max_batch_size": c.scheduler.max_batch_size,
-            "tile_align": c.scheduler.tile_align, "chunk_budget": c.scheduler.chunk_budget,
-            "admission": c.scheduler.admission, "model": c.model_path, "dtype": c.device.dtype,
+    # the scheduling the last run ran under (reconfigure may have changed llm.config since)
+    s = llm.last_run.engine.scheduler.cfg if getattr(llm, "last_run", None) else c.scheduler
+    return {"scheduler": s.policy, "pp": c.parallel.pp, "tp": c.parallel.tp,
+            "chunk_size": s.chunk_size, "max_batch_size": s.max_batch_size,
+            "tile_align": s.tile_align, "chunk_budget": s.chunk_budget,
+            "admission": s.admission, "model": c.model_path, "dtype": c.device.dtype,
             "device": c.device.device, "launcher": llm.launcher, "paper_B": llm.memory.max_batch_b,
             "kv_blocks": llm.memory.num_blocks, "kv_cache_dtype": c.cache.kv_dtype,
             "matmul_precision": c.device.matmul_precision,

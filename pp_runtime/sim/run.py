@@ -76,7 +76,7 @@ def run_scenario(cfg: SimConfig, sc: Scenario, out_dir: str | Path, progress: bo
     sim_s = time.perf_counter() - t0
     settings = {"scheduler": sc.scheduler, "pp": sc.pp, "tp": sc.tp, "chunk_size": sc.chunk_size,
                 "max_batch_size": dep.sched_cfg.max_batch_size, "tile_align": sc.tile_align,
-                "chunk_budget": sc.chunk_budget, "model": cfg.model.name,
+                "chunk_budget": sc.chunk_budget, "admission": sc.admission, "model": cfg.model.name,
                 "dtype": cfg.dtype, "device": f"sim:{cfg.hardware.name}", "launcher": "sim",
                 "paper_B": dep.memory.max_batch_b, "paper_B_per_microbatch": dep.memory.per_microbatch_b,
                 "kv_blocks": dep.memory.num_blocks, "driver_s_per_microbatch": sc.dispatch_us * 1e-6,

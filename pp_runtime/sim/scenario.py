@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from pp_runtime.config import CHUNK_BUDGETS, DTYPE_BYTES, SCHEDULER_POLICIES
+from pp_runtime.config import ADMISSIONS, CHUNK_BUDGETS, DTYPE_BYTES, SCHEDULER_POLICIES
 from pp_runtime.sim.presets import Hardware, SimModel
 from pp_runtime.sim.simulator import ROUTERS
 from pp_runtime.workload_config import WorkloadConfig
@@ -49,6 +49,7 @@ class Scenario:
     prep_us: float | tuple[float, ...] = 0.0
     max_running: int | None = None  # sequences that may run at once; None: max(max_batch_size, B)
     chunk_budget: str = "flops"  # what sarathi's chunk_size counts, as SchedulerConfig.chunk_budget
+    admission: str = "fcfs"  # the order waiting requests start in, as SchedulerConfig.admission
 
     def __post_init__(self) -> None:
         where = f"scenario {self.name!r}"
@@ -68,6 +69,8 @@ class Scenario:
             checked_int(f"{where}: max_batch_size", self.max_batch_size)
         if self.chunk_budget not in CHUNK_BUDGETS:
             raise ValueError(f"{where}: chunk_budget must be one of {', '.join(CHUNK_BUDGETS)}, got {self.chunk_budget!r}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"{where}: admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
         if not isinstance(self.tile_align, bool):
             raise ValueError(f"{where}: tile_align must be true or false, got {self.tile_align!r}")
         if self.partition is not None:

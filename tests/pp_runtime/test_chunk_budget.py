@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pp_runtime import chunk_budget
-from pp_runtime.chunk_budget import chunk_cost, fit_chunk
+from pp_runtime.chunk_budget import chunk_cost, fit_chunk, fits
 
 
 @given(start=st.integers(0, 5000), remaining=st.integers(1, 600), budget=st.floats(0.0, 2000.0),
@@ -18,8 +18,8 @@ def test_fit_chunk_is_the_largest_chunk_within_the_budget(start: int, remaining:
                                                          key_cost: float) -> None:
     n = fit_chunk(start, remaining, budget, key_cost)
     assert 0 <= n <= remaining
-    assert n == 0 or chunk_cost(start, n, key_cost) <= budget
-    assert n == remaining or chunk_cost(start, n + 1, key_cost) > budget
+    assert n == 0 or fits(chunk_cost(start, n, key_cost), budget)
+    assert n == remaining or not fits(chunk_cost(start, n + 1, key_cost), budget)
 
 
 def test_chunk_cost_counts_each_tokens_keys() -> None:
@@ -39,3 +39,9 @@ def test_a_chunk_that_exactly_fits_what_is_left_is_taken() -> None:
     left = chunk_cost(0, 6, k) - chunk_cost(1, 5, k)
     assert left < chunk_cost(0, 1, k)  # the float sum lands just under
     assert fit_chunk(0, 11, left, k) == 1
+
+
+def test_fits_allows_rounding_not_a_token() -> None:
+    assert fits(2.0, 2.0) and fits(1.02, 1.0199999999999998) and fits(279.35616000000005, 279.35616)
+    assert not fits(2.0, 1.9999999) and not fits(1.02, 1.0199)
+    assert fit_chunk(0, 10, 1.9999999, 1.0) == 0  # a token at position 0 costs 2 at key_cost 1

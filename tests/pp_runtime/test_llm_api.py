@@ -187,6 +187,22 @@ def test_reconfigure_changes_scheduling_only_and_resizes_the_running_set(llm: LL
     assert llm.sched_config.max_running == 6
 
 
+def test_run_dir_records_the_scheduling_the_run_ran_under(llm: LLM, tmp_path: Path) -> None:
+    """longest_first gives the same greedy tokens; a reconfigure after the run does not rewrite
+    what write_run_dir says the run used."""
+    from pp_runtime.rundir import write_run_dir
+    ps = prompts()
+    params = [SamplingParams(max_tokens=2 + 3 * i % 7) for i in range(len(ps))]
+    expected = [fields(o) for o in llm.generate(ps, params)]
+    try:
+        llm.reconfigure(admission="longest_first", chunk_budget="tokens")
+        assert [fields(o) for o in llm.generate(ps, params)] == expected
+    finally:
+        llm.reconfigure(admission="fcfs", chunk_budget="flops")
+    summary = write_run_dir(str(tmp_path), llm)
+    assert (summary["admission"], summary["chunk_budget"]) == ("longest_first", "tokens")
+
+
 def test_stage_failure_ends_the_run_with_its_error_and_marks_the_llm_broken(monkeypatch: pytest.MonkeyPatch) -> None:
     """An exception inside a local stage (a bug, an op that fails) is a dead worker: the run's
     unfinished requests get its error naming the stage, finished ones keep their tokens, and the

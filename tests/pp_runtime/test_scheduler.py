@@ -24,7 +24,7 @@ from pp_runtime.batch import MicroBatch, SeqChunk
 from pp_runtime.config import ADMISSIONS, SchedulerConfig
 from pp_runtime.kv_cache import BlockManager, blocks_for
 from pp_runtime.request import Request, SamplingParams
-from pp_runtime.chunk_budget import chunk_cost
+from pp_runtime.chunk_budget import chunk_cost, fits
 from pp_runtime.scheduler import Scheduler
 
 VOCAB = 61
@@ -260,7 +260,7 @@ def greedy_fill(offered: list[tuple[int, int]], budget: int, slots: int, key_cos
         if budget <= 0 or cost <= 0:
             break
         take = 0
-        while take < min(n, budget) and 1 + key_cost * (start + take + 1) <= cost + 1e-9:
+        while take < min(n, budget) and fits(1 + key_cost * (start + take + 1), cost):
             cost -= 1 + key_cost * (start + take + 1)
             take += 1
         if take == 0 and taken:

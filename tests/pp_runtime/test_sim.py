@@ -8,6 +8,7 @@ import json
 import math
 import random
 import statistics
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -378,6 +379,31 @@ def test_scenario_chunk_budget_reaches_the_scheduler(budget: str) -> None:
     assert plan_deployment(cfg, sc).sched_cfg.chunk_budget == budget
     with pytest.raises(ValueError, match="chunk_budget must be one of flops, tokens, got 'bytes'"):
         dataclasses.replace(sc, chunk_budget="bytes")
+
+
+@pytest.mark.parametrize("admission", ["fcfs", "longest_first"])
+def test_scenario_admission_reaches_the_scheduler(admission: str) -> None:
+    """As the chunk budget: a bench run under longest_first is simulated under it (validate_sim)."""
+    from pp_runtime.sim.deployment import plan_deployment
+    cfg = load_sim_config(REPO / "configs/sim/smoke.yaml")
+    sc = dataclasses.replace(cfg.scenarios[0], admission=admission)
+    assert plan_deployment(cfg, sc).sched_cfg.admission == admission
+    with pytest.raises(ValueError, match="admission must be one of fcfs, longest_first, got 'lifo'"):
+        dataclasses.replace(sc, admission="lifo")
+
+
+
+def test_validate_sim_copies_the_runs_admission(tmp_path: Path) -> None:
+    run = tmp_path / "run.yaml"
+    run.write_text("max_batch_size: 4\nmax_model_len: 64\nadmission: longest_first\nschedulers: [sarathi, orca]\n"
+                   "workload: {kind: fixed, num_requests: 2, prompt_len: 8, decode_len: 2}\n")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from validate_sim import sim_config
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    cfg = sim_config(str(run), [["stage0.csv"]], 10.0, {"return": 5.0, "prep": [3.0], "jitter": [0.0]})
+    assert [sc["admission"] for sc in cfg["scenarios"]] == ["longest_first", "longest_first"]
 
 
 def test_sim_config_workload_takes_file_seed_and_trace_beside_it(tmp_path: Path) -> None:
