@@ -27,7 +27,8 @@ Zen 4 box 256 stayed best at both, pp=2 at 128 piggybacking as many decodes as p
 3.4% slower (docs/BENCHMARKS.md, target 4). Both deployments stay up and their runs alternate
 (pp=1, pp=2, then pp=2, pp=1, ...) for --rounds rounds: this box drifts by 10-30% between runs
 minutes apart, so each round's pp=2 run is paired with that round's pp=1 run, and the efficiency
-printed is the median of the rounds' paired ratios (benchmarks/pairing.py). Every round is warm:
+printed is the median of the rounds' paired ratios (benchmarks/pairing.py); every variant (scheduler,
+budget, admission) runs in every round, so variants compare round by round as well. Every round is warm:
 each deployment first runs the workload once unmeasured.
 
 The run ends in a drain: once the last prompt is in, the remaining requests (the longest has
@@ -197,16 +198,19 @@ def variants(policies: list[str], budgets: list[str], admissions: list[str] = ("
 
 def paired_runs(llms: dict[int, LLM], items: list, tokens: int, runs: list[tuple[str, str, str]], rounds: int,
                 chunks: dict[int, int], r: dict) -> None:
-    """Every variant's runs at pp=1 and pp=2 (chunk per pp), alternating within each round; per-round
-    figures in r, by label. Per-phase and control-plane figures come from the first variant."""
+    """Every variant's runs at pp=1 and pp=2 (chunk per pp): each round runs every variant (in order,
+    then reversed the next round), each variant's pp=1 and pp=2 back to back (alternating which goes
+    first), so that the box's drift moves a round's variants together and a comparison of variants
+    pairs by round too. Per-round figures in r, by label; per-phase and control-plane figures come
+    from the first variant's round 0."""
     r["rounds"] = {}
-    for label, policy, budget, admission in runs:
-        per = {1: [], 2: []}
-        for k, pp in alternating(rounds, (1, 2)):
+    per = {label: {1: [], 2: []} for label, *_ in runs}
+    for k, (label, policy, budget, admission) in alternating(rounds, runs):
+        for pp in (1, 2) if k % 2 == 0 else (2, 1):
             llm = llms[pp]
             llm.executor.drain_timings()
             wall = run_once(llm, items, policy, chunks[pp], budget, admission)
-            per[pp].append(tokens / wall)
+            per[label][pp].append(tokens / wall)
             print(f"{label:15s} pp={pp} round {k}: {tokens} tokens in {wall:7.1f} s = {tokens / wall:6.1f} tok/s",
                   flush=True)
             if label == runs[0][0] and k == 0:
@@ -214,10 +218,11 @@ def paired_runs(llms: dict[int, LLM], items: list, tokens: int, runs: list[tuple
                 r.setdefault("phases", {})[f"pp{pp}"] = phase_split(llm, timings)
                 if pp == 2:
                     r["control_plane_pp2"] = control_plane(llm, timings)
-        eff = ratios(per[2], [2 * t for t in per[1]])  # tput2 / (2 tput1) per round
-        r["rounds"][label] = {"pp1_tok_s": per[1], "pp2_tok_s": per[2], "efficiency": eff}
+    for label, *_ in runs:
+        eff = ratios(per[label][2], [2 * t for t in per[label][1]])  # tput2 / (2 tput1) per round
+        r["rounds"][label] = {"pp1_tok_s": per[label][1], "pp2_tok_s": per[label][2], "efficiency": eff}
         for pp in (1, 2):
-            r["throughput_tok_s"][f"{label}_pp{pp}"] = statistics.median(per[pp])
+            r["throughput_tok_s"][f"{label}_pp{pp}"] = statistics.median(per[label][pp])
         r["efficiency"][label] = statistics.median(eff)
 
 

@@ -243,6 +243,15 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     assert r["efficiency"]["sarathi"] == pytest.approx(10 / 12)
     assert r["throughput_tok_s"]["sarathi_pp1"] == pytest.approx(120 / 10)
     assert r["control_plane_pp2"] == {"pp": 2}
+    # two variants: every round runs both (in order, then reversed), each pp=1 / pp=2 pair back to back
+    calls.clear()
+    r = {"throughput_tok_s": {}, "efficiency": {}}
+    ps.paired_runs({1: Fake(1), 2: Fake(2)}, [], 120, ps.variants(["sarathi", "orca"], ["flops"]), 3,
+                   {1: 256, 2: 128}, r)
+    assert calls == [("sarathi", 1), ("sarathi", 2), ("orca", 1), ("orca", 2),
+                     ("orca", 2), ("orca", 1), ("sarathi", 2), ("sarathi", 1),
+                     ("sarathi", 1), ("sarathi", 2), ("orca", 1), ("orca", 2)]
+    assert r["rounds"]["orca"]["efficiency"] == pytest.approx([10 / 12, 1.5, 0.8])  # each its own rounds
     # sarathi runs once per chunk budget, the others (which do not chunk) once
     assert ps.variants(["sarathi", "orca"], ["flops", "tokens"]) == [
         ("sarathi", "sarathi", "flops", "fcfs"), ("sarathi[tokens]", "sarathi", "tokens", "fcfs"),
