@@ -58,6 +58,7 @@ import contextlib
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from launch.parser import parse_partition
@@ -183,7 +184,8 @@ def stage_steps(worker: list, kinds: dict[int, bool], rows: dict[int, int]) -> d
                                       for k, v in sorted(by.items())}}
 
 
-def variants(policies: list[str], budgets: list[str], admissions: list[str] = ("fcfs",)) -> list[tuple[str, ...]]:
+def variants(policies: list[str], budgets: list[str],
+             admissions: Sequence[str] = ("fcfs",)) -> list[tuple[str, str, str, str]]:
     """(label, policy, chunk budget, admission) to run: every policy once per admission order, sarathi
     also once per budget (the others do not chunk); a label names what differs from the first
     budget and admission, e.g. sarathi[tokens,longest_first]."""
@@ -196,7 +198,7 @@ def variants(policies: list[str], budgets: list[str], admissions: list[str] = ("
     return out
 
 
-def paired_runs(llms: dict[int, LLM], items: list, tokens: int, runs: list[tuple[str, str, str]], rounds: int,
+def paired_runs(llms: dict[int, LLM], items: list, tokens: int, runs: list[tuple[str, str, str, str]], rounds: int,
                 chunks: dict[int, int], r: dict) -> None:
     """Every variant's runs at pp=1 and pp=2 (chunk per pp): each round runs every variant (in order,
     then reversed the next round), each variant's pp=1 and pp=2 back to back (alternating which goes

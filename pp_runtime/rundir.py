@@ -28,10 +28,9 @@ def collect_records(llm: object) -> list[TimingRecord]:
     return build_records(raw, offsets, ranks, plans, run.engine.mb_iter)
 
 
-def run_settings(llm: object) -> dict:
+def run_settings(llm: object, run: object) -> dict:
     c = llm.config
-    # the scheduling the last run ran under (reconfigure may have changed llm.config since)
-    s = llm.last_run.engine.scheduler.cfg if getattr(llm, "last_run", None) else c.scheduler
+    s = run.engine.scheduler.cfg  # the scheduling the run ran under (reconfigure may have changed llm.config since)
     return {"scheduler": s.policy, "pp": c.parallel.pp, "tp": c.parallel.tp,
             "chunk_size": s.chunk_size, "max_batch_size": s.max_batch_size,
             "tile_align": s.tile_align, "chunk_budget": s.chunk_budget,
@@ -48,9 +47,9 @@ def write_run_dir(path: str, llm: object, extra: dict | None = None) -> dict:
     run = llm.last_run
     records = collect_records(llm)
     st = run.engine.stats
-    settings = run_settings(llm) | {"run_start": run.start_wall,
-                                    "driver_s_per_microbatch": st.driver_s / max(st.steps, 1),
-                                    "preemptions": sum(r.num_preemptions for r in run.requests)} | (extra or {})
+    settings = run_settings(llm, run) | {"run_start": run.start_wall,
+                                         "driver_s_per_microbatch": st.driver_s / max(st.steps, 1),
+                                         "preemptions": sum(r.num_preemptions for r in run.requests)} | (extra or {})
     summary = summarize(records, run.start_wall, run.end_wall, run.requests, settings)
     _jsonl(out / "stage_timings.jsonl", [r.to_json() for r in records])
     _jsonl(out / "results.jsonl", [RequestOutput.from_request(r).to_json() for r in run.requests])
