@@ -182,14 +182,17 @@ XTiles tile_x(const uint8_t* xu, const float* xs, const float* eb, int64_t M, in
 // R rows (R <= 8) of one row tile against one panel of 16 columns: R int32 block sums, R logit and
 // R bound sums in registers (24 of 32 with R = 8). TILED: x in tiles and the panel's codes already
 // in lane order in w, and d (KB × LB vectors, once per call for every tile); else x row-major and each
-// block's codes permuted here. Then each row's lanes go through its scan.
+// block's codes permuted here. Then each row's lanes go through its scan. pf: a panel to fetch into
+// the caches a block at a time meanwhile (nullptr: none).
 template <int R, bool TILED>
 void q8_tile(const uint8_t* panel, const __m512i* w, const float* bn, int64_t KB, const int8_t* xc, const int32_t* c0,
-             const float* xs, const float* eb, const float* bmax, float floor, int64_t v0, RowScan* scan) {
+             const float* xs, const float* eb, const float* bmax, float floor, int64_t v0, RowScan* scan,
+             const uint8_t* pf) {
   __m512 acc[R], bnd[R];
   for (int r = 0; r < R; ++r) acc[r] = bnd[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* blk = panel + b * QB_S8;
+    if (pf) prefetch_bytes(pf + b * QB_S8, QB_S8);
     __m512i s[R];
     for (int r = 0; r < R; ++r) s[r] = _mm512_set1_epi32(c0[x_block<TILED>(r, b, KB)]);
     for (int i = 0; i < 8; ++i) {  // k = 4i .. 4i + 3 of the block
@@ -224,11 +227,11 @@ void q8_tile(const uint8_t* panel, const __m512i* w, const float* bn, int64_t KB
 template <bool TILED, int R = ROWS>
 void q8_rows(int rows, const uint8_t* panel, const __m512i* w, const float* bn, int64_t KB, const int8_t* xc,
              const int32_t* c0, const float* xs, const float* eb, const float* bmax, float floor, int64_t v0,
-             RowScan* scan) {
+             RowScan* scan, const uint8_t* pf) {
   if constexpr (R > 1) {
-    if (rows < R) return q8_rows<TILED, R - 1>(rows, panel, w, bn, KB, xc, c0, xs, eb, bmax, floor, v0, scan);
+    if (rows < R) return q8_rows<TILED, R - 1>(rows, panel, w, bn, KB, xc, c0, xs, eb, bmax, floor, v0, scan, pf);
   }
-  q8_tile<R, TILED>(panel, w, bn, KB, xc, c0, xs, eb, bmax, floor, v0, scan);
+  q8_tile<R, TILED>(panel, w, bn, KB, xc, c0, xs, eb, bmax, floor, v0, scan, pf);
 }
 #endif
 
@@ -294,25 +297,28 @@ std::vector<torch::Tensor> int8_candidates(torch::Tensor xu, torch::Tensor xs, t
     std::unique_ptr<__m512i[]> lanes(tiled ? new __m512i[KB * LB] : nullptr);  // new aligns to 64
     for (int64_t p = p0; p < p1; ++p) {
       const uint8_t* panel = qp + p * KB * QB_S8;
-      // with several tiles, the next panel and its norms into L2 while this one's tiles run: the
-      // scratch is built at the start of a panel, where no product hides its reads from memory
-      // (paired, Zen 4: 9 / 16 / 32 rows x0.85 / 0.89 / 0.92 at 1 thread, 16 / 32 x0.84 / 0.87 at 2)
-      const bool ahead = tiled && p + 1 < p1;
-      if (ahead) prefetch_bytes(nb + (p + 1) * KB * NR, KB * NR * sizeof(float));
+      // the panel after next fetched a block at a time inside the first tile of this one, and with
+      // several tiles the next one's norms: the scratch is built at the start of a panel, where no
+      // product hides its reads from memory. Fetched in one burst during the scratch build, one
+      // panel ahead (as before), the codes still came late: against that, paired, Zen 4, 1 thread,
+      // 4 / 8 / 9 / 16 / 32 rows x0.81 / 0.90 / 0.76 / 0.82 / 0.87; and x0.85 / 0.89 / 0.92 at 9 /
+      // 16 / 32 against no prefetch at all
+      const uint8_t* two_ahead = p + 2 < p1 ? panel + 2 * KB * QB_S8 : nullptr;
+      if (tiled && p + 1 < p1) prefetch_bytes(nb + (p + 1) * KB * NR, KB * NR * sizeof(float));
       if (tiled)
         for (int64_t b = 0; b < KB; ++b) {
-          if (ahead) prefetch_bytes(panel + (KB + b) * QB_S8, QB_S8);
           for (int i = 0; i < 8; ++i) lanes[b * LB + i] = lanes_u8(panel + b * QB_S8, i);
           lanes[b * LB + 8] = _mm512_castps_si512(block_d16(panel + b * QB_S8));
         }
       for (int64_t r = 0; r < M; r += ROWS) {
         const int n = static_cast<int>(std::min<int64_t>(ROWS, M - r));
+        const uint8_t* pf = r == 0 ? two_ahead : nullptr;
         if (tiled) {
           const int64_t at = x_block<true>(r, 0, KB);  // the tile's start
           q8_rows<true>(n, panel, lanes.get(), nb + p * KB * NR, KB, xc + x_code<true>(r, 0, 0, KB), c0 + at, ts + at,
-                        te + at, bm + r, fl, p * NR, sc + r);
+                        te + at, bm + r, fl, p * NR, sc + r, pf);
         } else {
-          q8_rows<false>(n, panel, nullptr, nb + p * KB * NR, KB, xc, c0, ts, te, bm, fl, p * NR, sc);
+          q8_rows<false>(n, panel, nullptr, nb + p * KB * NR, KB, xc, c0, ts, te, bm, fl, p * NR, sc, pf);
         }
       }
     }

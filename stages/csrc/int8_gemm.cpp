@@ -167,6 +167,9 @@ void rows(int n, const uint8_t* panel, const __m512i* w, int64_t KB, const int8_
 // loads its codes instead of unpacking them again (a quarter fewer vector uops a tile), and its
 // d and m instead of widening them from fp16 (four uops a block on vpdpbusd's ports: chunks ran
 // 2-5% slower when each tile did).
+// Row tiles up to which a call fetches the panels ahead inside its first tile, not in the unpack
+constexpr int64_t FETCH_IN_TILE = 8;
+
 template <bool U4>
 void unpack_panel(const uint8_t* panel, int64_t KB, Ahead pf, __m512i* w) {
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
@@ -291,17 +294,23 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch:
         else rows<false, false>(M, panel, nullptr, KB, qx, sx, cx, yp + p * NR, N, bb, pf);
         continue;
       }
-      const __m512i* w = unpacked.get();  // unpacked once (fetching ahead meanwhile), then every tile
-      if (u4) unpack_panel<true>(panel, KB, pf, unpacked.get());
-      else unpack_panel<false>(panel, KB, pf, unpacked.get());
+      // unpacked once, then every tile. The panels ahead are fetched meanwhile: with a few tiles,
+      // spread over the first tile's blocks; fetched in one burst during the unpack, they reached
+      // the next unpack late (9-32 rows 4-8% slower, paired); with many, during the unpack (the
+      // first tile then ends a long way before the next unpack: 256 rows 1-2% slower)
+      const __m512i* w = unpacked.get();
+      const bool in_tile = T <= FETCH_IN_TILE;
+      if (u4) unpack_panel<true>(panel, KB, in_tile ? Ahead{} : pf, unpacked.get());
+      else unpack_panel<false>(panel, KB, in_tile ? Ahead{} : pf, unpacked.get());
       for (int64_t t = 0; t < T; ++t) {
         const int n = static_cast<int>(std::min<int64_t>(ROWS, M - t * ROWS));
         const int64_t r = t * ROWS;
         const int8_t* xt = qx + x_code<true>(r, 0, 0, KB);
         const float *st = sx + x_block<true>(r, 0, KB), *ct = cx + x_block<true>(r, 0, KB);
         float* yt = yp + r * N + p * NR;
-        if (u4) rows<true, true>(n, panel, w, KB, xt, st, ct, yt, N, bb, Ahead{});
-        else rows<false, true>(n, panel, w, KB, xt, st, ct, yt, N, bb, Ahead{});
+        const Ahead tp = in_tile && t == 0 ? pf : Ahead{};
+        if (u4) rows<true, true>(n, panel, w, KB, xt, st, ct, yt, N, bb, tp);
+        else rows<false, true>(n, panel, w, KB, xt, st, ct, yt, N, bb, tp);
       }
     }
   });
