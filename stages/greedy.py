@@ -34,8 +34,9 @@ from stages import cpu_kernels, quant
 
 U_BF16, U_FP32 = 2.0 ** -8, 2.0 ** -24
 MIN_ROWS = 13  # the GEMM takes bf16 products from 3 row tiles (13 rows); fewer run fp32 anyway
-INT8_MIN_ROWS = 3  # below, the fp32 product streams the same codes in less time than int8 + the exact pass
-# (Zen 4, 1 thread, paired: int8 at 1 / 2 / 3 rows x1.18 / 0.97 / 0.73 of fp32 since its codes are fetched ahead)
+INT8_MIN_ROWS = 3  # below, the fp32 product is about as fast as int8 + the exact pass, or faster (Zen 4,
+# paired, int8 / fp32 since its codes are fetched ahead: 1 / 2 / 3 rows x1.18 / 0.97 / 0.73 at 1 thread,
+# x1.30 / 1.03 / 0.86 at 2)
 MAX_SHARE = 8  # more candidates than 1/8 of the vocabulary: the full fp32 product is cheaper
 TINY = 2.0 ** -126  # the smallest normal float: bf16 products flush what is below it to zero
 FLUSH = 2.0 ** -105  # what each of an int8 logit's block terms (< 2¹⁹ · TINY) and sums can lose to flushing

@@ -299,10 +299,10 @@ std::vector<torch::Tensor> int8_candidates(torch::Tensor xu, torch::Tensor xs, t
       const uint8_t* panel = qp + p * KB * QB_S8;
       // the panel after next fetched a block at a time inside the first tile of this one, and with
       // several tiles the next one's norms: the scratch is built at the start of a panel, where no
-      // product hides its reads from memory. Fetched in one burst during the scratch build, one
-      // panel ahead (as before), the codes still came late: against that, paired, Zen 4, 1 thread,
-      // 4 / 8 / 9 / 16 / 32 rows x0.81 / 0.90 / 0.76 / 0.82 / 0.87; and x0.85 / 0.89 / 0.92 at 9 /
-      // 16 / 32 against no prefetch at all
+      // product hides its reads from memory. Against the code before (past 8 rows a burst one panel
+      // ahead during the scratch build, whose codes still came late; up to 8 rows no fetch), paired,
+      // Zen 4, 1 thread: 4 / 8 / 9 / 16 / 32 rows x0.81 / 0.90 / 0.76 / 0.82 / 0.87 (that burst
+      // had itself been x0.85 / 0.89 / 0.92 at 9 / 16 / 32 rows against no fetch)
       const uint8_t* two_ahead = p + 2 < p1 ? panel + 2 * KB * QB_S8 : nullptr;
       if (tiled && p + 1 < p1) prefetch_bytes(nb + (p + 1) * KB * NR, KB * NR * sizeof(float));
       if (tiled)

@@ -163,13 +163,13 @@ void rows(int n, const uint8_t* panel, const __m512i* w, int64_t KB, const int8_
   tile<R, U4, TILED>(panel, w, KB, xt, st, ct, y, N, bias, pf);
 }
 
+// Row tiles up to which a call fetches the panels ahead inside its first tile, not in the unpack
+constexpr int64_t FETCH_IN_TILE = 8;
+
 // The whole panel unpacked (KB × WB vectors), for calls with several row tiles: each tile then
 // loads its codes instead of unpacking them again (a quarter fewer vector uops a tile), and its
 // d and m instead of widening them from fp16 (four uops a block on vpdpbusd's ports: chunks ran
 // 2-5% slower when each tile did).
-// Row tiles up to which a call fetches the panels ahead inside its first tile, not in the unpack
-constexpr int64_t FETCH_IN_TILE = 8;
-
 template <bool U4>
 void unpack_panel(const uint8_t* panel, int64_t KB, Ahead pf, __m512i* w) {
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
@@ -296,7 +296,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch:
       }
       // unpacked once, then every tile. The panels ahead are fetched meanwhile: with a few tiles,
       // spread over the first tile's blocks; fetched in one burst during the unpack, they reached
-      // the next unpack late (9-32 rows 4-8% slower, paired); with many, during the unpack (the
+      // the next unpack late (9 / 17 / 32 rows x1.08 / 1.05 / 1.03 of the time, paired, 1 thread); with many, during the unpack (the
       // first tile then ends a long way before the next unpack: 256 rows 1-2% slower)
       const __m512i* w = unpacked.get();
       const bool in_tile = T <= FETCH_IN_TILE;
