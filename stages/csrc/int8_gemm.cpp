@@ -295,9 +295,10 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch:
         continue;
       }
       // unpacked once, then every tile. The panels ahead are fetched meanwhile: with a few tiles,
-      // spread over the first tile's blocks; fetched in one burst during the unpack, they reached
-      // the next unpack late (9 / 17 / 32 rows x1.08 / 1.05 / 1.03 of the time, paired, 1 thread); with many, during the unpack (the
-      // first tile then ends a long way before the next unpack: 256 rows 1-2% slower)
+      // spread over the first tile's blocks (fetched in one burst during the unpack, they reached
+      // the next unpack late: 9 / 17 / 32 rows x1.08 / 1.05 / 1.03 of the time, paired, 1 thread);
+      // with many, during the unpack (the first tile then ends a long way before the next unpack:
+      // 256 rows 1-2% slower)
       const __m512i* w = unpacked.get();
       const bool in_tile = T <= FETCH_IN_TILE;
       if (u4) unpack_panel<true>(panel, KB, in_tile ? Ahead{} : pf, unpacked.get());
