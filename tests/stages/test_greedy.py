@@ -160,6 +160,20 @@ def test_int8_head_takes_the_fp32_product_where_sums_could_overflow(monkeypatch:
     assert calls == []
 
 
+def test_int8_head_takes_its_fewest_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """INT8_MIN_ROWS rows (3: with its codes fetched ahead the int8 pass beats the fp32 product
+    there) go through int8_candidates, and still give the fp32 argmax."""
+    if not cpu_kernels.int8_products():
+        pytest.skip("this build has no AVX512-VNNI")
+    p, w = weight("s8")
+    head = greedy.Int8Head(p)
+    real, calls = cpu_kernels.int8_candidates, []
+    monkeypatch.setattr(cpu_kernels, "int8_candidates", lambda *a: calls.append(a) or real(*a))
+    x = rows(greedy.INT8_MIN_ROWS, w, seed=7)
+    assert torch.equal(head.argmax(x), cpu_kernels.panel_linear(x, p).argmax(dim=-1))
+    assert greedy.INT8_MIN_ROWS == 3 and len(calls) == 1
+
+
 def test_int8_candidates_name_what_is_wrong(isa: str) -> None:
     p, _ = weight("s8")
     head = greedy.Int8Head(p)
