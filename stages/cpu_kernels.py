@@ -24,6 +24,8 @@
 * ``greedy_candidates``, ``int8_candidates`` (greedy.cpp): the exact greedy LM head's columns
   that can still win, from cheap logits and their error bound; the int8 one computes its logits
   (int8 VNNI products against a Q8_0 weight's own codes) in place.
+* ``panel_rows`` (embedding.cpp): embedding lookups from a tied LM head's panels, each row read
+  where it lies (torch's indexing gathers its whole 16-row panel first: ~40x slower).
 
 Where the compiler sees AVX-512 (the box it is built on has it), the GEMM tiles, the few-row
 quantized product, the prefill attention tiles and SiLU·mul run 16 lanes wide (twice the FMA
@@ -57,7 +59,7 @@ from stages.cpu_info import host_tag
 
 _SOURCES = [str(Path(__file__).with_name("csrc") / f)
             for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp",
-                      "greedy.cpp", "int8_gemm.cpp", "stack.cpp")]
+                      "greedy.cpp", "int8_gemm.cpp", "stack.cpp", "embedding.cpp")]
 TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a multiple of it
 PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a multiple of it
 
@@ -220,11 +222,14 @@ def panel_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
     return _load().panel_linear(x, w, bias, bf16)
 
 
-def int8_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None,
+                gated: bool = False) -> torch.Tensor:
     """x (M, K) times the transpose of block-quantized panels (Q4_0, Q4_1, Q8_0) in int8 products:
     each row's block of 32 rounded to int8 codes with one scale (``quantize_rows``), exact int32
-    sums against the weight's codes, fp32 across blocks (matmul precision "int8"; int8_products())."""
-    return _load().int8_linear(x, panels, bias)
+    sums against the weight's codes, fp32 across blocks (matmul precision "int8"; int8_products()).
+    gated: x is a gate/up output [gate | up] (M, 2K) and the product's input silu_mul(x), made a
+    row at a time as it is quantized (the same bits as silu_mul, never stored whole)."""
+    return _load().int8_linear(x, panels, bias, gated)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -275,6 +280,12 @@ def gather_columns(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The panels (fp32 or block-quantized, as w) of w's output columns ids (U,), padded to whole
     panels with the last id."""
     return _load().gather_columns(w, ids)
+
+
+def panel_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ids (T,) of the (V, K) table that panels w hold (block-quantized: stages.quant; fp32:
+    pack_weight), as float32 (T, K): stages.quant.panel_rows' values, read where they lie."""
+    return _load().panel_rows(w, ids)
 
 
 def layer_stack(weights: list[torch.Tensor], heads: int, kv_heads: int, head_dim: int, scale: float, eps: float,

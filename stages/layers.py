@@ -179,14 +179,25 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, hi - lo, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in/tp) -> (T, out)
-        y = self.ctx.all_reduce(linear(x, self.weight, products=self.products))
+    def takes_gated(self, gate_up: torch.Tensor) -> bool:
+        """Whether ``forward(gate_up, gated=True)`` runs here: int8 products over panels make
+        silu(gate) · up from a gate/up output themselves, a row at a time as they quantize it."""
+        return self.products == "int8" and quant.is_panels(self.weight) and cpu_kernels.usable(gate_up) \
+            and gate_up.is_contiguous()
+
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:  # (T, in/tp) -> (T, out)
+        """gated (where takes_gated): x is [gate | up] (T, 2·in/tp), the product's input silu(gate) · up."""
+        y = cpu_kernels.int8_linear(x, self.weight, gated=True) if gated else \
+            linear(x, self.weight, products=self.products)
+        y = self.ctx.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
 def embedding_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ids of an embedding table (V, H), of the same table packed for a tied LM head, or of
     block-quantized panels (stages.quant) of it."""
+    if w.dim() == 3 and w.device.type == "cpu" and cpu_kernels.available():
+        return cpu_kernels.panel_rows(w, ids)  # each row read where it lies, not its whole panel
     if quant.is_panels(w):
         return quant.panel_rows(w, ids)
     if w.dim() == 3:  # (V / P, H, P): row v is column v % P of panel v // P

@@ -25,8 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear, "x wᵀ in bf16 products over pack_weight_bf16's words (AVX512-BF16 builds, CPU)");
   m.def("bf16_products", &bf16_products, "whether packed_linear / quant_linear can take bf16 dot products (AVX512-BF16)");
   m.def("quantize_rows", &quantize_rows, "rows (M, K) -> int8 codes (M, K), per-block-of-32 scales and scale · Σ codes (M, K/32)");
-  m.def("int8_linear", &int8_linear, "x wᵀ (+ bias) in int8 products: x quantized per block of 32, the weight's own Q4/Q8 codes (AVX512-VNNI + VBMI)",
-        py::arg("x"), py::arg("q"), py::arg("bias") = py::none());
+  m.def("int8_linear", &int8_linear, "x wᵀ (+ bias) in int8 products: x quantized per block of 32, the weight's own Q4/Q8 codes (AVX512-VNNI + VBMI); gated: x = [gate | up], the product takes silu(gate) · up",
+        py::arg("x"), py::arg("q"), py::arg("bias") = py::none(), py::arg("gated") = false);
   m.def("isa", &isa, "the vector instructions this build's kernels use: avx512+bf16, avx512, avx2 or scalar");
   m.def("greedy_candidates", &greedy_candidates,
         "vocab ids whose logit can still be a row's maximum given approximate logits and their error bound c·|x|·|w_v|");
@@ -35,6 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_blocks", &quantize_blocks,
         "rows -> int8_candidates' u8 codes + 128, block scales, error bounds and each row's largest bound");
   m.def("gather_columns", &gather_columns, "the panels (fp32 or block-quantized) of a weight's output columns ids");
+  m.def("panel_rows", &panel_rows, "rows ids of the (V, K) table held by weight panels (fp32 or block-quantized), as float32 (T, K)");
   m.def("int8_products", &int8_products, "whether int8_candidates and int8_linear run here (AVX512-VNNI and VBMI)");
   m.def("write_kv_", &write_kv_, "new tokens' K/V rows into the paged caches at their slots (fp32 or fp16 caches, CPU)");
   m.def("transpose", &transpose, "contiguous transpose of a contiguous (R, C) matrix (fp32, CPU)");

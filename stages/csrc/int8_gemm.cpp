@@ -3,6 +3,7 @@
 //
 //   xq, xs, xc = quantize_rows(x)            # (M, K) int8, (M, K/32) scales, (M, K/32) xs · Σ codes
 //   y = int8_linear(x, panels, bias)         # (M, N) float32; panels: stages/quant.py, Q4_0/Q4_1/Q8_0
+//   y = int8_linear(gu, panels, bias, true)  # gu = [gate | up] (M, 2K): of silu(gate) · up (input_row)
 //
 // Why: an AVX512-VNNI vpdpbusd does 64 multiply-adds of u8 x s8 into int32 lanes, where an fp32
 // FMA does 16 (a bf16 dot product 32); on a core without AVX512-BF16 it is the only product
@@ -202,21 +203,32 @@ inline void transpose8x8(const __m256i* r, int8_t* out) {
   }
 }
 
+// x's row r as the product takes it: the row itself, or (gated: x holds [gate | up], 2K wide)
+// silu(gate) · up made into act (K floats). Why gated: the down product's input made row by row
+// as it is quantized, from the gate/up product's output, never stored whole: silu_mul's pass wrote
+// 1.5 MB a layer of a 256-token chunk that quantizing read back (docs/BENCHMARKS.md).
+inline const float* input_row(const float* x, int64_t ld, int64_t r, int64_t K, bool gated, float* act) {
+  const float* row = x + r * ld;
+  if (!gated) return row;
+  silu_mul_row(row, row + K, act, K);
+  return act;
+}
+
 // x quantized straight into row tiles (panels.h: x_code), a tile at a time: its rows quantized
 // row-major into a scratch, then each block's 8 x 8 dwords transposed into place (placed 4 bytes
 // at a time, that step took ~4% of an int8 chunk's forward). Rows past M in the last tile come
-// from zeroed scratch rows and are never read.
-void quantize_tiles(const float* x, int64_t ld, int64_t M, int64_t K, int8_t* q, float* s, float* c) {
+// from zeroed scratch rows and are never read. gated: as input_row.
+void quantize_tiles(const float* x, int64_t ld, int64_t M, int64_t K, bool gated, int8_t* q, float* s, float* c) {
   static_assert(ROWS == 8, "quantize_tiles transposes 8 rows");
   const int64_t KB = K / QK, tiles = (M + ROWS - 1) / ROWS;
   at::parallel_for(0, tiles, 2, [&](int64_t t0, int64_t t1) {
     std::vector<int8_t> rows(ROWS * K);
-    std::vector<float> rs(ROWS * KB), rc(ROWS * KB);
+    std::vector<float> rs(ROWS * KB), rc(ROWS * KB), act(gated ? K : 0);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t m = std::min<int64_t>(ROWS, M - t * ROWS);
       for (int64_t i = 0; i < ROWS; ++i) {
         if (i < m) {
-          quantize_row(x + (t * ROWS + i) * ld, K, &rows[i * K], &rs[i * KB], &rc[i * KB]);
+          quantize_row(input_row(x, ld, t * ROWS + i, K, gated, act.data()), K, &rows[i * K], &rs[i * KB], &rc[i * KB]);
         } else {
           std::fill_n(&rows[i * K], K, int8_t(0));
           std::fill_n(&rs[i * KB], KB, 0.f);
@@ -255,11 +267,13 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
   return {xq, xs, xc};
 }
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias_) {
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias_, bool gated) {
   TORCH_CHECK(q.dtype() == torch::kUInt8 && q.dim() == 3 && q.is_contiguous() && (q.size(2) == QB_U4 || q.size(2) == QB_S8),
               "int8_linear: weight (N/16, K/32, ", QB_U4, " or ", QB_S8, ") uint8 panels");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == q.size(1) * QK, "int8_linear: x (M, ", q.size(1) * QK, ")");
-  const int64_t M = x.size(0), K = x.size(1), KB = K / QK, NP = q.size(0), N = NP * NR;
+  const int64_t K = q.size(1) * QK;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == (gated ? 2 : 1) * K, "int8_linear: x (M, ", (gated ? 2 : 1) * K, ")",
+              gated ? ": [gate | up]" : "");
+  const int64_t M = x.size(0), KB = K / QK, NP = q.size(0), N = NP * NR;
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
 #ifdef PP_INT8_GEMM
@@ -273,10 +287,13 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch:
   int8_t* qx = xq.data_ptr<int8_t>();
   float *sx = xs.data_ptr<float>(), *cx = xc.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  if (T > 1)
-    quantize_tiles(xp, x.stride(0), M, K, qx, sx, cx);
-  else
-    for (int64_t r = 0; r < M; ++r) quantize_row(xp + r * x.stride(0), K, qx + r * K, sx + r * KB, cx + r * KB);
+  if (T > 1) {
+    quantize_tiles(xp, x.stride(0), M, K, gated, qx, sx, cx);
+  } else {
+    std::vector<float> act(gated ? K : 0);
+    for (int64_t r = 0; r < M; ++r)
+      quantize_row(input_row(xp, x.stride(0), r, K, gated, act.data()), K, qx + r * K, sx + r * KB, cx + r * KB);
+  }
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const bool u4 = q.size(2) == QB_U4;
   const int64_t qb = q.size(2);

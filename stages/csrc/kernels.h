@@ -27,7 +27,8 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wb);
 bool bf16_products();
 // int8 products over block-quantized panels (int8_gemm.cpp): x rounded per block of 32 to int8
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x);
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias);
+// gated: x is [gate | up] (M, 2K), the product takes silu(gate) · up
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias, bool gated);
 std::string isa();
 std::vector<torch::Tensor> greedy_candidates(torch::Tensor approx, torch::Tensor xn, torch::Tensor wn,
                                              double c, double floor);  // greedy.cpp
@@ -35,4 +36,5 @@ std::vector<torch::Tensor> int8_candidates(torch::Tensor xu, torch::Tensor xs, t
                                            torch::Tensor q, torch::Tensor bn, double floor);
 std::vector<torch::Tensor> quantize_blocks(torch::Tensor x, torch::Tensor block_max);
 torch::Tensor gather_columns(torch::Tensor w, torch::Tensor ids);
+torch::Tensor panel_rows(torch::Tensor w, torch::Tensor ids);  // embedding.cpp
 bool int8_products();

@@ -49,7 +49,7 @@ Products products_of(const std::string& name) {
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, Products p) {
   c10::optional<torch::Tensor> b;
   if (bias.numel()) b = bias;
-  if (p == INT8 && w.scalar_type() == torch::kUInt8) return int8_linear(x, w, b);
+  if (p == INT8 && w.scalar_type() == torch::kUInt8) return int8_linear(x, w, b, false);
   return panel_linear(x, w, b, p == BF16);
 }
 
@@ -145,9 +145,12 @@ class LayerStack {
     return out;
   }
 
-  // down(silu(gate(x)) · up(x)), model.MLP's steps
+  // down(silu(gate(x)) · up(x)), model.MLP's steps; an int8 down product makes silu · up itself,
+  // row by row as it quantizes its input (int8_gemm.cpp: input_row), timed in its bucket
   torch::Tensor ffn(const torch::Tensor& x, const torch::Tensor* w, double* tm) const {
     torch::Tensor gu = timed(tm, FFN_LN1, [&] { return linear(x, w[GATE_UP], torch::Tensor(), products_); });
+    if (products_ == INT8 && w[DOWN].scalar_type() == torch::kUInt8)
+      return timed(tm, FFN_LN2, [&] { return int8_linear(gu, w[DOWN], c10::nullopt, true); });
     torch::Tensor a = silu_mul(gu);
     return timed(tm, FFN_LN2, [&] { return linear(a, w[DOWN], torch::Tensor(), products_); });
   }

@@ -89,6 +89,22 @@ def test_int8_linear_is_off_by_the_rounding_of_x_alone(qtype: int) -> None:
 
 
 @needs_vnni
+@pytest.mark.parametrize("qtype", QTYPES.values(), ids=QTYPES.keys())
+@pytest.mark.parametrize("m", [1, 8, 9, 300])  # one tile (rows quantized in place) and tiled
+def test_a_gated_input_is_silu_mul_made_as_it_is_quantized(threads: int, qtype: int, m: int) -> None:
+    """int8_linear(gu, gated=True), the down product of an MLP: bit for bit the product of
+    silu_mul(gu), from a gate/up output with a row stride past its width; a gu of the wrong width
+    names the width it wanted."""
+    raw, _ = quantized(48, 288, qtype)
+    p = quant.to_panels(raw, qtype)
+    gu = 3 * torch.randn(m, 2 * 288 + 24, generator=torch.Generator().manual_seed(m))[:, 16:2 * 288 + 16]
+    y = cpu_kernels.int8_linear(gu, p, gated=True)
+    assert torch.equal(y, cpu_kernels.int8_linear(cpu_kernels.silu_mul(gu.contiguous()), p))
+    with pytest.raises(RuntimeError, match="x \\(M, 576\\): \\[gate \\| up\\]"):
+        cpu_kernels.int8_linear(gu[:, :288], p, gated=True)
+
+
+@needs_vnni
 def test_int8_linear_names_what_it_cannot_take() -> None:
     raw, _ = quantized(32, 64, quant.Q8_0)
     p = quant.to_panels(raw, quant.Q8_0)

@@ -44,6 +44,21 @@ def test_panels_hold_the_dequantized_weights(qtype: int) -> None:
     assert torch.equal(quant.panel_rows(p, ids), ref[ids])
 
 
+@pytest.mark.parametrize("qtype", QTYPES.values(), ids=QTYPES.keys())
+def test_the_kernel_reads_the_rows_the_reference_does(qtype: int, isa: str) -> None:
+    """cpu_kernels.panel_rows (the embedding lookup) against torch's gather of whole panels:
+    bit for bit, every id of the table once, repeats, and none; ids outside it name themselves."""
+    raw, ref = quantized(64, 128, qtype, seed=3)
+    p = quant.to_panels(raw, qtype)
+    assert torch.equal(cpu_kernels.panel_rows(p, torch.arange(64)), ref)
+    ids = torch.tensor([63, 0, 16, 15, 15, 47, 1])
+    assert torch.equal(cpu_kernels.panel_rows(p, ids), quant.panel_rows(p, ids))
+    assert cpu_kernels.panel_rows(p, torch.zeros(0, dtype=torch.long)).shape == (0, 128)
+    for bad in (64, -1):
+        with pytest.raises(RuntimeError, match=f"id {bad} out of range"):
+            cpu_kernels.panel_rows(p, torch.tensor([0, bad]))
+
+
 def test_to_panels_names_what_it_cannot_take() -> None:
     raw, _ = quantized(32, 64, quant.Q8_0)
     with pytest.raises(ValueError, match="not kept quantized"):
