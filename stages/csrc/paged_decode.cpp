@@ -298,19 +298,43 @@ void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vecto
 }
 #endif
 
+// Tasks [0, n) cut into `parts` runs of consecutive tasks of about equal cost (cost(i) ≥ 0):
+// edges (parts + 1,), run k = [edge[k], edge[k + 1]). Why: parallel_for cuts by count, and a step's
+// decodes differ in context by up to ~8x (vs_hf.py's prompts: 16–128 tokens), so one thread could
+// get most of the keys; consecutive, so a run still walks its sequences in order (next_seq).
+template <typename F>
+std::vector<int64_t> runs_by_cost(int64_t n, int64_t parts, const F& cost) {
+  std::vector<double> prefix(n + 1, 0.0);
+  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + static_cast<double>(cost(i));
+  std::vector<int64_t> edge(parts + 1, n);
+  edge[0] = 0;
+  for (int64_t k = 1, i = 0; k < parts; ++k) {  // the prefix nearest k / parts of the total
+    const double target = prefix[n] * static_cast<double>(k) / static_cast<double>(parts);
+    while (i < n && prefix[i + 1] <= target) ++i;
+    if (i < n && prefix[i + 1] - target < target - prefix[i]) ++i;
+    edge[k] = std::max(i, edge[k - 1]);
+  }
+  return edge;
+}
+
 template <typename T, int DC, int GC>
 void run(const Args<T>& a, int64_t B) {
 #ifdef PP_AVX2
   if constexpr (DC > 0 && GC > 0) {
     // a task per sequence (all its KV heads) when that still gives every thread work; else per head
-    const bool per_seq = B >= at::get_num_threads();
+    const int64_t threads = at::get_num_threads();
+    const bool per_seq = B >= threads;
     const int64_t per = per_seq ? a.Hkv : 1;
-    at::parallel_for(0, B * a.Hkv / per, 1, [&](int64_t begin, int64_t end) {
+    // a task's cost: its keys, plus what a task costs before its first key (q, softmax, out)
+    const std::vector<int64_t> edge =
+        runs_by_cost(B * a.Hkv / per, threads, [&](int64_t i) { return a.lens[i * per / a.Hkv] + 32; });
+    at::parallel_for(0, threads, 1, [&](int64_t r0, int64_t r1) {
       std::vector<float> p, acc, inv;
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i * per / a.Hkv, h0 = i * per % a.Hkv;
-        heads_tiled<Lanes, T, DC, GC>(a, b, h0, h0 + per, p, acc, inv, per_seq && i + 1 < end ? b + 1 : -1);
-      }
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t i = edge[r], end = edge[r + 1]; i < end; ++i) {
+          const int64_t b = i * per / a.Hkv, h0 = i * per % a.Hkv;
+          heads_tiled<Lanes, T, DC, GC>(a, b, h0, h0 + per, p, acc, inv, per_seq && i + 1 < end ? b + 1 : -1);
+        }
     });
     return;
   }

@@ -62,6 +62,30 @@ def test_torch_backend_matches_dense(isa: str, paged_kernel: bool, d: int, monke
     torch.testing.assert_close(out, dense_reference(chunks, q, kc, vc), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lens", [[140, 1, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 120], [1, 2, 140], [140, 1]])
+def test_paged_kernel_splits_by_keys_not_by_sequences(lens: list[int]) -> None:
+    """Threads take runs of sequences of about equal keys, not of equal counts (one long context
+    against many short ones: uneven runs, an empty one on more threads than the cut needs); every
+    sequence is still computed, once, by one task, so 2 threads give 1 thread's bits (a sequence a
+    cut dropped would leave its rows unwritten)."""
+    if not cpu_kernels.available():
+        pytest.skip("CPU paged-attention kernel could not be built here")
+    g = torch.Generator().manual_seed(len(lens))
+    b, bs, nb = len(lens), 16, 9
+    kc, vc = torch.randn(200, bs, 3, 64, generator=g), torch.randn(200, bs, 3, 64, generator=g)
+    tables = torch.randperm(200, generator=g)[:b * nb].view(b, nb).contiguous()
+    q = torch.randn(b, 9, 64, generator=g)
+    outs = []
+    old = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            outs.append(cpu_kernels.paged_decode(q, kc, vc, tables, torch.tensor(lens), 0.125))
+        finally:
+            torch.set_num_threads(old)
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("b", [13, 1])
 @pytest.mark.parametrize("hkv,grp,d", [(3, 3, 64), (2, 5, 64), (2, 4, 128), (2, 3, 32), (4, 1, 64), (2, 2, 128),
