@@ -196,8 +196,9 @@ class RowParallelLinear(nn.Module):
 def embedding_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ids of an embedding table (V, H), of the same table packed for a tied LM head, or of
     block-quantized panels (stages.quant) of it."""
-    if w.dim() == 3 and w.device.type == "cpu" and cpu_kernels.available():
-        return cpu_kernels.panel_rows(w, ids)  # each row read where it lies, not its whole panel
+    if w.dim() == 3 and w.device.type == "cpu" and w.is_contiguous() and cpu_kernels.available() \
+            and (quant.is_panels(w) or w.dtype == torch.float32):
+        return cpu_kernels.panel_rows(w, ids.long())  # each row read where it lies, not its whole panel
     if quant.is_panels(w):
         return quant.panel_rows(w, ids)
     if w.dim() == 3:  # (V / P, H, P): row v is column v % P of panel v // P
