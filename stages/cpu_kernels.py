@@ -25,7 +25,7 @@
   that can still win, from cheap logits and their error bound; the int8 one computes its logits
   (int8 VNNI products against a Q8_0 weight's own codes) in place.
 * ``panel_rows`` (embedding.cpp): embedding lookups from a tied LM head's panels, each row read
-  where it lies (torch's indexing gathers its whole 16-row panel first: ~40x slower).
+  where it lies (torch's indexing gathers its whole 16-row panel first: 16-26x slower).
 
 Where the compiler sees AVX-512 (the box it is built on has it), the GEMM tiles, the few-row
 quantized product, the prefill attention tiles and SiLU·mul run 16 lanes wide (twice the FMA
@@ -145,6 +145,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  lens: torch.Tensor, scale: float) -> torch.Tensor:
     """(B, H, D) attention of each decode over the first lens[b] slots of its block table."""
     return _load().paged_decode(q.contiguous(), k_cache, v_cache, tables, lens, scale)
+
+
+def cost_runs(costs: list[int], parts: int) -> list[int]:
+    """How paged_decode cuts its tasks (a task's cost: its sequence's keys + 32) among ``parts``
+    threads: the edges (parts + 1) of runs of consecutive tasks of about equal cost."""
+    return _load().cost_runs(costs, parts)
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, ctx: int,

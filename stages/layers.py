@@ -187,6 +187,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:  # (T, in/tp) -> (T, out)
         """gated (where takes_gated): x is [gate | up] (T, 2·in/tp), the product's input silu(gate) · up."""
+        if gated and not self.takes_gated(x):
+            raise ValueError("RowParallelLinear: a gated input needs int8 products over block-quantized panels "
+                             "and a contiguous fp32 CPU input (takes_gated)")
         y = cpu_kernels.int8_linear(x, self.weight, gated=True) if gated else \
             linear(x, self.weight, products=self.products)
         y = self.ctx.all_reduce(y)
@@ -196,8 +199,8 @@ class RowParallelLinear(nn.Module):
 def embedding_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ids of an embedding table (V, H), of the same table packed for a tied LM head, or of
     block-quantized panels (stages.quant) of it."""
-    if w.dim() == 3 and w.device.type == "cpu" and w.is_contiguous() and cpu_kernels.available() \
-            and (quant.is_panels(w) or w.dtype == torch.float32):
+    if w.dim() == 3 and w.device.type == ids.device.type == "cpu" and w.is_contiguous() and cpu_kernels.available() \
+            and (quant.is_panels(w) or (w.dtype == torch.float32 and w.shape[2] == cpu_kernels.PANEL)):
         return cpu_kernels.panel_rows(w, ids.long())  # each row read where it lies, not its whole panel
     if quant.is_panels(w):
         return quant.panel_rows(w, ids)

@@ -40,6 +40,7 @@ torch::Tensor panel_rows(torch::Tensor w, torch::Tensor ids) {
                                                           : (w.scalar_type() == torch::kFloat32 && w.size(2) == NR)),
               "panel_rows: weight panels from pack_weight (fp32) or stages.quant (uint8)");
   TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1, "panel_rows: ids (T,) int64");
+  TORCH_CHECK(w.device().is_cpu() && ids.device().is_cpu(), "panel_rows: CPU tensors");
   ids = ids.contiguous();
   const int64_t T = ids.numel(), V = w.size(0) * NR, K = quant ? w.size(1) * QK : w.size(1);
   const int64_t* id = ids.data_ptr<int64_t>();

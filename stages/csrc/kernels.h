@@ -8,6 +8,8 @@
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                            torch::Tensor lens, double scale);  // paged_decode.cpp
+// how paged_decode cuts its tasks (costs) into `parts` runs for its threads: the runs' edges
+std::vector<int64_t> cost_runs(const std::vector<int64_t>& costs, int64_t parts);
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
                    int64_t ctx, double scale, torch::Tensor out, bool bf16);  // paged_prefill.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);  // elementwise.cpp

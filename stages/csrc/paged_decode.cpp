@@ -330,11 +330,11 @@ void run(const Args<T>& a, int64_t B) {
         runs_by_cost(B * a.Hkv / per, threads, [&](int64_t i) { return a.lens[i * per / a.Hkv] + 32; });
     at::parallel_for(0, threads, 1, [&](int64_t r0, int64_t r1) {
       std::vector<float> p, acc, inv;
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t i = edge[r], end = edge[r + 1]; i < end; ++i) {
-          const int64_t b = i * per / a.Hkv, h0 = i * per % a.Hkv;
-          heads_tiled<Lanes, T, DC, GC>(a, b, h0, h0 + per, p, acc, inv, per_seq && i + 1 < end ? b + 1 : -1);
-        }
+      // runs r0 .. r1 - 1 are consecutive tasks (several where fewer threads came, or nested)
+      for (int64_t i = edge[r0], end = edge[r1]; i < end; ++i) {
+        const int64_t b = i * per / a.Hkv, h0 = i * per % a.Hkv;
+        heads_tiled<Lanes, T, DC, GC>(a, b, h0, h0 + per, p, acc, inv, per_seq && i + 1 < end ? b + 1 : -1);
+      }
     });
     return;
   }
@@ -369,6 +369,12 @@ void run_d(const Args<T>& a, int64_t B) {
 }
 
 }  // namespace
+
+std::vector<int64_t> cost_runs(const std::vector<int64_t>& costs, int64_t parts) {
+  TORCH_CHECK(parts >= 1, "cost_runs: parts must be >= 1, got ", parts);
+  for (const int64_t c : costs) TORCH_CHECK(c >= 0, "cost_runs: costs must be >= 0, got ", c);
+  return runs_by_cost(static_cast<int64_t>(costs.size()), parts, [&](int64_t i) { return costs[i]; });
+}
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor lens, double scale) {

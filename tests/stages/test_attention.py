@@ -62,12 +62,28 @@ def test_torch_backend_matches_dense(isa: str, paged_kernel: bool, d: int, monke
     torch.testing.assert_close(out, dense_reference(chunks, q, kc, vc), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("costs,parts,edges", [
+    ([10] * 8, 2, [0, 4, 8]),                      # equal costs: equal counts
+    ([100, 1, 1, 1, 1, 1], 2, [0, 1, 6]),          # one long context against many short ones
+    ([1, 1, 1, 1, 1, 100], 2, [0, 5, 6]),
+    ([1, 2, 3, 4, 5, 6, 7, 8], 2, [0, 5, 8]),      # sorted by length: 15 | 21, not 10 | 26
+    ([1000, 1, 1, 1], 4, [0, 0, 1, 1, 4]),         # more threads than the cut needs: empty runs
+    ([5], 3, [0, 0, 1, 1]), ([], 2, [0, 0, 0]), ([7, 7], 1, [0, 2])])
+def test_decode_attention_cuts_its_tasks_by_cost(costs: list[int], parts: int, edges: list[int]) -> None:
+    """paged_decode's threads take runs of consecutive tasks of about equal cost (its keys), not of
+    equal counts: a step's contexts differ by up to ~8x, and come sorted under longest_first."""
+    if not cpu_kernels.available():
+        pytest.skip("CPU paged-attention kernel could not be built here")
+    assert cpu_kernels.cost_runs(costs, parts) == edges
+    with pytest.raises(RuntimeError, match="parts must be >= 1"):
+        cpu_kernels.cost_runs(costs, 0)
+
+
 @pytest.mark.parametrize("lens", [[140, 1, 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 120], [1, 2, 140], [140, 1]])
-def test_paged_kernel_splits_by_keys_not_by_sequences(lens: list[int]) -> None:
-    """Threads take runs of sequences of about equal keys, not of equal counts (one long context
-    against many short ones: uneven runs, an empty one on more threads than the cut needs); every
-    sequence is still computed, once, by one task, so 2 threads give 1 thread's bits (a sequence a
-    cut dropped would leave its rows unwritten)."""
+def test_paged_kernel_computes_each_sequence_once_whatever_the_cut(lens: list[int]) -> None:
+    """With uneven runs (one long context among short ones), every sequence is still computed, once,
+    by one task: 2 threads give 1 thread's bits (a sequence a cut dropped would leave its rows
+    unwritten)."""
     if not cpu_kernels.available():
         pytest.skip("CPU paged-attention kernel could not be built here")
     g = torch.Generator().manual_seed(len(lens))

@@ -12,7 +12,7 @@ import torch
 
 from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
 from stages import cpu_kernels, quant
-from stages.layers import TPContext
+from stages.layers import RowParallelLinear, TPContext
 from stages.model_source import resolve_model
 from stages.worker import StageWorker, WorkerSpec
 from tests.stages.test_quant import LAYERS, QTYPES, VARIANTS, quantized, write_gguf
@@ -102,6 +102,15 @@ def test_a_gated_input_is_silu_mul_made_as_it_is_quantized(threads: int, qtype: 
     assert torch.equal(y, cpu_kernels.int8_linear(cpu_kernels.silu_mul(gu.contiguous()), p))
     with pytest.raises(RuntimeError, match="x \\(M, 576\\): \\[gate \\| up\\]"):
         cpu_kernels.int8_linear(gu[:, :288], p, gated=True)
+
+
+def test_a_row_parallel_linear_refuses_a_gated_input_it_cannot_take() -> None:
+    """Only int8 products over panels make silu·up themselves (takes_gated); elsewhere a gated
+    call is a named error, not a kernel's."""
+    lin = RowParallelLinear(64, 32, False, TPContext(), torch.float32)  # fp32 weights, fp32 products
+    assert not lin.takes_gated(torch.randn(3, 128))
+    with pytest.raises(ValueError, match="takes_gated"):
+        lin(torch.randn(3, 128), gated=True)
 
 
 @needs_vnni
