@@ -35,10 +35,7 @@ void quant_row(const uint8_t* blk, int64_t KB, int64_t QB, int c, float* out) {
 }  // namespace
 
 torch::Tensor panel_rows(torch::Tensor w, torch::Tensor ids) {
-  const bool quant = w.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && (quant ? (w.size(2) == QB_U4 || w.size(2) == QB_S8)
-                                                          : (w.scalar_type() == torch::kFloat32 && w.size(2) == NR)),
-              "panel_rows: weight panels from pack_weight (fp32) or stages.quant (uint8)");
+  const bool quant = check_panels(w, "panel_rows");
   TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1, "panel_rows: ids (T,) int64");
   TORCH_CHECK(w.device().is_cpu() && ids.device().is_cpu(), "panel_rows: CPU tensors");
   ids = ids.contiguous();

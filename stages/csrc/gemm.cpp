@@ -981,10 +981,7 @@ torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch
 // bf16 w[16p + j][2k] (low half) and w[16p + j][2k + 1]: each slab of it is the words panel_linear's
 // bf16 path converts that slab to on every call (the same rounding), kept. 2 bytes a weight.
 torch::Tensor pack_weight_bf16(torch::Tensor w) {
-  const bool quant = w.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && (quant ? (w.size(2) == QB_U4 || w.size(2) == QB_S8)
-                                                          : (w.scalar_type() == torch::kFloat32 && w.size(2) == NR)),
-              "pack_weight_bf16: weight panels from pack_weight (fp32) or stages.quant (uint8)");
+  const bool quant = check_panels(w, "pack_weight_bf16");
   const int64_t NP = w.size(0), K = quant ? w.size(1) * QK : w.size(1);
   TORCH_CHECK(K % 2 == 0, "pack_weight_bf16: K = ", K, " is odd");
   auto out = torch::empty({NP, K / 2, NR}, w.options().dtype(torch::kInt32));

@@ -383,10 +383,7 @@ std::vector<torch::Tensor> quantize_blocks(torch::Tensor x, torch::Tensor block_
 }
 
 torch::Tensor gather_columns(torch::Tensor w, torch::Tensor ids) {
-  const bool quant = w.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && (quant ? (w.size(2) == QB_U4 || w.size(2) == QB_S8)
-                                                          : (w.scalar_type() == torch::kFloat32 && w.size(2) == NR)),
-              "gather_columns: weight panels from pack_weight (fp32) or stages.quant (uint8)");
+  const bool quant = check_panels(w, "gather_columns");
   TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1 && ids.numel() > 0 && ids.is_contiguous(),
               "gather_columns: ids (U,) int64, not empty");
   const int64_t NP = w.size(0), U = ids.numel(), n = (U + NR - 1) / NR;

@@ -46,6 +46,16 @@ inline const float* bias_of(const c10::optional<torch::Tensor>& bias, int64_t N,
   return keep.data_ptr<float>();
 }
 
+// Whether w is block-quantized panels (uint8, stages.quant) rather than fp32 ones (pack_weight);
+// anything else is an error that names `who` (gather_columns, pack_weight_bf16, panel_rows)
+inline bool check_panels(const torch::Tensor& w, const char* who) {
+  const bool quant = w.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && (quant ? (w.size(2) == QB_U4 || w.size(2) == QB_S8)
+                                                          : (w.scalar_type() == torch::kFloat32 && w.size(2) == NR)),
+              who, ": weight panels from pack_weight (fp32) or stages.quant (uint8)");
+  return quant;
+}
+
 struct LaneOrder {
   alignas(64) uint8_t s8[64] = {};
   alignas(64) uint8_t u4a[64] = {};
