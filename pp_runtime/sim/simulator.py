@@ -30,7 +30,7 @@ import math
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from pp_runtime.batch import MicroBatch
@@ -64,7 +64,7 @@ class DummyTokens(Sequence):
             return self.token
         raise IndexError(i)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return itertools.repeat(self.token, self.n)
 
     def __repr__(self) -> str:

@@ -170,7 +170,7 @@ def test_executor_interface_with_the_real_engine() -> None:
 
 
 # ---- the same plans as the real engine --------------------------------------------------------
-def _plan_key(mb) -> list[tuple]:
+def _plan_key(mb: MicroBatch) -> list[tuple]:
     return [(c.seq_id, c.start, c.num_tokens, c.is_prefill, c.block_table, c.sample is not None) for c in mb.chunks]
 
 

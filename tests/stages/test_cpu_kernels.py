@@ -119,7 +119,7 @@ def test_skinny_linear_matches_f_linear(isa: str, threads: int) -> None:
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_a_dead_builds_lock_is_removed_and_a_live_one_waited_for(tmp_path) -> None:
+def test_a_dead_builds_lock_is_removed_and_a_live_one_waited_for(tmp_path: Path) -> None:
     """A build killed mid-way leaves torch's lock file, on which torch would wait forever at the
     next start (as CI once did, 600 s). The guard waits for a live build and drops a dead one's."""
     (tmp_path / "lock").touch()  # left by a build that died before this process started
@@ -149,7 +149,7 @@ def test_a_dead_builds_lock_is_removed_and_a_live_one_waited_for(tmp_path) -> No
         holder.wait()
 
 
-def test_each_kind_of_cpu_gets_its_own_build(tmp_path) -> None:
+def test_each_kind_of_cpu_gets_its_own_build(tmp_path: Path) -> None:
     """A home directory shared by nodes with different CPUs must not hand one node's -march=native
     build to another (SIGILL where an instruction is missing): the build's name carries the CPU."""
     def tag(model: str, flags: str) -> str:
@@ -175,7 +175,7 @@ def test_each_build_takes_its_own_paths(isa: str) -> None:
     assert cpu_kernels.status() == f"ready ({cpu_kernels.isa()})"
 
 
-def test_cpu_flags_are_the_first_cpus_flags_line(tmp_path) -> None:
+def test_cpu_flags_are_the_first_cpus_flags_line(tmp_path: Path) -> None:
     f = tmp_path / "cpuinfo"
     f.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n\nprocessor\t: 1\nflags\t\t: fpu avx2 fma\n")
     assert cpu_flags(str(f)) == {"fpu", "avx2", "fma"}

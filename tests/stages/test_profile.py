@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,7 +100,7 @@ def test_table2_json(profiled: tuple[str, dict]) -> None:
     assert len(table.splitlines()) == len(result["rows"]) + 2 and "ffn_ln2" in table
 
 
-def test_piggybacked_decodes_are_cheaper(tmp_path) -> None:
+def test_piggybacked_decodes_are_cheaper(tmp_path: Path) -> None:
     """32 decodes ride on an 8-token chunk: their marginal cost is positive (a few ms, well
     above the noise) and below their cost alone."""
     grid = "quick;prefill=8;prefill_with_context=;decode=32;mixed_decode=32;context=64;reps=7"
@@ -152,13 +153,13 @@ def test_totals_come_from_the_unhooked_c_loop() -> None:
     assert all(r["measured_total_ms"] > 0 and r["preproj_ms"] > 0 for r in rows)
 
 
-def test_bfloat16_runs(tmp_path) -> None:
+def test_bfloat16_runs(tmp_path: Path) -> None:
     res = run_profile("llama-tiny", "cpu", "bfloat16", str(tmp_path), grid="quick;reps=1;warmup=0", progress=False)
     assert res["dtype"] == "bfloat16" and len(res["rows"]) == len(grid_points(parse_grid("quick")))
     assert all(r["total_ms"] > 0 for r in res["rows"])
 
 
-def test_threads_restored(tmp_path) -> None:
+def test_threads_restored(tmp_path: Path) -> None:
     before = torch.get_num_threads()
     res = run_profile("llama-tiny", "cpu", "float32", str(tmp_path), grid="quick;reps=1;warmup=0",
                       threads=2, progress=False)
@@ -180,7 +181,7 @@ def test_grid_parsing() -> None:
             parse_grid(bad)
 
 
-def test_grid_longer_than_model_rejected(tmp_path) -> None:
+def test_grid_longer_than_model_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_position_embeddings"):
         run_profile("llama-tiny", "cpu", "float32", str(tmp_path), grid="quick;context=4096", progress=False)
 
