@@ -16,11 +16,12 @@
 * ``pack_weight``, ``packed_linear`` (gemm.cpp): the linear layers over weights packed once
   into 16-column panels; 6 x 16 register tiles, each thread streaming its own panels once per
   call. torch.mm re-packs W on every call and blocks a few-row (decode) product poorly.
-  ``quant_linear``: the same over GGUF Q4/Q8 blocks kept as stored (stages/quant.py), each
-  panel's K slab dequantized into an L1 scratch that all row tiles then read; a few-row
-  product takes each weight row from codes to registers instead, once for up to 24 rows.
-  ``pack_weight_bf16``, ``bf16_linear``: the bf16 path's weight words kept, and the product over
-  them (the greedy LM head's: stages/greedy.py).
+  ``quant_linear`` (gemm_quant.cpp): the same over GGUF Q4/Q8 blocks kept as stored
+  (stages/quant.py), each panel's K slab dequantized into an L1 scratch that all row tiles then
+  read; a few-row product takes each weight row from codes to registers instead, once for up to
+  24 rows (gemm_few_rows.cpp). ``pack_weight_bf16``, ``bf16_linear`` (gemm_bf16.cpp, with the
+  bf16 products of matmul precision "medium"): the bf16 path's weight words kept, and the product
+  over them (the greedy LM head's: stages/greedy.py).
 * ``greedy_candidates``, ``int8_candidates`` (greedy.cpp): the exact greedy LM head's columns
   that can still win, from cheap logits and their error bound; the int8 one computes its logits
   (int8 VNNI products against a Q8_0 weight's own codes) in place.
@@ -59,7 +60,8 @@ from stages.cpu_info import host_tag
 
 _SOURCES = [str(Path(__file__).with_name("csrc") / f)
             for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp",
-                      "greedy.cpp", "int8_gemm.cpp", "stack.cpp", "embedding.cpp")]
+                      "gemm_quant.cpp", "gemm_few_rows.cpp", "gemm_bf16.cpp", "greedy.cpp", "int8_gemm.cpp",
+                      "stack.cpp", "embedding.cpp")]
 TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a multiple of it
 PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a multiple of it
 

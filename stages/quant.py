@@ -1,4 +1,4 @@
-"""GGUF block-quantized weights kept as stored, for the CPU GEMM (stages/csrc/gemm.cpp).
+"""GGUF block-quantized weights kept as stored, for the CPU GEMM (stages/csrc/gemm_quant.cpp).
 
 A GGUF linear weight (N, K) is stored as blocks of 32 along K. ``to_panels`` regroups the
 blocks of rows Q4_0, Q4_1 or Q8_0 into uint8 panels (N/16, K/32, QB) that ``quant_linear``

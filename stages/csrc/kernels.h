@@ -20,10 +20,11 @@ torch::Tensor transpose(torch::Tensor x);
 void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots);
 torch::Tensor pack_weight(torch::Tensor w);  // gemm.cpp
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torch::Tensor> bias, bool bf16);
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias, bool bf16);
-// either of the two above, by the weight's panel format (uint8: block-quantized)
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias,
+                           bool bf16);  // gemm_quant.cpp
+// either of the two above, by the weight's panel format (uint8: block-quantized) (gemm.cpp)
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool bf16);
-// the bf16 path's weight words kept (pack_weight_bf16) and the product over them
+// the bf16 path's weight words kept (pack_weight_bf16) and the product over them (gemm_bf16.cpp)
 torch::Tensor pack_weight_bf16(torch::Tensor w);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wb);
 bool bf16_products();
@@ -31,7 +32,7 @@ bool bf16_products();
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x);
 // gated: x is [gate | up] (M, 2K), the product takes silu(gate) · up
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias, bool gated);
-std::string isa();
+std::string isa();  // gemm.cpp
 std::vector<torch::Tensor> greedy_candidates(torch::Tensor approx, torch::Tensor xn, torch::Tensor wn,
                                              double c, double floor);  // greedy.cpp
 std::vector<torch::Tensor> int8_candidates(torch::Tensor xu, torch::Tensor xs, torch::Tensor eb, torch::Tensor bmax,

@@ -1,4 +1,4 @@
-// The weight panels the GEMM (gemm.cpp) and the greedy head (greedy.cpp) read: NR output columns
+// The weight panels the GEMM (gemm*.cpp) and the greedy head (greedy.cpp) read: NR output columns
 // a panel; GGUF blocks (stages/quant.py) of QK weights along K, each (panel, block) QB bytes:
 // d[16] and m[16] in fp16 (GGUF's own scales, so widening them is exact), then the codes at DM
 // (u4: 16 rows of 16 bytes, two k a byte; s8: 32 rows). Why fp16: a few-row step streams every

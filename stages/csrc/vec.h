@@ -53,7 +53,7 @@ inline __m512 load16(const Fp8* p) {  // 16 fp8 -> 16 floats · 2⁻⁸, as load
   return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBF80))));
 }
 #if defined(__AVX512BF16__)
-#define PP_BF16 1  // vdpbf16ps: two bf16 products into each of 16 fp32 sums (gemm.cpp, paged_prefill.cpp)
+#define PP_BF16 1  // vdpbf16ps: two bf16 products into each of 16 fp32 sums (gemm_bf16.cpp, paged_prefill.cpp)
 // two rows of 16 weights (k, k + 1) -> 16 words, word j holding bf16 w[k][j] (low) and w[k + 1][j]:
 // the pair one vdpbf16ps lane multiplies with x's (k, k + 1)
 inline __m512i pair_rows(__m512 r0, __m512 r1) {

@@ -1,4 +1,4 @@
-"""GGUF blocks kept as stored (stages/quant.py, gemm.cpp's quant_linear): the panels hold exactly
+"""GGUF blocks kept as stored (stages/quant.py, gemm_quant.cpp's quant_linear): the panels hold exactly
 the weights the gguf package dequantizes to; the product sums in packed_linear's order, so it is
 bit-identical to the fp32 path; a stage loaded native holds panels, fewer bytes, and computes the
 same logits as one loaded dequantized, for each type, TP shard and pipeline stage."""
