@@ -12,7 +12,8 @@ on the sampled row, sampling, Python). "Matmuls" are the same products with the 
 and shapes and nothing else, through the same GEMM (``stages.layers.linear``: on CPU fp32 the
 packed kernel over the worker's packed weights; each linear's own products, so with
 --matmul-precision int8 the int8 ones over the GGUF blocks): per layer qkv, o, gate_up, down at
---chunk rows, plus the LM head on one row. The two run in alternating rounds and the ratio is taken per round (forward ÷ the
+--chunk rows (the last layer's o, gate_up and down at the one sampled row, as the forward runs
+them), plus the LM head on one row. The two run in alternating rounds and the ratio is taken per round (forward ÷ the
 matmuls of the same round), so that a shared box's drift hits both alike; the median of the
 per-round ratios is the figure. A bucketed pass (stages.profile's timers) then says where the
 non-matmul time goes.
@@ -45,11 +46,15 @@ def matmuls(model: torch.nn.Module, chunk: int) -> callable:
     x, xq, xi = torch.randn(chunk, cfg.hidden_size), torch.randn(chunk, cfg.q_size), \
         torch.randn(chunk, cfg.intermediate_size)
 
+    last = len(model.layers) - 1
+
     @torch.inference_mode()
     def run() -> None:
-        for layer in model.layers:
-            for inp, mod in ((x, layer.self_attn.qkv_proj), (xq, layer.self_attn.o_proj),
-                             (x, layer.mlp.gate_up_proj), (xi, layer.mlp.down_proj)):
+        for i, layer in enumerate(model.layers):
+            # past the last attention the forward carries the sampled row only (StageModel.forward: keep)
+            r = chunk if i < last else 1
+            for inp, mod in ((x, layer.self_attn.qkv_proj), (xq[:r], layer.self_attn.o_proj),
+                             (x[:r], layer.mlp.gate_up_proj), (xi[:r], layer.mlp.down_proj)):
                 linear(inp, mod.weight, products=mod.products)
         linear(x[:1], model.lm_head.weight, products=model.lm_head.products)
     return run

@@ -83,17 +83,18 @@ class LayerLoop:
             and all(k.is_contiguous() and v.is_contiguous() for k, v in kv_caches)
 
     def forward(self, h: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """(T, H) -> (T, H) after every layer; kv_caches: (K, V) of each layer with attention."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], keep: torch.Tensor | None = None) -> torch.Tensor:
+        """(T, H) -> (T, H) after every layer; kv_caches: (K, V) of each layer with attention.
+        keep: (S,) rows that alone go on past the last layer's attention -> (S, H) (StageModel.forward)."""
         n = meta.num_prefills
         step = cpu_kernels.step_meta(meta.positions, meta.slot_mapping, meta.q_lens[:n], meta.ctx_lens[:n],
                                      meta.prefill_tables, meta.decode_tables if meta.num_decodes else None,
                                      decode_lens(meta) if meta.num_decodes else None)
         caches = [t for kv in kv_caches for t in kv]
         if self.timer is None:
-            return self.stack.forward(h, caches, step)
+            return self.stack.forward(h, caches, step, keep=keep)
         times = torch.zeros(len(OPS), dtype=torch.float64)  # seconds: preproj, attn, postproj, ffn_ln1, ffn_ln2
-        out = self.stack.forward(h, caches, step, times)
+        out = self.stack.forward(h, caches, step, times, keep)
         for op, sec in zip(OPS, times.tolist()):
             self.timer.acc[op] = self.timer.acc.get(op, 0.0) + sec
         return out

@@ -173,12 +173,13 @@ class StageWorker:
         t_start = time.time()
         if mb.time_ops:
             self._op_timer.reset()
-        h = self.model(x, meta, self.kv_caches)  # (T, H)
+        # (T, H); the last stage's: (S, H), the sampled rows only (StageModel.forward: keep)
+        h = self.model(x, meta, self.kv_caches, keep=meta.sample_idx if self.is_last else None)
         tokens = None
         if not self.is_last:
             self.link.send_forward(h)
-        elif meta.sample_idx.numel():  # only sampled rows reach the LM head (every TP rank's part of it)
-            tokens = sample_hidden(self.model, h[meta.sample_idx], [c.sample for c in mb.chunks if c.sample is not None])
+        elif h.shape[0]:  # only sampled rows reach the LM head (every TP rank's part of it)
+            tokens = sample_hidden(self.model, h, [c.sample for c in mb.chunks if c.sample is not None])
         else:
             tokens = []
         self._sync()

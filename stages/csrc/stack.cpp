@@ -4,9 +4,11 @@
 //   products: "fp32", "bf16" or "int8", the linears' products (stages/layers.py: set_matmul_precision);
 //   attn_bf16: the prefill attention's products in bf16 (TorchAttention.bf16, set there too)
 //   h = stack.forward(h, caches, StepMeta(positions, slots, q_lens, ctx_lens, prefill_tables, decode_tables,
-//                                         decode_lens), times)
+//                                         decode_lens), times, keep)
 //   times: None, or a float64 (5,) tensor that each op's seconds are added to (preproj, attn, postproj,
 //   ffn_ln1, ffn_ln2: stages/op_timing.py's buckets, as its hooks time them on the Python loop)
+//   keep: None, or the (S,) int64 rows the step samples when this stack ends the model: then only
+//   they go on past the last layer's attention, and h comes back (S, H) (stages/model.py says why)
 //
 // Why: driven from Python, the same kernels pay ~0.1 ms of interpreter and nn.Module dispatch a
 // layer (a 1-row decode step at 1 thread: ~3 of 12 ms), and at 2 threads the other core spins
@@ -75,9 +77,10 @@ class LayerStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(w_.size()) / PER_LAYER; }
 
-  // h (T, H) contiguous fp32 -> (T, H). caches: K, V of each layer with attention, in order.
+  // h (T, H) contiguous fp32 -> (T, H), or (S, H) with keep. caches: K, V of each layer with attention,
+  // in order.
   torch::Tensor forward(torch::Tensor h, const std::vector<torch::Tensor>& caches, const StepMeta& m,
-                        c10::optional<torch::Tensor> times) const {
+                        c10::optional<torch::Tensor> times, c10::optional<torch::Tensor> keep) const {
     double* t = nullptr;
     if (times) {
       TORCH_CHECK(times->dtype() == torch::kFloat64 && times->numel() == NUM_OPS && times->is_contiguous(),
@@ -88,10 +91,12 @@ class LayerStack {
     for (int64_t l = 0; l < num_layers(); ++l) {
       const torch::Tensor* w = w_.data() + l * PER_LAYER;
       const bool attn = w[QKV].numel() > 0, mlp = w[GATE_UP].numel() > 0;
+      const torch::Tensor* rows = keep && l == num_layers() - 1 ? &*keep : nullptr;  // the last layer's
       if (attn) {
         TORCH_CHECK(c + 2 <= caches.size(), "LayerStack: fewer KV caches than attention layers");
-        torch::Tensor a = attention(rms_norm(h, w[IN_NORM], eps_), w, caches[c], caches[c + 1], m, t);  // (T, H)
+        torch::Tensor a = attention(rms_norm(h, w[IN_NORM], eps_), w, caches[c], caches[c + 1], m, t, rows);  // (T | S, H)
         c += 2;
+        if (rows) h = h.index_select(0, *rows);
         if (!mlp) {
           h = a.add_(h);
           continue;
@@ -99,6 +104,7 @@ class LayerStack {
         torch::Tensor hn = add_rms_norm_(a, h, w[POST_NORM], eps_);  // a += h: the residual stream
         h = ffn(hn, w, t).add_(a);
       } else {
+        if (rows) h = h.index_select(0, *rows);
         h = ffn(rms_norm(h, w[POST_NORM], eps_), w, t).add_(h);
       }
     }
@@ -106,17 +112,19 @@ class LayerStack {
   }
 
  private:
-  // o_proj(attention(rope(qkv_proj(x)))): x (T, H) normed -> (T, H), model.Attention's steps
+  // o_proj(attention(rope(qkv_proj(x)))): x (T, H) normed -> (T, H), model.Attention's steps; with
+  // keep, o_proj over those rows only -> (S, H)
   torch::Tensor attention(const torch::Tensor& x, const torch::Tensor* w, const torch::Tensor& kc,
-                          const torch::Tensor& vc, const StepMeta& m, double* tm) const {
+                          const torch::Tensor& vc, const StepMeta& m, double* tm, const torch::Tensor* keep) const {
     const int64_t t = x.size(0), h = h_, hkv = hkv_, d = d_;
     torch::Tensor qkv = timed(tm, PREPROJ, [&] { return linear(x, w[QKV], w[QKV_BIAS], products_); });  // (T, (H + 2 Hkv) D)
     torch::Tensor qk = qkv.narrow(1, 0, (h + hkv) * d).view({t, h + hkv, d});
     rope_(qk, m.positions, cos_, sin_);
     torch::Tensor q = qk.narrow(1, 0, h), k = qk.narrow(1, h, hkv);  // (T, H, D), (T, Hkv, D)
     torch::Tensor v = qkv.narrow(1, (h + hkv) * d, hkv * d).view({t, hkv, d});
-    torch::Tensor out = timed(tm, ATTN, [&] { return attend(q, k, v, kc, vc, m); });  // (T, H, D)
-    return timed(tm, POSTPROJ, [&] { return linear(out.view({t, h * d}), w[O], torch::Tensor(), products_); });
+    torch::Tensor out = timed(tm, ATTN, [&] { return attend(q, k, v, kc, vc, m); }).view({t, h * d});  // (T, H·D)
+    if (keep) out = out.index_select(0, *keep);  // (S, H·D)
+    return timed(tm, POSTPROJ, [&] { return linear(out, w[O], torch::Tensor(), products_); });
   }
 
   // write_kv_, then each prefill chunk's causal attention and every decode's: the torch backend's
@@ -175,6 +183,6 @@ void bind_layer_stack(pybind11::module& m) {
       .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, std::string, bool,
                     torch::Tensor, torch::Tensor>())
       .def("forward", &LayerStack::forward, py::arg("h"), py::arg("caches"), py::arg("meta"),
-           py::arg("times") = py::none(), py::call_guard<py::gil_scoped_release>(),
+           py::arg("times") = py::none(), py::arg("keep") = py::none(), py::call_guard<py::gil_scoped_release>(),
            "the stage's decoder layers over h (T, H), as stages/model.py runs them on CPU");
 }
