@@ -148,12 +148,13 @@ class StageModel(nn.Module):
         keep (the last stage: the rows it samples, ascending) -> (S, H), those rows of the (T, H):
         past the model's last attention nothing but the LM head reads the other rows, so the last
         layer's o_proj and MLP run on S rows, not T (a 256-token chunk with one sampled row skips
-        ~84% of a layer's linears: ~1/36 of a 30-layer forward). An empty or every-row keep runs the
-        whole layer and selects after it."""
-        h = self.embed_tokens(x) if self.is_first else x
-        cut = keep is not None and 0 < keep.numel() < h.shape[0]
+        ~84% of a layer's linears: ~1/36 of a 30-layer forward). A keep of every row (decodes only)
+        runs the whole layer."""
         if keep is not None and not self.is_last:
             raise ValueError("StageModel.forward: keep applies to the last stage only")
+        h = self.embed_tokens(x) if self.is_first else x
+        # an empty keep (a chunk that ends no prompt, no decodes) too: past the K/V writes, 0 rows
+        cut = keep is not None and keep.numel() < h.shape[0]
         if self.layer_loop is not None and self.layer_loop.takes(h, kv_caches):
             h = self.layer_loop.forward(h, meta, kv_caches, keep if cut else None)
         else:

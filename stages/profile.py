@@ -83,10 +83,13 @@ def forward_step(model: torch.nn.Module, ids: torch.Tensor, meta: object,
     """What the last (= only) stage computes for one micro-batch of greedy rows (the profile's
     plans are): layers, then the sampled rows' tokens as the worker gets them (sample_hidden:
     the LM head's argmax only)."""
-    if not model.is_last:
-        return model(ids, meta, kv_caches)
-    h = model(ids, meta, kv_caches, keep=meta.sample_idx)  # (S, H), as the worker runs it
-    return model.argmax_tokens(h) if h.shape[0] else h
+    # Every layer whole (no keep, unlike the worker's last stage): the profile's op costs are per
+    # layer (pp_runtime/sim/profile_cost.py divides them by the layer count), and a last layer
+    # that skips its unsampled rows would make every layer look cheaper by its share.
+    h = model(ids, meta, kv_caches)
+    if model.is_last and meta.sample_idx.numel():
+        return model.argmax_tokens(h[meta.sample_idx])
+    return h
 
 
 def fill_cache(worker: StageWorker, seed: int = 0) -> None:

@@ -27,7 +27,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
 // the bf16 path's weight words kept (pack_weight_bf16) and the product over them (gemm_bf16.cpp)
 torch::Tensor pack_weight_bf16(torch::Tensor w);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wb);
-bool bf16_products();
+bool bf16_products();  // gemm_bf16.cpp
 // int8 products over block-quantized panels (int8_gemm.cpp): x rounded per block of 32 to int8
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x);
 // gated: x is [gate | up] (M, 2K), the product takes silu(gate) · up

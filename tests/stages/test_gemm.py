@@ -1,4 +1,4 @@
-"""The packed GEMM (stages/csrc/gemm.cpp) against F.linear, and pack_linears on a stage model:
+"""The packed GEMM (stages/csrc/gemm*.cpp) against F.linear, and pack_linears on a stage model:
 which weights it packs, that the tied embedding still reads the right rows, that the bytes held
 do not change."""
 from __future__ import annotations

@@ -193,14 +193,15 @@ def sampled_rows(chunks: tuple[SeqChunk, ...], which: str) -> torch.Tensor:
 
 
 def keep_step(w: StageWorker, chunks: tuple[SeqChunk, ...], keep: torch.Tensor, loop_on: bool,
-              before: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """From the caches ``before``: the step's full output, then with ``keep``, and the caches after it."""
+              before: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """From the caches ``before``, the step whole and then with ``keep``: [output], [caches after]."""
     loop = w.model.layer_loop
+    assert loop is not None
     meta = build_metadata(chunks, BLOCK, w.device)
     x = torch.tensor([t for c in chunks for t in c.token_ids]) if w.is_first else \
         torch.randn(sum(c.num_tokens for c in chunks), w.spec.source.config.hidden_size,
                     generator=torch.Generator().manual_seed(3))
-    outs = []
+    outs, caches = [], []
     with torch.inference_mode():
         w.model.layer_loop = loop if loop_on else None
         for k_ in (None, keep):
@@ -208,8 +209,9 @@ def keep_step(w: StageWorker, chunks: tuple[SeqChunk, ...], keep: torch.Tensor, 
                 k.copy_(k0)
                 v.copy_(v0)
             outs.append(w.model(x, meta, w.kv_caches, keep=k_))
+            caches.append([t.clone() for kv in w.kv_caches for t in kv])
     w.model.layer_loop = loop
-    return outs[0], outs[1], [t.clone() for kv in w.kv_caches for t in kv]
+    return outs, caches
 
 
 # how far a product of the sampled rows alone may land from the same rows of the whole product: fp32
@@ -223,18 +225,20 @@ KEEP_TOL = {"highest": 1e-5, "int8": 1e-5, "medium": 3e-2}
 def test_only_the_sampled_rows_go_past_the_last_attention(hf_models: dict, partition: tuple[float, float] | None,
                                                          precision: str, kv_dtype: str, which: str) -> None:
     """The last stage's keep (StageModel.forward): (S, H), the same bits from both loops, the same
-    caches as the whole step writes, and rows within rounding of the whole step's; (3.5, 0.5): the
-    last stage holds only the last layer's MLP."""
+    caches as the whole step writes, and rows within rounding of the whole step's; none sampled: 0
+    rows, the K/V still written; (3.5, 0.5): the last stage holds only the last layer's MLP."""
     w = worker(str(hf_models["llama"]), pp=1 if partition is None else 2, stage=0 if partition is None else 1,
                partition=partition, precision=precision, kv_dtype=kv_dtype)
     before = [(k.clone(), v.clone()) for k, v in w.kv_caches]
     for chunks in STEPS.values():
         keep = sampled_rows(chunks, which)
-        full_c, kept_c, caches_c = keep_step(w, chunks, keep, True, before)
-        full_p, kept_p, caches_p = keep_step(w, chunks, keep, False, before)
+        (full_c, kept_c), caches_c = keep_step(w, chunks, keep, True, before)
+        (full_p, kept_p), caches_p = keep_step(w, chunks, keep, False, before)
         assert kept_c.shape == (keep.numel(), w.spec.source.config.hidden_size)
         assert torch.equal(kept_c, kept_p)
-        assert all(torch.equal(a, b) for a, b in zip(caches_c, caches_p))
+        for whole, kept in (caches_c, caches_p):  # every row's K/V, whatever is kept
+            assert all(torch.equal(a, b) for a, b in zip(whole, kept))
+        assert all(torch.equal(a, b) for a, b in zip(caches_c[1], caches_p[1]))
         tol = KEEP_TOL[precision]
         torch.testing.assert_close(kept_c, full_c[keep], rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="last stage"):
