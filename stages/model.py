@@ -145,7 +145,7 @@ class StageModel(nn.Module):
         """x: token ids (T,) on the first stage, else hidden states (T, H). Returns (T, H).
         kv_caches: one (K, V) per layer with attention, in order.
 
-        keep (the last stage: the rows it samples, ascending) -> (S, H), those rows of the (T, H):
+        keep (the last stage: the rows it samples, ascending, distinct) -> (S, H), those rows of the (T, H):
         past the model's last attention nothing but the LM head reads the other rows, so the last
         layer's o_proj and MLP run on S rows, not T (a 256-token chunk with one sampled row skips
         ~84% of a layer's linears: ~1/36 of a 30-layer forward). A keep of every row (decodes only)
@@ -153,16 +153,17 @@ class StageModel(nn.Module):
         if keep is not None and not self.is_last:
             raise ValueError("StageModel.forward: keep applies to the last stage only")
         h = self.embed_tokens(x) if self.is_first else x
-        # an empty keep (a chunk that ends no prompt, no decodes) too: past the K/V writes, 0 rows
-        cut = keep is not None and keep.numel() < h.shape[0]
+        # every row, ascending: keep is the identity (no copy); an empty one (a chunk that ends no
+        # prompt, no decodes) is cut too: past the K/V writes, 0 rows
+        if keep is not None and keep.numel() == h.shape[0]:
+            keep = None
         if self.layer_loop is not None and self.layer_loop.takes(h, kv_caches):
-            h = self.layer_loop.forward(h, meta, kv_caches, keep if cut else None)
-        else:
-            caches = iter(kv_caches)
-            last = len(self.layers) - 1
-            for i, layer in enumerate(self.layers):
-                h = layer(h, meta, next(caches) if layer.has_attn else None, keep if cut and i == last else None)
-        return h if keep is None or cut else h.index_select(0, keep)
+            return self.layer_loop.forward(h, meta, kv_caches, keep)
+        caches = iter(kv_caches)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            h = layer(h, meta, next(caches) if layer.has_attn else None, keep if i == last else None)
+        return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """(S, H) hidden at sampling positions -> (S, V) float32 logits over the full vocabulary."""
