@@ -8,8 +8,6 @@
     .venv/bin/python benchmarks/pp_scaling.py --num-requests 48 --plot pp_scaling.png   # and as a figure
     .venv/bin/python benchmarks/pp_scaling.py --num-requests 48 --matmul-precision int8 --kv-cache-dtype fp8 \
         --admissions longest_first,fcfs --rounds 3    # target 4 as last measured (~17 min)
-    .venv/bin/python benchmarks/pp_scaling.py --num-requests 48 --matmul-precision int8 --kv-cache-dtype fp8 \
-        --schedulers sarathi --admissions longest_first --head-splits 0,0.5 --rounds 3   # the LM head split, paired
 
 For sarathi and orca: the same requests (total lengths Zipf θ = 0.4 in --min-len..--max-len,
 P:D = 10, all at t = 0) at pp=1 (in process, one thread) and pp=2 (two Ray workers, one
@@ -20,9 +18,7 @@ equally long and stages do not wait on each other); --chunk-budgets flops,tokens
 SARATHI's plain token budget, paired the same way, labelled sarathi[tokens]; --admissions
 fcfs,longest_first runs each scheduler under both admission orders (longest_first: most
 max_tokens first, so the longest decodes finish beside later prompts' chunks rather than in the
-drain), labelled [longest_first]; --head-splits 0,0.5 runs one pp=2 deployment per share of the
-LM head on stage 0 (ParallelConfig.head_split), each paired with its own pp=1 run, labelled
-[head 0.5]. Same batch size and KV
+drain), labelled [longest_first]. Same batch size and KV
 budget everywhere, and the same chunk unless --pp2-chunk gives pp=2 its own: at pp=2 each
 request decodes once per two micro-batches, so a chunk half as long keeps a round trip's mix of
 prompt and decode tokens what it is at pp=1 (SARATHI sizes the chunk from the P:D ratio and the
@@ -51,9 +47,7 @@ At pp=2 (sarathi run), per micro-batch and as a fraction of the mean stage step:
   * driver work: scheduling + plan packing + sending it to stage 0 + postprocess (Engine.stats);
   * plan delivery: how long a free worker waited for a plan already sent;
   * token return: from the last stage's end to the driver holding the tokens, counted from when
-    the driver started waiting for them (time it spent elsewhere is not return latency); with a
-    split head from the end of stage 0's head step (its record's time includes it: any wait for
-    the last stage's rows then counts here, so the figure errs high).
+    the driver started waiting for them (time it spent elsewhere is not return latency).
 Memory at pp=2: each worker's resident decoder-layer bytes against its 1/pp share of the whole
 layer stack, its process RSS, and the KV cache allocated against budget − weights.
 """
@@ -82,26 +76,14 @@ def zipf_workload(num_requests: int, min_len: int, max_len: int) -> WorkloadConf
 
 
 def deployments(stack: contextlib.ExitStack, model: str | None, chunk: int, max_batch_size: int, kv_cache_dtype: str,
-                matmul_precision: str, pp2_partition: list[float] | None = None,
-                head_splits: Sequence[float] = (0.0,)) -> dict[int | str, LLM]:
+                matmul_precision: str, pp2_partition: list[float] | None = None) -> dict[int, LLM]:
     """pp=1 in this process and pp=2 on two Ray workers (layers split evenly unless pp2_partition), one
-    thread per stage, the same batch size and 2 GB budget (closed with the stack). pp=2 at the first
-    of head_splits is key 2, at each other one key pp2_key(share)."""
+    thread per stage, the same batch size and 2 GB budget (closed with the stack)."""
     common = dict(model=model, chunk_size=chunk, max_batch_size=max_batch_size, memory_budget_gb=2.0,
                   max_model_len=2048 if model is None else None, threads=1, kv_cache_dtype=kv_cache_dtype,
                   matmul_precision=matmul_precision)
-    out: dict[int | str, LLM] = {1: stack.enter_context(LLM(pp=1, launcher="local", **common))}
-    if len(head_splits) > 1:  # Ray's CPUs for every pp=2 deployment; idle ones wait in a socket receive
-        from launch.ray_cluster import _ensure_ray
-        _ensure_ray(2 * len(head_splits))
-    for i, share in enumerate(head_splits):
-        out[2 if i == 0 else pp2_key(share)] = stack.enter_context(
-            LLM(pp=2, launcher="ray", partition=pp2_partition, head_split=share, **common))
-    return out
-
-
-def pp2_key(share: float) -> str:
-    return f"2@head {share:g}"
+    own = {1: dict(launcher="local"), 2: dict(launcher="ray", partition=pp2_partition)}
+    return {pp: stack.enter_context(LLM(pp=pp, **own[pp], **common)) for pp in (1, 2)}
 
 
 def run_once(llm: LLM, items: list, policy: str, chunk: int, budget: str = "flops", admission: str = "fcfs") -> float:
@@ -127,8 +109,6 @@ def control_plane(llm: LLM, timings: list[list]) -> dict:
             prev_end = t_end
             if rank == len(timings) - 1:  # last stage (TP rank 0 of it with tp = 1)
                 ends[mb] = t_end
-    if llm.config.parallel.head_split:  # the tokens leave stage 0 after its head step, added to the step before it
-        ends = head_ends(eng, timings[0])
     returns = [max(0.0, got - max(ask, ends[mb])) for mb, (ask, got) in eng.collect_times.items() if mb in ends]
     st = eng.stats
     step = statistics.mean(steps)
@@ -137,20 +117,6 @@ def control_plane(llm: LLM, timings: list[list]) -> dict:
            "return_ms_per_mb": statistics.mean(returns) * 1e3}
     out["total_fraction"] = (out["driver_ms_per_mb"] + out["delivery_ms_per_mb"] + out["return_ms_per_mb"]) \
         / out["mean_step_ms"]
-    return out
-
-
-def head_ends(eng: object, first_stage: list) -> dict[int, float]:
-    """Split head: mb -> the end of stage 0's record that its head step followed (the last plan
-    submitted before the driver asked for its tokens), which includes the head's time."""
-    end = {mb: t_end for mb, _, _, t_end in first_stage}
-    order = sorted(end, key=eng.submit_times.get)
-    out, i = {}, 0
-    for mb, (ask, _) in sorted(eng.collect_times.items(), key=lambda kv: kv[1][0]):
-        while i < len(order) and eng.submit_times[order[i]] <= ask:
-            i += 1
-        if i:
-            out[mb] = end[order[i - 1]]
     return out
 
 
@@ -218,34 +184,32 @@ def stage_steps(worker: list, kinds: dict[int, bool], rows: dict[int, int]) -> d
                                       for k, v in sorted(by.items())}}
 
 
-def variants(policies: list[str], budgets: list[str], admissions: Sequence[str] = ("fcfs",),
-             head_splits: Sequence[float] = (0.0,)) -> list[tuple[str, str, str, str, float]]:
-    """(label, policy, chunk budget, admission, head split) to run: every policy once per admission
-    order and pp=2 head split, sarathi also once per budget (the others do not chunk); a label names
-    what differs from the first budget, admission and split, e.g. sarathi[tokens,longest_first,head 0.5]."""
+def variants(policies: list[str], budgets: list[str],
+             admissions: Sequence[str] = ("fcfs",)) -> list[tuple[str, str, str, str]]:
+    """(label, policy, chunk budget, admission) to run: every policy once per admission order, sarathi
+    also once per budget (the others do not chunk); a label names what differs from the first
+    budget and admission, e.g. sarathi[tokens,longest_first]."""
     out = []
     for policy in policies:
         for budget in budgets if policy == "sarathi" else budgets[:1]:
             for admission in admissions:
-                for share in head_splits:
-                    tags = [x for x, first in ((budget, budgets[0]), (admission, admissions[0])) if x != first]
-                    tags += [f"head {share:g}"] if share != head_splits[0] else []
-                    out.append((f"{policy}[{','.join(tags)}]" if tags else policy, policy, budget, admission, share))
+                tags = [x for x, first in ((budget, budgets[0]), (admission, admissions[0])) if x != first]
+                out.append((f"{policy}[{','.join(tags)}]" if tags else policy, policy, budget, admission))
     return out
 
 
-def paired_runs(llms: dict[int | str, LLM], items: list, tokens: int, runs: list[tuple[str, str, str, str, float]],
-                rounds: int, chunks: dict[int, int], r: dict) -> None:
+def paired_runs(llms: dict[int, LLM], items: list, tokens: int, runs: list[tuple[str, str, str, str]], rounds: int,
+                chunks: dict[int, int], r: dict) -> None:
     """Every variant's runs at pp=1 and pp=2 (chunk per pp): each round runs every variant (in order,
     then reversed the next round), each variant's pp=1 and pp=2 back to back (alternating which goes
     first), so that the box's drift moves a round's variants together and a comparison of variants
     pairs by round too. Per-round figures in r, by label; per-phase and control-plane figures come
-    from the first variant's round 0 (pp=2's of every other head split's, by label)."""
+    from the first variant's round 0."""
     r["rounds"] = {}
     per = {label: {1: [], 2: []} for label, *_ in runs}
-    for k, (label, policy, budget, admission, share) in alternating(rounds, runs):
+    for k, (label, policy, budget, admission) in alternating(rounds, runs):
         for pp in (1, 2) if k % 2 == 0 else (2, 1):
-            llm = llms[pp if pp == 1 or share == runs[0][4] else pp2_key(share)]
+            llm = llms[pp]
             llm.executor.drain_timings()
             wall = run_once(llm, items, policy, chunks[pp], budget, admission)
             per[label][pp].append(tokens / wall)
@@ -256,10 +220,6 @@ def paired_runs(llms: dict[int | str, LLM], items: list, tokens: int, runs: list
                 r.setdefault("phases", {})[f"pp{pp}"] = phase_split(llm, timings)
                 if pp == 2:
                     r["control_plane_pp2"] = control_plane(llm, timings)
-            elif pp == 2 and k == 0 and share != runs[0][4] and label not in r.get("head_split_pp2", {}):
-                timings = llm.executor.drain_timings()
-                r.setdefault("head_split_pp2", {})[label] = {"phases": phase_split(llm, timings),
-                                                             "control_plane": control_plane(llm, timings)}
     for label, *_ in runs:
         eff = ratios(per[label][2], [2 * t for t in per[label][1]])  # tput2 / (2 tput1) per round
         r["rounds"][label] = {"pp1_tok_s": per[label][1], "pp2_tok_s": per[label][2], "efficiency": eff}
@@ -311,9 +271,6 @@ def main() -> None:
                     help="admission orders to run, comma separated (fcfs,longest_first: both, paired; the first "
                          "is the one reported unlabelled). longest_first starts the most max_tokens first, so "
                          "the longest decodes finish beside later prompts' chunks instead of in the drain")
-    ap.add_argument("--head-splits", default="0",
-                    help="pp=2's shares of the LM head on stage 0 (ParallelConfig.head_split), comma separated: one "
-                         "pp=2 deployment each, paired (0,0.5: without and with the split half and half)")
     ap.add_argument("--rounds", type=int, default=2, help="pp=1 / pp=2 pairs per scheduler")
     ap.add_argument("--plot", default=None, help="draw the rounds and round 0's phases to this PNG (pp_scaling_plot.py)")
     a = ap.parse_args()
@@ -330,30 +287,26 @@ def main() -> None:
     bad = [x for x in admissions if x not in ADMISSIONS]
     if bad:
         ap.error(f"--admissions: {', '.join(bad)} not among {', '.join(ADMISSIONS)}")
-    try:
-        splits = [float(x) for x in a.head_splits.split(",")]
-    except ValueError:
-        ap.error(f"--head-splits: {a.head_splits!r} is not a comma-separated list of shares")
-    runs = variants(policies, budgets, admissions, splits)
+    runs = variants(policies, budgets, admissions)
     r: dict = {"workload": {"num_requests": a.num_requests, "min_len": a.min_len, "max_len": a.max_len,
                             "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "max_batch_size": a.max_batch_size,
                "kv_cache_dtype": a.kv_cache_dtype, "matmul_precision": a.matmul_precision,
                "pp2_chunk": a.pp2_chunk or a.chunk, "pp2_partition": a.pp2_partition, "chunk_budgets": budgets,
-               "admissions": admissions, "head_splits": splits,
+               "admissions": admissions,
                "warmup": "one unmeasured run per pp",
                "throughput_tok_s": {}, "efficiency": {}}
     with contextlib.ExitStack() as stack:
         llms = deployments(stack, model, a.chunk, a.max_batch_size, a.kv_cache_dtype, a.matmul_precision,
-                           a.pp2_partition, splits)
+                           a.pp2_partition)
         items = generate_workload(wl, llms[1].source.config.vocab_size)
         tokens = sum(len(it.prompt_token_ids) + it.max_tokens for it in items)
         chunks = {1: a.chunk, 2: a.pp2_chunk or a.chunk}
-        _, policy, budget, admission, _ = runs[0]
-        for llm in llms.values():
+        _, policy, budget, admission = runs[0]
+        for pp, llm in llms.items():
             # A whole unmeasured run each: a process's first run is 2-8% slower (the OS faults in and
             # zeroes the KV cache's pages as blocks are first written), which would flatter whichever
             # side pays it more in round 0.
-            run_once(llm, items, policy, chunks[llm.config.parallel.pp], budget, admission)
+            run_once(llm, items, policy, chunks[pp], budget, admission)
         paired_runs(llms, items, tokens, runs, a.rounds, chunks, r)
         r["memory_pp2"] = memory(llms[2])
     print("pipeline efficiency tput(pp=2) / (2 × tput(pp=1)), median of paired rounds, target >= 0.9 for sarathi: "
@@ -371,15 +324,6 @@ def main() -> None:
     for pp in ("pp1", "pp2"):
         for i, st in enumerate(ph[pp]["stages"]):
             print(f"  {pp} stage {i} steps (n, median ms, total s): " + "; ".join(
-                f"{k} {v['n']}, {v['median_ms']:.1f}, {v['sum_s']:.2f}" for k, v in st["kinds"].items())
-                + f"; idle {st['idle_s']:.2f} s")
-    for label, hs in r.get("head_split_pp2", {}).items():
-        p2 = hs["phases"]
-        print(f"{label} pp=2, round 0: prefill phase {p2['prefill_s']:.2f} s "
-              f"({ph['pp1']['prefill_s'] / (2 * p2['prefill_s']):.3f} of the first variant's pp=1 ideal), drain "
-              f"{p2['drain_s']:.2f} s; control plane {hs['control_plane']['total_fraction']:.1%} of a step")
-        for i, st in enumerate(p2["stages"]):
-            print(f"  stage {i} steps (n, median ms, total s): " + "; ".join(
                 f"{k} {v['n']}, {v['median_ms']:.1f}, {v['sum_s']:.2f}" for k, v in st["kinds"].items())
                 + f"; idle {st['idle_s']:.2f} s")
     c = r["control_plane_pp2"]

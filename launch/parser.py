@@ -72,9 +72,6 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=_positive_int, default=1, help="pipeline stages")
     p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel ranks per stage")
     p.add_argument("--partition", default=None, help="layers per stage, comma separated (e.g. 16,14; 15.5,14.5 cuts a layer after its attention)")
-    p.add_argument("--head-split", type=float, default=0.0, metavar="SHARE",
-                   help="pp > 1: the share of the LM head's vocabulary the first stage computes (0.5 balances "
-                        "an even partition; the last stage sends its sampled rows back), default 0: all on the last")
     p.add_argument("--launcher", choices=("local", "ray", "torchrun"), default=None)
     p.add_argument("--scheduler", choices=SCHEDULER_POLICIES, default="sarathi")
     p.add_argument("--chunk-size", type=_positive_int, default=256)
@@ -188,4 +185,4 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 dtype=a.dtype, device=a.device, attention=a.attention, seed=a.seed, block_size=a.block_size,
                 memory_budget_gb=a.memory_budget_gb, max_model_len=a.max_model_len, partition=partition,
                 threads=a.threads, gguf_weights=a.gguf_weights, kv_cache_dtype=a.kv_cache_dtype,
-                matmul_precision=a.matmul_precision, head_split=a.head_split, verbose=not a.quiet)
+                matmul_precision=a.matmul_precision, verbose=not a.quiet)

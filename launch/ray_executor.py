@@ -38,7 +38,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from launch.deferred_signals import _deferred_signals
 from launch.placement import place_stages
 from launch.ray_cluster import _ensure_ray
-from launch.stage_actor import HEAD, StageActor
+from launch.stage_actor import StageActor
 from launch.worker_health import WorkerHealth
 from pp_runtime.batch import MicroBatch
 from pp_runtime.comm import Topology
@@ -71,9 +71,7 @@ class RayExecutor(WorkerHealth):
         self.pg = None
         self.failed = False  # a worker died or hung: skip the graceful part of shutdown
         self._plans: list[Connection] = []  # to stage 0's TP ranks
-        self._tokens: Connection | None = None  # from the last stage's TP rank 0 (split head: stage 0's)
-        self.split_head = bool(cfg.parallel.head_split)
-        self._replier = self.topo.rank(0 if self.split_head else self.topo.pp - 1, 0)
+        self._tokens: Connection | None = None  # from the last stage's TP rank 0
         self._serving: list = []  # each worker's serve() call
         try:
             self.pg = place_stages(self.topo.pp, self.topo.tp, cfg.device.device)
@@ -102,13 +100,14 @@ class RayExecutor(WorkerHealth):
     def _connect(self) -> None:
         """Start every worker's serve loop and connect the driver to its ends of the pipeline."""
         addrs = self._get([a.open_control.remote() for a in self.actors], "control set-up")
+        last = self.topo.rank(self.topo.pp - 1, 0)
         self._serving = []
         for rank, actor in enumerate(self.actors):
             stage, tp_rank = self.topo.coords(rank)
             down = addrs[self.topo.rank(stage + 1, tp_rank)] if stage < self.topo.pp - 1 else None
-            self._serving.append(actor.serve.remote(down, rank == self._replier, self.timeout_s))
+            self._serving.append(actor.serve.remote(down, rank == last, self.timeout_s))
         self._plans = [Connection.connect(addrs[r], "plans", self.timeout_s) for r in self.topo.tp_ranks(0)]
-        self._tokens = Connection.connect(addrs[self._replier], "tokens", self.timeout_s)
+        self._tokens = Connection.connect(addrs[last], "tokens", self.timeout_s)
 
     # ---- executor interface --------------------------------------------------------------------
     def workers_info(self) -> list[dict]:
@@ -121,11 +120,9 @@ class RayExecutor(WorkerHealth):
         return sum(self._get([a.allocate_cache.remote(num_blocks) for a in self.actors], "cache allocation"))
 
     def submit(self, mb: MicroBatch) -> None:
-        self._to_stage0(pickle.dumps(mb.to_wire(), protocol=pickle.HIGHEST_PROTOCOL))  # pickled once
-
-    def _to_stage0(self, data: bytes) -> None:
-        """A message to every stage-0 rank. A Ctrl-C in the middle of a send would leave half of it
-        on the stream, and the worker waiting for the rest forever: signals wait until it is out."""
+        data = pickle.dumps(mb.to_wire(), protocol=pickle.HIGHEST_PROTOCOL)  # once, for every stage-0 rank
+        # A Ctrl-C in the middle of a send would leave half a plan on the stream, and the worker
+        # waiting for the rest forever: signals wait until the plan is out.
         with _deferred_signals(STOP_SIGNALS) as caught:
             for rank, conn in zip(self.topo.tp_ranks(0), self._plans):
                 try:
@@ -139,10 +136,7 @@ class RayExecutor(WorkerHealth):
     def collect(self) -> list[int]:
         """The oldest micro-batch's tokens. While they are not there, the serve loops are checked
         every POLL_S (one that ended raised: its error is reported) and every worker is pinged
-        every ``timeout_s`` (a dead or hung one raises WorkerError naming it). With a split LM
-        head, stage 0 is told first to finish that micro-batch's head (after the plans sent before)."""
-        if self.split_head:
-            self._to_stage0(HEAD)
+        every ``timeout_s`` (a dead or hung one raises WorkerError naming it)."""
         waited = 0.0
         while True:
             try:
@@ -153,9 +147,10 @@ class RayExecutor(WorkerHealth):
                 if waited >= self.timeout_s:
                     self._check_alive("micro-batch", self.timeout_s)
                     waited = 0.0
-            except OSError as e:  # the replying stage's connection broke
+            except OSError as e:  # the last stage's connection broke
                 self._check_serving("micro-batch", BROKEN_WAIT_S)
-                raise self._died(self._name(self._replier), "micro-batch", self.timeout_s, e) from None
+                raise self._died(self._name(self.topo.rank(self.topo.pp - 1, 0)), "micro-batch",
+                                 self.timeout_s, e) from None
 
     def drain_timings(self) -> list[list]:
         return self._get([a.drain_timings.remote() for a in self.actors], "timings")

@@ -17,8 +17,6 @@ import ray
 from pp_runtime.comm import P2P, Topology, init_distributed
 from pp_runtime.control import Connection, Listener
 
-HEAD = b"head"  # the driver wants the oldest micro-batch's tokens from stage 0 (a split LM head)
-
 
 def _unnice() -> None:
     """Ray starts worker processes at nice 15 so that its own daemons win the CPU; a stage
@@ -63,13 +61,14 @@ class StageActor:
         from stages.worker import StageWorker
         if init_method.startswith("tcp://127."):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback-only clusters
-        _, tp_rank = self.topo.coords(self.rank)
+        stage, tp_rank = self.topo.coords(self.rank)
         if spec.device.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
         group = init_distributed(self.topo, self.rank, backend, init_method)
         device = torch.device("cuda", 0) if spec.device.device == "cuda" else torch.device("cpu")
-        link = P2P.for_rank(self.topo, self.rank, device, bool(spec.parallel.head_split))
-        self.worker = StageWorker(spec, TPContext(tp_rank, self.topo.tp, group), link)
+        prev_rank = self.topo.rank(stage - 1, tp_rank) if stage > 0 else None
+        next_rank = self.topo.rank(stage + 1, tp_rank) if stage < self.topo.pp - 1 else None
+        self.worker = StageWorker(spec, TPContext(tp_rank, self.topo.tp, group), P2P(prev_rank, next_rank, device))
         info = self.worker.info()
         info["node"] = ray.get_runtime_context().get_node_id()
         info["hostname"] = socket.gethostname()
@@ -92,9 +91,8 @@ class StageActor:
 
         Plans come from the driver (stage 0) or from the same TP rank of the stage before, and go
         on to ``downstream`` (the stage after) before this one computes, so the next stage has
-        its plan when the activations arrive. With ``replies`` (the last stage's TP rank 0, or
-        stage 0's with a split LM head) the sampled tokens go back to the driver. ``HEAD`` (stage
-        0, split head; not forwarded) finishes the oldest micro-batch's head."""
+        its plan when the activations arrive. With ``replies`` (the last stage's TP rank 0) the
+        sampled tokens go back to the driver."""
         import torch
         if self.threads:
             torch.set_num_threads(self.threads)  # OpenMP's thread count is per calling thread
@@ -106,18 +104,13 @@ class StageActor:
         try:
             while True:
                 data = up.recv_bytes()  # no deadline: an idle deployment waits for its next run
-                if data == HEAD:
-                    tokens = self.worker.finish_head()
-                    if out is not None:
-                        out.send(tokens)
-                    continue
                 if down is not None:
                     down.send_bytes(data)
                 wire = pickle.loads(data)
                 if wire is None:
                     return ran
                 tokens = self.worker.execute(wire)
-                if out is not None and tokens is not None:  # None: stage 0's plan step (split head)
+                if out is not None:
                     out.send(tokens)
                 ran += 1
         finally:

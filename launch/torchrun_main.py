@@ -7,8 +7,7 @@
 
 Rank 0 runs the engine; each plan goes to every other rank as a pickled byte tensor over a
 gloo control group (non-blocking sends, so rank 0 keeps the pipeline full while the other
-ranks work), and the last stage returns sampled tokens to rank 0 the same way (with a split
-LM head rank 0 finishes the head itself: ``finish_head``). Activations
+ranks work), and the last stage returns sampled tokens to rank 0 the same way. Activations
 move over the default group (NCCL on CUDA, gloo on CPU) exactly as under Ray.
 """
 from __future__ import annotations
@@ -43,7 +42,8 @@ def _build_worker(cfg: EngineConfig, source: object, topo: Topology) -> tuple[ob
     control = ControlChannel(dist.new_group(backend="gloo"))  # created on every rank, same order
     stage, tp_rank = topo.coords(rank)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    link = P2P.for_rank(topo, rank, device, bool(cfg.parallel.head_split))
+    link = P2P(topo.rank(stage - 1, tp_rank) if stage else None,
+               topo.rank(stage + 1, tp_rank) if stage < topo.pp - 1 else None, device)
     worker = StageWorker(WorkerSpec(source, stage, tp_rank, cfg.parallel, cfg.cache, cfg.device),
                          TPContext(tp_rank, topo.tp, tp_group), link)
     return worker, control
@@ -56,7 +56,6 @@ class TorchrunExecutor:
         self.topo = Topology(cfg.parallel.pp, cfg.parallel.tp)
         self.worker, self.control = _build_worker(cfg, source, self.topo)
         self.last = self.topo.rank(self.topo.pp - 1, 0)
-        self.split_head = bool(cfg.parallel.head_split)  # tokens from this rank's finish_head
         self._in_flight: deque[tuple[MicroBatch, list[int] | None]] = deque()
         self._allocated = False
 
@@ -89,10 +88,6 @@ class TorchrunExecutor:
 
     def collect(self) -> list[int]:
         mb, local = self._in_flight.popleft()
-        if self.split_head:  # stage 0's other TP ranks finish their part of the head alongside
-            for r in self.topo.tp_ranks(0)[1:]:
-                self.control.send(("head", None), r)
-            return self.worker.finish_head()
         if self.last == 0:
             return local
         return self.control.recv(self.last) if mb.num_samples else []
@@ -149,9 +144,6 @@ def worker_loop(cfg: EngineConfig, source: object) -> None:
         kind, wire = control.recv(0, forever=True)  # between runs the driver may idle
         if kind == "stop":
             break
-        if kind == "head":  # stage 0's TP ranks, split LM head: rank 0 has the tokens
-            worker.finish_head()
-            continue
         if kind in ("timings", "ops", "clock"):  # answered in order, after every plan sent before it
             answer = {"timings": worker.drain_timings, "ops": worker.drain_op_times, "clock": time.time}[kind]
             control.send(answer(), 0)

@@ -53,54 +53,25 @@ def init_distributed(topo: Topology, rank: int, backend: str, init_method: str,
 class P2P:
     """Activation transfer over torch.distributed: recv from the previous stage, send to the next.
 
-    With the LM head split (ParallelConfig.head_split) the last stage also sends the sampled rows
-    back to the first (``send_to_first`` / ``recv_from_last``, same TP rank): the only traffic
-    between those two ranks in that direction, so it never pairs up with an activation.
-
     Sends are asynchronous; a stage runs micro-batches in issue order, so its receiver posts
     matching receives in the same order. Handles are kept until the next send so the tensor
     stays alive while in transit.
     """
 
-    def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device,
-                 first_rank: int | None = None, last_rank: int | None = None) -> None:
+    def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device) -> None:
         self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
-        self.first_rank, self.last_rank = first_rank, last_rank  # head split: the last stage's peer, stage 0's
         self._pending: collections.deque = collections.deque()
 
-    @staticmethod
-    def for_rank(topo: Topology, rank: int, device: torch.device, split_head: bool) -> "P2P":
-        """Rank ``rank``'s peers: the same TP rank of the stages before and after, and with a
-        split LM head the same TP rank of the other end (pp > 1)."""
-        stage, tp_rank = topo.coords(rank)
-        last = topo.pp - 1
-        return P2P(topo.rank(stage - 1, tp_rank) if stage > 0 else None,
-                   topo.rank(stage + 1, tp_rank) if stage < last else None, device,
-                   topo.rank(0, tp_rank) if split_head and stage == last else None,
-                   topo.rank(last, tp_rank) if split_head and stage == 0 else None)
-
     def recv_forward(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return self._recv(shape, dtype, self.prev_rank)
-
-    def send_forward(self, tensor: torch.Tensor) -> None:
-        self._send(tensor, self.next_rank)
-
-    def recv_from_last(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return self._recv(shape, dtype, self.last_rank)
-
-    def send_to_first(self, tensor: torch.Tensor) -> None:
-        self._send(tensor, self.first_rank)
-
-    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buf, src=src)
+        dist.recv(buf, src=self.prev_rank)
         return buf
 
-    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+    def send_forward(self, tensor: torch.Tensor) -> None:
         while self._pending and self._pending[0][0].is_completed():
             self._pending.popleft()
         t = tensor.contiguous()
-        self._pending.append((dist.isend(t, dst=dst), t))
+        self._pending.append((dist.isend(t, dst=self.next_rank), t))
 
     def flush(self) -> None:
         while self._pending:
@@ -200,36 +171,23 @@ class LocalLink:
     """In-process stand-in for P2P: stages of one process hand hidden states through queues.
 
     ``links = LocalLink.chain(pp)`` gives stage s a link that receives from stage s − 1's
-    queue and sends into its own; the last stage's ``send_to_first`` goes into one more queue,
-    the first stage's ``recv_from_last``'s.
+    queue and sends into its own.
     """
 
-    def __init__(self, inbox: collections.deque | None, outbox: collections.deque | None,
-                 back: collections.deque | None = None) -> None:
-        self.inbox, self.outbox, self.back = inbox, outbox, back
+    def __init__(self, inbox: collections.deque | None, outbox: collections.deque | None) -> None:
+        self.inbox, self.outbox = inbox, outbox
 
     @staticmethod
     def chain(pp: int) -> list["LocalLink"]:
-        queues: list[collections.deque] = [collections.deque() for _ in range(pp)]  # the last: to stage 0
-        return [LocalLink(queues[s - 1] if s > 0 else None, queues[s] if s < pp - 1 else None,
-                          queues[pp - 1] if s in (0, pp - 1) else None)
+        queues: list[collections.deque] = [collections.deque() for _ in range(pp - 1)]
+        return [LocalLink(queues[s - 1] if s > 0 else None, queues[s] if s < pp - 1 else None)
                 for s in range(pp)]
 
     def send_forward(self, tensor: torch.Tensor) -> None:
         self.outbox.append(tensor)
 
     def recv_forward(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return self._take(self.inbox, shape)
-
-    def send_to_first(self, tensor: torch.Tensor) -> None:
-        self.back.append(tensor)
-
-    def recv_from_last(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return self._take(self.back, shape)
-
-    @staticmethod
-    def _take(queue: collections.deque, shape: tuple[int, ...]) -> torch.Tensor:
-        t = queue.popleft()
+        t = self.inbox.popleft()
         if tuple(t.shape) != tuple(shape):
             raise RuntimeError(f"pipeline plan/shape mismatch: expected {shape}, got {tuple(t.shape)}")
         return t

@@ -110,28 +110,14 @@ class ParallelConfig:
     Counts may end in .5: a stage boundary then falls inside a layer, between its attention
     block and its MLP (e.g. 15.5, 14.5). The last stage also runs the LM head, which for a
     decode row costs several layers' linears on a large-vocabulary model: a whole layer moved
-    off it can overshoot, half of one is a finer step.
-
-    head_split: the share of the LM head's vocabulary rows the first stage computes (pp > 1; 0:
-    the last stage computes all of it). The last stage sends its sampled rows' normed hidden
-    states (S, H) back to stage 0 with its part's result, and stage 0 finishes the head and
-    returns the tokens: the head's cost is divided between the two ends in every phase, where a
-    layer moved between stages is right for one phase only (SmolLM2 at int8, pp = 2: the head
-    made the last stage's steps ~2.6 ms longer with a 256-token chunk, a third of a layer there,
-    and ~6 ms with 8+ decodes alone, ~4.6 layers there)."""
+    off it can overshoot, half of one is a finer step."""
 
     pp: int = 1
     tp: int = 1
     partition: tuple[float, ...] | None = None
-    head_split: float = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "pp", "tp")
-        if isinstance(self.head_split, bool) or not isinstance(self.head_split, numbers.Real) \
-                or not 0 <= self.head_split < 1:
-            raise ValueError(f"ParallelConfig.head_split must be a share in [0, 1), got {self.head_split!r}")
-        if self.head_split and self.pp == 1:
-            raise ValueError("ParallelConfig.head_split needs pp > 1 (it moves part of the LM head to the first stage)")
         if self.partition is not None:
             if len(self.partition) != self.pp:
                 raise ValueError(f"ParallelConfig.partition has {len(self.partition)} entries, pp={self.pp}")
@@ -153,19 +139,6 @@ class ParallelConfig:
         for name in ("num_heads", "num_kv_heads"):
             if getattr(model, name) % self.tp:
                 raise ValueError(f"tp={self.tp} does not divide the model's {name}={getattr(model, name)}")
-
-    def head_rows(self, vocab: int) -> list[tuple[int, int] | None]:
-        """Per stage, the [start, end) vocabulary rows its LM head computes (None: no head). The
-        split point is a multiple of 16 · tp (whole GEMM panels on every TP rank), at least one
-        such step from either end."""
-        rows: list[tuple[int, int] | None] = [None] * self.pp
-        if not self.head_split:
-            rows[-1] = (0, vocab)
-            return rows
-        step = 16 * self.tp
-        cut = min(max(round(self.head_split * vocab / step), 1), max(vocab // step - 1, 1)) * step
-        rows[0], rows[-1] = (0, cut), (cut, vocab)
-        return rows
 
     def stage_units(self, num_layers: int) -> list[tuple[int, int]]:
         """[start, end) per stage in half-layer units: unit 2i is layer i's attention block, 2i + 1

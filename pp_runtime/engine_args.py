@@ -29,13 +29,13 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
                         threads: int = 0, gguf_weights: str = "native",
                         kv_cache_dtype: str = "auto", matmul_precision: str = "highest",
                         chunk_budget: str = "flops", prefault_kv: bool = False,
-                        admission: str = "fcfs", head_split: float = 0.0) -> tuple[EngineConfig, object]:
+                        admission: str = "fcfs") -> tuple[EngineConfig, object]:
     """Resolve the model and validate every setting; raises ValueError naming the bad one.
     max_batch_size None is kept as 1 here and replaced once the memory plan gives B."""
     from stages.model_source import resolve_model
     source = resolve_model(model)
     mcfg = source.config
-    parallel = ParallelConfig(pp, tp, tuple(_plain_number(n) for n in partition) if partition else None, head_split)
+    parallel = ParallelConfig(pp, tp, tuple(_plain_number(n) for n in partition) if partition else None)
     parallel.check_model(mcfg)
     if device == "cuda":
         import torch

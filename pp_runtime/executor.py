@@ -44,7 +44,6 @@ class LocalExecutor:
         self.workers = [StageWorker(WorkerSpec(source, s, 0, cfg.parallel, cfg.cache, cfg.device),
                                     TPContext(), links[s]) for s in range(cfg.parallel.pp)]
         self._queue: deque[tuple] = deque()
-        self.split_head = bool(cfg.parallel.head_split)
 
     def memory_profiles(self) -> list:
         return [w.memory_profile() for w in self.workers]
@@ -61,13 +60,9 @@ class LocalExecutor:
     def collect(self) -> list[int]:
         wire = self._queue.popleft()
         tokens = None
-        # stages in order, each one's output the next one's input; a split head ends on stage 0
-        steps = [(s, w.execute, (wire,)) for s, w in enumerate(self.workers)]
-        if self.split_head:
-            steps.append((0, self.workers[0].finish_head, ()))
-        for s, step, args in steps:
+        for s, w in enumerate(self.workers):  # stages in order: each one's output is the next one's input
             try:
-                tokens = step(*args)
+                tokens = w.execute(wire)
             except Exception as e:
                 # As a Ray worker's failure would: the run ends with this error and the LLM is marked
                 # broken. Plans still queued and activations handed halfway would otherwise pair up

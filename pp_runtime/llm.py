@@ -60,11 +60,11 @@ class LLM:
                  partition: Sequence[float] | None = None, threads: int = 0, verbose: bool = False,
                  gguf_weights: str = "native", kv_cache_dtype: str = "auto",
                  matmul_precision: str = "highest", chunk_budget: str = "flops", prefault_kv: bool = False,
-                 admission: str = "fcfs", head_split: float = 0.0) -> None:
+                 admission: str = "fcfs") -> None:
         self.config, self.source = build_engine_config(
             model, pp, tp, scheduler, chunk_size, max_batch_size, tile_align, dtype, device, attention, seed,
             block_size, memory_budget_gb, max_model_len, partition, threads, gguf_weights, kv_cache_dtype,
-            matmul_precision, chunk_budget, prefault_kv, admission, head_split)
+            matmul_precision, chunk_budget, prefault_kv, admission)
         parallel, max_len = self.config.parallel, self.config.scheduler.max_model_len
         self.launcher = launcher or ("local" if parallel.world_size == 1 else "ray")
         with keep_sigterm_handler():

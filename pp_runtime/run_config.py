@@ -28,7 +28,7 @@ from pp_runtime.workload_config import WorkloadConfig
 ENGINE_KEYS = ("model", "pp", "tp", "chunk_size", "max_batch_size", "tile_align", "memory_budget_gb",
                "max_model_len", "threads", "seed", "launcher", "dtype", "device", "attention",
                "block_size", "partition", "gguf_weights", "kv_cache_dtype", "matmul_precision", "chunk_budget",
-               "admission", "head_split")
+               "admission")
 RUN_KEYS = ENGINE_KEYS + ("schedulers", "workload")
 
 
@@ -51,9 +51,6 @@ def _check_engine(engine: Mapping[str, Any]) -> None:
                 raise ValueError(f"tile_align must be true or false, got {value!r}")
         elif key == "memory_budget_gb":
             check_positive_number(key, value)
-        elif key == "head_split":
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-                raise ValueError(f"head_split must be a share in [0, 1), got {value!r}")
         elif key == "partition":
             if not isinstance(value, (list, tuple)) or not value or not all(is_layer_count(v) for v in value):
                 raise ValueError(f"partition must be a list of positive layer counts (multiples of 0.5), got {value!r}")

@@ -38,8 +38,7 @@ def run_settings(llm: object, run: object) -> dict:
             "device": c.device.device, "launcher": llm.launcher, "paper_B": llm.memory.max_batch_b,
             "kv_blocks": llm.memory.num_blocks, "kv_cache_dtype": c.cache.kv_dtype,
             "matmul_precision": c.device.matmul_precision,
-            "partition": list(c.parallel.partition) if c.parallel.partition else None,
-            "head_split": c.parallel.head_split}
+            "partition": list(c.parallel.partition) if c.parallel.partition else None}
 
 
 def write_run_dir(path: str, llm: object, extra: dict | None = None) -> dict:

@@ -25,7 +25,6 @@ product's values bit for bit, and the argmax over them, ties to the lowest id as
 
     head = prepare(lm_head_weight)   # None where neither product is built
     tokens = head.argmax(x)          # (M,) int64, x (M, K) float32
-    values, tokens = head.max(x)     # and each row's fp32 logit there (a head split across stages)
 """
 from __future__ import annotations
 
@@ -89,20 +88,12 @@ def prepare(w: torch.Tensor) -> Int8Head | Bf16Head | None:
     return None
 
 
-def full_max(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, ids) of each row's maximum of the whole fp32 product, ties to the lowest id."""
-    values, ids = cpu_kernels.panel_linear(x, w).max(dim=-1)
-    return values, ids
-
-
-def _exact_max(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, member: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's maximum of the fp32 product over its candidates (ids, ascending, marked by
-    member): (values, ids)."""
+def _exact_argmax(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, member: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of the fp32 product over its candidates (ids, marked by member)."""
     if ids.numel() * MAX_SHARE > w.shape[0] * cpu_kernels.PANEL:  # V: 16 columns a panel
-        return full_max(x, w)
+        return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
     exact = cpu_kernels.panel_linear(x, cpu_kernels.gather_columns(w, ids))[:, :ids.numel()]  # (M, U): the full product's values there
-    values, at = exact.masked_fill_(~member, float("-inf")).max(dim=-1)
-    return values, ids[at]
+    return ids[exact.masked_fill_(~member, float("-inf")).argmax(dim=-1)]
 
 
 def _sums_may_overflow(xnorm: torch.Tensor, wmax: float) -> bool:
@@ -123,21 +114,17 @@ class Bf16Head:
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """linear(x, w).argmax(-1) for x (M, K) fp32: the GEMM's fp32 logits' argmax, bit for bit."""
-        return self.max(x)[1]
-
-    def max(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """linear(x, w).max(-1): (values (M,) fp32, ids (M,) int64), the GEMM's fp32 logits there."""
         x, w = x.contiguous(), self.weight
         if x.shape[0] < MIN_ROWS:  # few rows run fp32 products anyway
-            return full_max(x, w)
+            return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
         xnorm, wmax = _round_up(x.double().norm(dim=1)), float(self.row_norms.max())
         if _sums_may_overflow(xnorm, wmax):
-            return full_max(x, w)
+            return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
         k = x.shape[1]
         approx = cpu_kernels.panel_linear(x, w, bf16=True) if self.pairs is None else cpu_kernels.bf16_linear(x, self.pairs)
         ids, member = cpu_kernels.greedy_candidates(approx, xnorm, self.row_norms, bound_constant(k),
                                                     floor_term(k, float(xnorm.max()), wmax))
-        return _exact_max(x, w, ids, member)
+        return _exact_argmax(x, w, ids, member)
 
 
 class Int8Head:
@@ -162,16 +149,12 @@ class Int8Head:
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """linear(x, w).argmax(-1) for x (M, K) fp32: the GEMM's fp32 logits' argmax, bit for bit."""
-        return self.max(x)[1]
-
-    def max(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """linear(x, w).max(-1): (values (M,) fp32, ids (M,) int64), the GEMM's fp32 logits there."""
         x, w = x.contiguous(), self.weight
         if x.shape[0] < INT8_MIN_ROWS or _sums_may_overflow(x.double().norm(dim=1), self.wmax):
-            return full_max(x, w)
+            return cpu_kernels.panel_linear(x, w).argmax(dim=-1)
         ids, member = cpu_kernels.int8_candidates(*self.quantize(x), w, self.block_norms,
                                                   FLUSH * (w.shape[1] + 1))
-        return _exact_max(x, w, ids, member)
+        return _exact_argmax(x, w, ids, member)
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (M, K) fp32 -> (xu (M, K) uint8 codes + 128, xs (M, K/32) fp32 scales, eb (M, K/32),

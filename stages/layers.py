@@ -229,44 +229,33 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """logits = h Eᵀ over vocabulary rows [lo, hi) (the whole vocabulary, or a stage's part of a
-    head split across stages), E's rows split again across the TP ranks; shards are gathered."""
+    """logits = h Eᵀ with E split by vocabulary rows; shards are gathered to the full vocab."""
 
-    def __init__(self, rows: tuple[int, int], hidden: int, ctx: TPContext, dtype: torch.dtype) -> None:
+    def __init__(self, vocab: int, hidden: int, ctx: TPContext, dtype: torch.dtype) -> None:
         super().__init__()
-        start, end = shard_range(rows[1] - rows[0], ctx)
-        self.rows = (rows[0] + start, rows[0] + end)  # this TP rank's global vocabulary rows
-        self.first = rows[0]  # id of the gathered logits' column 0
+        lo, hi = shard_range(vocab, ctx)
         self.ctx = ctx
         self.products = "fp32"  # set_matmul_precision
-        self.weight = nn.Parameter(torch.empty(end - start, hidden, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(hi - lo, hidden, dtype=dtype), requires_grad=False)
         self.greedy: greedy.Int8Head | greedy.Bf16Head | None = None  # prepare_argmax
 
     def prepare_argmax(self) -> int:
-        """Make ``forward(h, argmax_only=True)`` and ``max`` take the exact greedy head (stages/greedy.py:
-        int8 or bf16 products, then the fp32 argmax exactly) where it can: one rank, fp32 products
-        asked for, the weight in the GEMM's panels, kernels with either product. Call once the
-        weight is final. Returns the bytes it keeps beside the weight (0: it cannot)."""
+        """Make ``forward(h, argmax_only=True)`` take the exact greedy head (stages/greedy.py: int8
+        or bf16 products, then the fp32 argmax exactly) where it can: one rank, fp32 products asked
+        for, the weight in the GEMM's panels, kernels with either product. Call once the weight is
+        final. Returns the bytes it keeps beside the weight (0: it cannot)."""
         self.greedy = None
         if self.ctx.size == 1 and self.products == "fp32":
             self.greedy = greedy.prepare(self.weight)
         return self.greedy.nbytes if self.greedy is not None else 0
 
     def forward(self, h: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
-        """(S, H) -> (S, hi − lo) logits, or with ``argmax_only`` the (S,) int64 vocabulary ids of
-        their float32 maxima (computed without the full fp32 product where prepare_argmax said so)."""
-        if argmax_only:
-            return self.max(h)[1]
-        return self.ctx.all_gather_last_dim(linear(h, self.weight, products=self.products))
-
-    def max(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(S, H) -> (values (S,) float32, ids (S,) int64): each row's largest logit over [lo, hi)
-        and its vocabulary id, ties to the lowest (as ``torch.argmax``)."""
-        if self.greedy is not None and cpu_kernels.usable(h):
-            values, ids = self.greedy.max(h)
-        else:
-            values, ids = self.forward(h).float().max(dim=-1)
-        return values, ids + self.first if self.first else ids
+        """(S, H) -> (S, V) logits, or with ``argmax_only`` the (S,) int64 argmax of their float32
+        values (the same ids, computed without the full fp32 product where prepare_argmax said so)."""
+        if argmax_only and self.greedy is not None and cpu_kernels.usable(h):
+            return self.greedy.argmax(h)
+        logits = self.ctx.all_gather_last_dim(linear(h, self.weight, products=self.products))
+        return logits.float().argmax(dim=-1) if argmax_only else logits
 
 
 LINEARS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)  # the modules whose products go through linear()

@@ -104,13 +104,8 @@ class DecoderLayer(nn.Module):
 
 
 class StageModel(nn.Module):
-    """head_rows: the vocabulary rows [lo, hi) of this stage's LM head; None: the whole vocabulary
-    on the last stage, none elsewhere. A head split across stages (ParallelConfig.head_split)
-    gives the first stage (0, cut) and the last (cut, V); the final norm stays on the last."""
-
     def __init__(self, cfg: ModelConfig, units: tuple[int, int], ctx: TPContext, dtype: torch.dtype,
-                 device: str, attention: str, is_first: bool, is_last: bool,
-                 head_rows: tuple[int, int] | None = None) -> None:
+                 device: str, attention: str, is_first: bool, is_last: bool) -> None:
         super().__init__()
         self.cfg, self.units, self.is_first, self.is_last = cfg, units, is_first, is_last
         self.layer_range = (units[0] // 2, (units[1] + 1) // 2)  # layers this stage holds a part of
@@ -122,10 +117,8 @@ class StageModel(nn.Module):
                                     for i in range(*self.layer_range))
         self.num_attention_layers = sum(layer.has_attn for layer in self.layers)  # each has a KV cache
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if is_last else None
-        if head_rows is None and is_last:
-            head_rows = (0, cfg.vocab_size)
-        self.lm_head = ParallelLMHead(head_rows, cfg.hidden_size, ctx, dtype) if head_rows else None
-        if is_first and is_last and cfg.tie_word_embeddings and head_rows == (0, cfg.vocab_size):
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, ctx, dtype) if is_last else None
+        if is_first and is_last and cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight  # one tensor, as in the checkpoint
         self.rope = rope
         self.layer_loop: LayerLoop | None = None  # prepare_layer_loop

@@ -30,12 +30,11 @@ def load_weights(model: torch.nn.Module, src: ModelSource, ctx: TPContext, nativ
     seen: set[int] = set()
     kept: dict[int, torch.nn.Parameter] = {}  # id(plain parameter) -> its panels
     total = 0
-    head_rows = model.lm_head.rows if getattr(model, "lm_head", None) is not None else None
     for name, param in model.weight_names().items():
         if id(param) in seen:  # tied embedding / LM head: one tensor under two names
             continue
         seen.add(id(param))
-        panels = _read_blocks(name, source, cfg, ctx, head_rows) if native else None
+        panels = _read_blocks(name, source, cfg, ctx) if native else None
         if panels is not None:
             if quant.panel_shape(panels) != tuple(param.shape):
                 raise ModelError(f"{name}: stored blocks hold {quant.panel_shape(panels)}, the model needs "
@@ -44,7 +43,7 @@ def load_weights(model: torch.nn.Module, src: ModelSource, ctx: TPContext, nativ
             total += panels.numel()
             continue
         with torch.no_grad():
-            param.copy_(_read_param(name, source, cfg, ctx, head_rows=head_rows))
+            param.copy_(_read_param(name, source, cfg, ctx))
         total += param.numel() * param.element_size()
     for mod in model.modules():  # the plain tensors (never written, so never resident) go
         if id(getattr(mod, "weight", None)) in kept:
@@ -76,14 +75,13 @@ class _BlockReader:
         return got[1]
 
 
-def _read_blocks(name: str, source: object, cfg: ModelConfig, ctx: TPContext,
-                 head_rows: tuple[int, int] | None) -> torch.Tensor | None:
+def _read_blocks(name: str, source: object, cfg: ModelConfig, ctx: TPContext) -> torch.Tensor | None:
     """This rank's shard of a GGUF matrix as quant panels, or None (keep it as floats)."""
     if not isinstance(source, GGUFSource) or not name.endswith(".weight") or name.rsplit(".", 2)[-2] not in _MATRICES:
         return None
     reader = _BlockReader(source)
     try:
-        raw = _read_param(name, reader, cfg, ctx, cat=np.concatenate, head_rows=head_rows)
+        raw = _read_param(name, reader, cfg, ctx, cat=np.concatenate)
     except _Unkept:
         return None
     if raw.shape[0] % quant.PANEL:  # an output size the panels do not cut
@@ -91,8 +89,7 @@ def _read_blocks(name: str, source: object, cfg: ModelConfig, ctx: TPContext,
     return quant.to_panels(raw, reader.qtypes.pop())
 
 
-def _read_param(name: str, source: object, cfg: ModelConfig, ctx: TPContext, cat: object = torch.cat,
-                head_rows: tuple[int, int] | None = None) -> torch.Tensor:
+def _read_param(name: str, source: object, cfg: ModelConfig, ctx: TPContext, cat: object = torch.cat) -> torch.Tensor:
     prefix, module, kind = ([""] + name.rsplit(".", 2))[-3:]  # "lm_head.weight" has no prefix
     if module in _FUSED:  # column parallel, fused: this rank's rows of each part, concatenated
         sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size) if module == "qkv_proj" else (cfg.intermediate_size,) * 2
@@ -101,8 +98,8 @@ def _read_param(name: str, source: object, cfg: ModelConfig, ctx: TPContext, cat
     if module in ("o_proj", "down_proj") and kind == "weight":  # row parallel: input columns
         full_in = cfg.q_size if module == "o_proj" else cfg.intermediate_size
         return source.read(name, cols=shard_range(full_in, ctx))
-    if module == "embed_tokens":  # vocab parallel: rows
+    if module in ("embed_tokens", "lm_head"):  # vocab parallel: rows
+        if module == "lm_head" and not source.has(name):  # tied embeddings
+            name = "model.embed_tokens.weight"
         return source.read(name, rows=shard_range(cfg.vocab_size, ctx))
-    if module == "lm_head":  # this rank's rows of its stage's part (ParallelLMHead.rows)
-        return source.read(name if source.has(name) else "model.embed_tokens.weight", rows=head_rows)  # or tied
     return source.read(name)

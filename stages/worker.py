@@ -4,11 +4,6 @@
 P2P-receive hidden states otherwise, shape from the plan) → run the stage's layers →
 send to the next stage, or (last stage) sample and return the token ids. The worker runs
 whatever plan it is given, in the order given; it never decides what runs.
-
-With the LM head split across the two ends (ParallelConfig.head_split) the last stage sends its
-sampled rows, normed, and its part's result back to stage 0 instead of sampling, and stage 0's
-``finish_head()``, which the executor calls once per plan in plan order when it wants that
-micro-batch's tokens, computes its part and samples.
 """
 from __future__ import annotations
 
@@ -16,7 +11,6 @@ import contextlib
 import ctypes
 import os
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,7 +24,7 @@ from stages.layers import TPContext, pack_linears, set_matmul_precision
 from stages.model import StageModel
 from stages.model_source import ModelSource
 from stages.op_timing import OpTimer, instrument
-from stages.sampler import is_greedy, sample, sample_hidden
+from stages.sampler import sample_hidden
 from stages.weights import load_weights
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,13 +95,11 @@ class StageWorker:
         self.units = spec.parallel.stage_units(cfg.num_layers)[spec.stage]  # half layers
         self.is_first = spec.stage == 0
         self.is_last = spec.stage == spec.parallel.pp - 1
-        self.split_head = bool(spec.parallel.head_split)  # the last stage's head finished on stage 0
-        self.head_cut = spec.parallel.head_rows(cfg.vocab_size)[0][1] if self.split_head else None
         self.tp = tp
         self.link = link
         with torch.device(self.device):
-            self.model = StageModel(cfg, self.units, tp, self.dtype, spec.device.device, spec.device.attention,
-                                    self.is_first, self.is_last, spec.parallel.head_rows(cfg.vocab_size)[spec.stage])
+            self.model = StageModel(cfg, self.units, tp, self.dtype, spec.device.device,
+                                    spec.device.attention, self.is_first, self.is_last)
         # GGUF blocks stay as stored where the CPU GEMM reads them (fp32 activations, kernels built)
         native = spec.device.gguf_weights == "native" and self.device.type == "cpu" \
             and self.dtype == torch.float32 and cpu_kernels.available()
@@ -123,7 +115,6 @@ class StageWorker:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = spec.cache.block_size
         self.timings: list[tuple[int, float, float, float]] = []  # (mb, t_ready, t_start, t_end)
-        self._heads: deque[MicroBatch] = deque()  # stage 0, head split: plans run whose tokens are not out
         # Per-op timing of ``time_ops`` micro-batches (an in-deployment profile): hooks exist only
         # while such batches run, so ordinary ones pay nothing for them.
         self.op_times: list[tuple[int, dict[str, float]]] = []
@@ -138,7 +129,6 @@ class StageWorker:
                 "attention": self.model.backend.name, "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "bf16_linears": self.reduced_linears["bf16"], "int8_linears": self.reduced_linears["int8"],
                 "bf16_attention": getattr(self.model.backend, "bf16", False),
-                "head_rows": list(self.model.lm_head.rows) if self.model.lm_head is not None else None,
                 "fused_elementwise": self.fused_elementwise}
 
     def _layer_bytes(self) -> int:
@@ -188,61 +178,14 @@ class StageWorker:
         tokens = None
         if not self.is_last:
             self.link.send_forward(h)
-        elif self.split_head:
-            self._send_head_part(h, _specs(mb))
         elif h.shape[0]:  # only sampled rows reach the LM head (every TP rank's part of it)
-            tokens = sample_hidden(self.model, h, _specs(mb))
+            tokens = sample_hidden(self.model, h, [c.sample for c in mb.chunks if c.sample is not None])
         else:
             tokens = []
-        if self.is_first and self.split_head:
-            self._heads.append(mb)
         self._sync()
         self.timings.append((mb.mb_id, t_ready, t_start, time.time()))
         if mb.time_ops:
             self.op_times.append((mb.mb_id, dict(self._op_timer.acc)))
-        return tokens if self.tp.rank == 0 else None
-
-    def _send_head_part(self, h: torch.Tensor, specs: list) -> None:
-        """Last stage, head split: the sampled rows normed (S, H) and this part's result to stage
-        0 — with every row greedy each row's (max logit, id) as (S, 2) float64 (both exact), else
-        the part's logits (S, V − cut) float32. Nothing when no row samples (finish_head's rule too)."""
-        if not specs:
-            return
-        hn = self.model.norm(h)
-        if all(is_greedy(s) for s in specs):
-            values, ids = self.model.lm_head.max(hn)
-            part = torch.stack([values.double(), ids.double()], dim=1)
-        else:
-            part = self.model.lm_head(hn).float()
-        self.link.send_to_first(hn)
-        self.link.send_to_first(part)
-
-    @torch.inference_mode()
-    def finish_head(self) -> list[int] | None:
-        """Stage 0, head split: the tokens of the oldest plan run whose tokens are not out yet, from
-        the last stage's rows and part (``_send_head_part``) and this stage's part of the head:
-        greedy rows take the larger maximum (ties: the lower id, stage 0's part), others sample
-        over both parts' logits side by side (the vocabulary in order). Its time is added to the
-        step record before it, so the records count it as this stage's work."""
-        mb = self._heads.popleft()
-        specs = _specs(mb)
-        if not specs:
-            return [] if self.tp.rank == 0 else None
-        s, cfg = len(specs), self.spec.source.config
-        greedy_rows = all(is_greedy(x) for x in specs)
-        hn = self.link.recv_from_last((s, cfg.hidden_size), self.dtype)
-        theirs = self.link.recv_from_last((s, 2) if greedy_rows else (s, cfg.vocab_size - self.head_cut),
-                                          torch.float64 if greedy_rows else torch.float32)
-        t0 = time.time()  # waiting for the last stage is idle time, not this stage's work
-        if greedy_rows:
-            values, ids = self.model.lm_head.max(hn)
-            tokens = torch.where(values.double() >= theirs[:, 0], ids, theirs[:, 1].long()).tolist()
-        else:
-            tokens = sample(torch.cat([self.model.lm_head(hn).float(), theirs], dim=1), specs)
-        self._sync()
-        if self.timings:  # the step before: the records count the head as this stage's busy time
-            m, t_ready, t_start, t_end = self.timings[-1]
-            self.timings[-1] = (m, t_ready, t_start, t_end + time.time() - t0)
         return tokens if self.tp.rank == 0 else None
 
     def drain_timings(self) -> list[tuple[int, float, float, float]]:
@@ -264,11 +207,6 @@ class StageWorker:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-def _specs(mb: MicroBatch) -> list:
-    """The sampling specs of the plan's sampled rows, in row order."""
-    return [c.sample for c in mb.chunks if c.sample is not None]
 
 
 def _drain(records: list) -> list:

@@ -228,7 +228,7 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     def run_once(llm: Fake, items: list, policy: str, chunk: int, budget: str, admission: str) -> float:
         assert budget == "flops"
         calls.append((policy, llm.pp))
-        assert chunk == (256 if llm.pp == 1 else 128)  # each pp runs at its own chunk
+        assert chunk == {1: 256, 2: 128}[llm.pp]  # each pp runs at its own chunk
         return walls[llm.pp][sum(1 for p, pp in calls if p == policy and pp == llm.pp) - 1]
 
     monkeypatch.setattr(ps, "run_once", run_once)
@@ -254,26 +254,14 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     assert r["rounds"]["orca"]["efficiency"] == pytest.approx([10 / 12, 1.5, 0.8])  # each its own rounds
     # sarathi runs once per chunk budget, the others (which do not chunk) once
     assert ps.variants(["sarathi", "orca"], ["flops", "tokens"]) == [
-        ("sarathi", "sarathi", "flops", "fcfs", 0.0), ("sarathi[tokens]", "sarathi", "tokens", "fcfs", 0.0),
-        ("orca", "orca", "flops", "fcfs", 0.0)]
+        ("sarathi", "sarathi", "flops", "fcfs"), ("sarathi[tokens]", "sarathi", "tokens", "fcfs"),
+        ("orca", "orca", "flops", "fcfs")]
     # ... and every policy once per admission order, labelled by what differs from the first
     assert ps.variants(["sarathi", "orca"], ["flops", "tokens"], ["longest_first", "fcfs"]) == [
-        ("sarathi", "sarathi", "flops", "longest_first", 0.0), ("sarathi[fcfs]", "sarathi", "flops", "fcfs", 0.0),
-        ("sarathi[tokens]", "sarathi", "tokens", "longest_first", 0.0),
-        ("sarathi[tokens,fcfs]", "sarathi", "tokens", "fcfs", 0.0),
-        ("orca", "orca", "flops", "longest_first", 0.0), ("orca[fcfs]", "orca", "flops", "fcfs", 0.0)]
-    # ... and once per pp=2 head split, each pp=2 deployment paired with its own pp=1 run
-    runs = ps.variants(["sarathi"], ["flops"], ["fcfs"], [0.0, 0.5])
-    assert runs == [("sarathi", "sarathi", "flops", "fcfs", 0.0), ("sarathi[head 0.5]", "sarathi", "flops", "fcfs", 0.5)]
-    calls.clear()
-    split = Fake(2)
-    split.pp = "2 split"  # told apart in calls; its walls are pp=2's
-    walls["2 split"] = [3.0, 4.0, 5.0]
-    r = {"throughput_tok_s": {}, "efficiency": {}}
-    ps.paired_runs({1: Fake(1), 2: Fake(2), ps.pp2_key(0.5): split}, [], 120, runs, 1, {1: 256, 2: 128}, r)
-    assert calls == [("sarathi", 1), ("sarathi", 2), ("sarathi", 1), ("sarathi", "2 split")]
-    assert r["efficiency"]["sarathi[head 0.5]"] == pytest.approx(12 / (2 * 3.0))
-    assert "sarathi[head 0.5]" in r["head_split_pp2"]
+        ("sarathi", "sarathi", "flops", "longest_first"), ("sarathi[fcfs]", "sarathi", "flops", "fcfs"),
+        ("sarathi[tokens]", "sarathi", "tokens", "longest_first"),
+        ("sarathi[tokens,fcfs]", "sarathi", "tokens", "fcfs"),
+        ("orca", "orca", "flops", "longest_first"), ("orca[fcfs]", "orca", "flops", "fcfs")]
 
 
 def test_pairing_alternates_and_takes_the_median_of_ratios() -> None:

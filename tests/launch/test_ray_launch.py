@@ -78,29 +78,13 @@ def test_half_layer_partition_with_tensor_parallel_matches_hf(cluster: object, h
     assert layers == [(0, (0, 1.5)), (1, (1.5, 4))]
 
 
-def test_head_split_with_tensor_parallel_matches_hf(cluster: object, hf_models: dict, reference: tuple) -> None:
-    """The LM head split across the two ends (head_split), each end's part TP-sharded over 2 ranks:
-    stage 0's ranks finish the head from the rows the last stage's ranks send back; the same
-    greedy tokens as Hugging Face, with tokens coming back from stage 0."""
-    prompts, expected = reference
-    with LLM(model=str(hf_models["llama"]), pp=2, tp=2, launcher="ray", memory_budget_gb=0.05, max_batch_size=4,
-             chunk_size=5, head_split=0.5) as llm:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
-        rows = sorted((w["stage"], w["tp_rank"], tuple(w["head_rows"])) for w in llm.workers_info())
-    assert [o.token_ids for o in outs] == expected
-    assert rows == [(0, 0, (0, 64)), (0, 1, (64, 128)), (1, 0, (128, 192)), (1, 1, (192, 256))]
-
-
-@pytest.mark.parametrize("pp, partition, head_split", ((2, None, 0.0), (3, None, 0.0), (2, (15.5, 14.5), 0.0),
-                                                       (2, None, 0.5)))
-def test_embedded_model_pipeline(cluster: object, pp: int, partition: tuple[float, ...] | None,
-                                 head_split: float) -> None:
+@pytest.mark.parametrize("pp, partition", ((2, None), (3, None), (2, (15.5, 14.5))))
+def test_embedded_model_pipeline(cluster: object, pp: int, partition: tuple[float, ...] | None) -> None:
     prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 28], [504, 3575, 282, 4649, 314]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     with LLM(memory_budget_gb=1.0, max_model_len=512) as one:
         expected = [o.token_ids for o in one.generate(prompts, params)]
-    with LLM(pp=pp, launcher="ray", memory_budget_gb=1.0, max_model_len=512, chunk_size=3, partition=partition,
-             head_split=head_split) as llm:
+    with LLM(pp=pp, launcher="ray", memory_budget_gb=1.0, max_model_len=512, chunk_size=3, partition=partition) as llm:
         got = [o.token_ids for o in llm.generate(prompts, params)]
         layers = [w["layers"] for w in llm.workers_info()]
         nodes = {w["node"] for w in llm.workers_info()}

@@ -71,17 +71,3 @@ def test_torchrun_two_nodes_on_loopback(requests_file: tuple, tmp_path: Path) ->
     with LLM(model="llama-tiny", chunk_size=7, memory_budget_gb=0.05) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=9, ignore_eos=True))]
     assert read_tokens(out) == expected
-
-
-def test_torchrun_head_split_matches_local(requests_file: tuple, tmp_path: Path) -> None:
-    """--head-split: rank 0 (stage 0) finishes the LM head from the rows stage 1 sends back and
-    writes the same tokens as one process."""
-    path, prompts = requests_file
-    out = tmp_path / "out.jsonl"
-    proc = run(TORCHRUN + ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-                           str(free_port())] + ARGS + ["--head-split", "0.5", "--input", str(path), "--output", str(out)])
-    log, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, log[-3000:]
-    with LLM(model="llama-tiny", chunk_size=7, memory_budget_gb=0.05) as llm:
-        expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=9, ignore_eos=True))]
-    assert read_tokens(out) == expected

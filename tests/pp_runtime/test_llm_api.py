@@ -17,7 +17,6 @@ import pytest
 from pp_runtime.llm import LLM
 from pp_runtime.request import SamplingParams
 from pp_runtime.run_outputs import StreamOutput
-from tests.conftest import mixed_prompts
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=9, temperature=0.8, top_k=40, seed=7, ignore_eos=True)
@@ -351,33 +350,3 @@ def test_half_layer_partitions_generate_what_one_stage_does(partition: tuple) ->
     with LLM(pp=len(partition), partition=partition, **kw) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
         assert llm.memory.num_blocks >= blocks  # the stages with attention hold fewer layers' K/V each
-
-
-@pytest.mark.parametrize("arch", ("llama", "qwen2"))  # qwen2: tied embeddings (stage 0 reads its part of them)
-@pytest.mark.parametrize("pp, share", ((2, 0.5), (2, 0.1), (3, 0.9)))
-def test_a_head_split_across_stages_gives_the_same_tokens(hf_models: dict, arch: str, pp: int, share: float) -> None:
-    """ParallelConfig.head_split: stage 0 computes vocabulary rows [0, cut) of the LM head, the last
-    stage the rest and sends its sampled rows back; greedy and seeded sampled tokens are those of
-    one stage, bit for bit, and stage 0's step records hold the head's time."""
-    prompts = mixed_prompts()
-    params = [SamplingParams(max_tokens=6, ignore_eos=True),
-              SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7)]
-    kw = dict(model=str(hf_models[arch]), launcher="local", chunk_size=16, max_batch_size=4, memory_budget_gb=0.05)
-    with LLM(**kw) as one:
-        expected = [[o.token_ids for o in one.generate(prompts, p)] for p in params]
-    with LLM(pp=pp, head_split=share, **kw) as llm:
-        got = [[o.token_ids for o in llm.generate(prompts, p)] for p in params]
-        rows = [w["head_rows"] for w in llm.workers_info()]
-    assert got == expected
-    cut = rows[0][1]
-    assert rows[0][0] == 0 and rows[-1] == [cut, 256] and rows[1:-1] == [None] * (pp - 2)
-    assert cut % 16 == 0 and 16 <= cut <= 240 and abs(cut - share * 256) <= 8
-
-
-def test_head_split_names_what_is_wrong() -> None:
-    kw = dict(model="llama-tiny", launcher="local", memory_budget_gb=0.05)
-    with pytest.raises(ValueError, match="head_split needs pp > 1"):
-        LLM(head_split=0.5, **kw)
-    for bad in (1.0, -0.1, True):
-        with pytest.raises(ValueError, match="head_split must be a share in"):
-            LLM(pp=2, head_split=bad, **kw)

@@ -281,23 +281,3 @@ def test_medium_precision_keeps_its_bf16_logits(tmp_path_factory: pytest.TempPat
     h = torch.randn(20, model.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         assert torch.equal(model.argmax_tokens(h), model.logits(h).argmax(dim=-1))
-
-
-@pytest.mark.parametrize("kind", ["s8", "u4", "fp32"])
-@pytest.mark.parametrize("m", [1, 5, 13, 37])
-def test_max_of_two_vocabulary_parts_is_the_whole_heads(isa: str, threads: int, kind: str, m: int) -> None:
-    """A head split across stages (ParallelConfig.head_split): each part's ``max`` gives the fp32
-    logits' values bit for bit, and the larger of the two parts' maxima, ties to the first part's,
-    is the whole product's argmax (the cut falls between tied rows 700 and 2000)."""
-    p, w = weight(kind)
-    x = rows(m, w, seed=10 + m)
-    full = cpu_kernels.panel_linear(x, p)
-    cut = 64  # panels: vocabulary rows [0, 1024) and [1024, N)
-    for h in heads(p):
-        values, ids = h.max(x)
-        assert torch.equal(ids, full.argmax(dim=-1)) and torch.equal(values, full.gather(1, ids[:, None])[:, 0])
-    parts = [(heads(p[:cut]), 0), (heads(p[cut:]), cut * cpu_kernels.PANEL)]
-    for i in range(len(parts[0][0])):  # the same kind of head on both parts
-        (v0, i0), (v1, i1) = (hs[i].max(x) for hs, _ in parts)
-        token = torch.where(v0 >= v1, i0, i1 + parts[1][1])
-        assert torch.equal(token, full.argmax(dim=-1)), type(parts[0][0][i]).__name__
