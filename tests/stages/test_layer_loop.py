@@ -241,8 +241,8 @@ def test_only_the_sampled_rows_go_past_the_last_attention(hf_models: dict, parti
         assert all(torch.equal(a, b) for a, b in zip(caches_c[1], caches_p[1]))
         tol = KEEP_TOL[precision]
         torch.testing.assert_close(kept_c, full_c[keep], rtol=tol, atol=tol)
+    first = worker(str(hf_models["llama"]), pp=2, stage=0, partition=(2, 2))  # built outside: only the call may raise
+    meta = build_metadata(STEPS["decodes"], BLOCK, first.device)
     with pytest.raises(ValueError, match="last stage"):
-        first = worker(str(hf_models["llama"]), pp=2, stage=0, partition=(2, 2))
-        meta = build_metadata(STEPS["decodes"], BLOCK, first.device)
         first.model(torch.tensor([c.token_ids[0] for c in STEPS["decodes"]]), meta, first.kv_caches,
                     keep=torch.tensor([0]))
