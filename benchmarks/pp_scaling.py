@@ -12,13 +12,18 @@
 For sarathi and orca: the same requests (total lengths Zipf θ = 0.4 in --min-len..--max-len,
 P:D = 10, all at t = 0) at pp=1 (in process, one thread) and pp=2 (two Ray workers, one
 thread each); throughput = (prompt + generated tokens) / wall seconds, and the pipeline
-efficiency tput(pp=2) / (2 × tput(pp=1)) (target ≥ 0.9 for sarathi). sarathi's chunk budget is
-"flops" (the default: a chunk deep into its prompt takes fewer tokens, so micro-batches take
-equally long and stages do not wait on each other); --chunk-budgets flops,tokens also runs
+efficiency tput(pp=2) / (2 × tput(pp=1)) (target ≥ 0.9 for sarathi). sarathi's chunk budget
+counts cost, not tokens ("flops": a chunk deep into its prompt takes fewer tokens, so micro-batches
+take about equally long and stages wait less on each other); --chunk-budgets fit,tokens also runs
 SARATHI's plain token budget, paired the same way, labelled sarathi[tokens]; --admissions
 fcfs,longest_first runs each scheduler under both admission orders (longest_first: most
 max_tokens first, so the longest decodes finish beside later prompts' chunks rather than in the
-drain), labelled [longest_first]. Same batch size and KV
+drain), labelled [longest_first]. Budget "fit" (the default) is "flops" with measured costs: what a
+prompt key, a decode row and a decode key cost on this box, fitted to pp=1's warm-up run
+(pp_runtime/cost_fit.py, SchedulerConfig.step_costs); at pp=2 each micro-batch's chunk then gets
+what its decodes leave of a fresh chunk's measured cost, so consecutive micro-batches take equally
+long and the two stages, which wait on each other's steps, idle less; pp=1, one micro-batch in
+flight, runs as under "flops" (--chunk-budgets fit,flops pairs the two). Same batch size and KV
 budget everywhere, and the same chunk unless --pp2-chunk gives pp=2 its own: at pp=2 each
 request decodes once per two micro-batches, so a chunk half as long keeps a round trip's mix of
 prompt and decode tokens what it is at pp=1 (SARATHI sizes the chunk from the P:D ratio and the
@@ -65,8 +70,12 @@ from launch.parser import parse_partition
 from pairing import alternating, ratios  # same directory: run as a script
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.config import ADMISSIONS, CHUNK_BUDGETS, KV_DTYPES, MATMUL_PRECISIONS
+from pp_runtime.cost_fit import fit_step_costs, samples_from_run
 from pp_runtime.workload import generate_workload
 from pp_runtime.workload_config import WorkloadConfig
+
+
+BUDGETS = CHUNK_BUDGETS + ("fit",)  # fit: "flops" with measured step costs (run_once)
 
 
 def zipf_workload(num_requests: int, min_len: int, max_len: int) -> WorkloadConfig:
@@ -86,8 +95,11 @@ def deployments(stack: contextlib.ExitStack, model: str | None, chunk: int, max_
     return {pp: stack.enter_context(LLM(pp=pp, **own[pp], **common)) for pp in (1, 2)}
 
 
-def run_once(llm: LLM, items: list, policy: str, chunk: int, budget: str = "flops", admission: str = "fcfs") -> float:
-    llm.reconfigure(policy=policy, chunk_size=chunk, chunk_budget=budget, admission=admission)
+def run_once(llm: LLM, items: list, policy: str, chunk: int, budget: str = "flops", admission: str = "fcfs",
+             costs: Sequence[float] = ()) -> float:
+    """One run of ``items``, wall seconds. budget "fit": "flops" with ``costs`` as step_costs."""
+    llm.reconfigure(policy=policy, chunk_size=chunk, chunk_budget="flops" if budget == "fit" else budget,
+                    admission=admission, step_costs=tuple(costs) if budget == "fit" else ())
     reqs = [llm.make_request(it.request_id, it.prompt_token_ids,
                              SamplingParams(max_tokens=it.max_tokens, ignore_eos=True)) for it in items]
     t = time.perf_counter()
@@ -211,7 +223,7 @@ def paired_runs(llms: dict[int, LLM], items: list, tokens: int, runs: list[tuple
         for pp in (1, 2) if k % 2 == 0 else (2, 1):
             llm = llms[pp]
             llm.executor.drain_timings()
-            wall = run_once(llm, items, policy, chunks[pp], budget, admission)
+            wall = run_once(llm, items, policy, chunks[pp], budget, admission, r.get("step_costs") or ())
             per[label][pp].append(tokens / wall)
             print(f"{label:15s} pp={pp} round {k}: {tokens} tokens in {wall:7.1f} s = {tokens / wall:6.1f} tok/s",
                   flush=True)
@@ -264,9 +276,10 @@ def main() -> None:
                     help="medium: products of > 12 rows (prefill chunks, decode batches of 13+) on bf16 inputs "
                          "(AVX512-BF16)")
     ap.add_argument("--schedulers", default="sarathi,orca")
-    ap.add_argument("--chunk-budgets", default="flops",
-                    help="sarathi's chunk budgets to run, comma separated (flops,tokens: both, paired; the "
-                         "first is the one reported as sarathi)")
+    ap.add_argument("--chunk-budgets", default="fit",
+                    help="sarathi's chunk budgets to run, comma separated (fit,flops: both, paired; the first "
+                         "is the one reported as sarathi): fit (flops with the step costs fitted to pp=1's warm-up, "
+                         "SchedulerConfig.step_costs: at pp=2 micro-batches of equal measured cost), flops, tokens")
     ap.add_argument("--admissions", default="fcfs",
                     help="admission orders to run, comma separated (fcfs,longest_first: both, paired; the first "
                          "is the one reported unlabelled). longest_first starts the most max_tokens first, so "
@@ -280,9 +293,9 @@ def main() -> None:
     wl = zipf_workload(a.num_requests, a.min_len, a.max_len)
     policies = a.schedulers.split(",")
     budgets = a.chunk_budgets.split(",")
-    bad = [b for b in budgets if b not in CHUNK_BUDGETS]
+    bad = [b for b in budgets if b not in BUDGETS]
     if bad:
-        ap.error(f"--chunk-budgets: {', '.join(bad)} not among {', '.join(CHUNK_BUDGETS)}")
+        ap.error(f"--chunk-budgets: {', '.join(bad)} not among {', '.join(BUDGETS)}")
     admissions = a.admissions.split(",")
     bad = [x for x in admissions if x not in ADMISSIONS]
     if bad:
@@ -306,7 +319,13 @@ def main() -> None:
             # A whole unmeasured run each: a process's first run is 2-8% slower (the OS faults in and
             # zeroes the KV cache's pages as blocks are first written), which would flatter whichever
             # side pays it more in round 0.
-            run_once(llm, items, policy, chunks[pp], budget, admission)
+            llm.executor.drain_timings()
+            run_once(llm, items, policy, chunks[pp], budget, admission, r.get("step_costs") or ())
+            if pp == 1 and "fit" in budgets:
+                r["step_costs"] = fit_step_costs(samples_from_run(llm.engine.history, llm.executor.drain_timings()))
+                print("step costs fitted to pp=1's warm-up (fresh prompt tokens per prompt key, decode row, decode "
+                      "key): " + ("too few micro-batches, the FLOPs budget's" if r["step_costs"] is None else
+                                  ", ".join(f"{c:.3g}" for c in r["step_costs"])), flush=True)
         paired_runs(llms, items, tokens, runs, a.rounds, chunks, r)
         r["memory_pp2"] = memory(llms[2])
     print("pipeline efficiency tput(pp=2) / (2 × tput(pp=1)), median of paired rounds, target >= 0.9 for sarathi: "

@@ -182,6 +182,17 @@ class SchedulerConfig:
       micro-batches chunks to ride on, instead of decoding alone in few-row micro-batches after
       the last prompt (pp = 2, 48 P:D = 10 Zipf requests: docs/BENCHMARKS.md, target 4). A
       preempted request keeps its place at the head of the queue either way.
+    step_costs: measured costs for the "flops" budget in a pipeline, in fresh prompt tokens (a
+      prompt token's linear layers = 1): (per key a prompt token attends to, per decode row, per
+      key a decode attends to), as ``pp_runtime.cost_fit`` fits them to a run's step times. Empty
+      (default): the model's FLOPs key cost, decodes uncharged. Set, and with more than one
+      micro-batch in flight, sarathi's micro-batches are equal in measured cost: the chunk gets
+      what the decodes beside it leave of a fresh C-token chunk's cost (at least one token's).
+      A pipeline's stages wait on each other's unequal steps, and the FLOPs budget left them
+      unequal: it does not count the decodes (on this CPU 2–3 tokens' time each at ~700 keys,
+      their attention reading K/V far below the FLOP rate) and prices a prompt key at 0.6 of its
+      measured time (int8 + fp8 K/V; docs/BENCHMARKS.md, target 4). One micro-batch in flight
+      waits on nobody: unchanged there.
     """
 
     policy: str = "sarathi"
@@ -192,6 +203,7 @@ class SchedulerConfig:
     max_running: int = 0
     chunk_budget: str = "flops"
     admission: str = "fcfs"
+    step_costs: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULER_POLICIES:
@@ -206,6 +218,12 @@ class SchedulerConfig:
         _positive(self, "chunk_size", "max_batch_size", "max_model_len")
         if self.max_running < 0:
             raise ValueError(f"SchedulerConfig.max_running must be ≥ 0 (0: max_batch_size), got {self.max_running}")
+        costs = self.step_costs
+        if not isinstance(costs, (tuple, list)) or (costs and (len(costs) != 3 or not all(
+                isinstance(c, numbers.Real) and not isinstance(c, bool) and 0 <= c < float("inf") for c in costs))):
+            raise ValueError("SchedulerConfig.step_costs must be empty or 3 finite numbers ≥ 0 (prompt key, "
+                             f"decode row, decode key), got {costs!r}")
+        object.__setattr__(self, "step_costs", tuple(costs))  # a list (from JSON, YAML) compares equal to none
         if self.policy == "sarathi" and self.tile_align and self.chunk_size < self.max_batch_size:
             raise ValueError(f"SchedulerConfig.chunk_size={self.chunk_size} must be ≥ max_batch_size="
                              f"{self.max_batch_size} with tile_align (decodes alone would exceed C)")

@@ -31,7 +31,8 @@ from pp_runtime.scheduler import Scheduler
 from pp_runtime.workers import keep_sigterm_handler, kill_workers, make_executor
 
 DEFAULT_MAX_BATCH = 64
-RECONFIGURABLE = ("policy", "chunk_size", "max_batch_size", "tile_align", "chunk_budget", "admission")
+RECONFIGURABLE = ("policy", "chunk_size", "max_batch_size", "tile_align", "chunk_budget", "admission",
+                  "step_costs")
 SHUT_DOWN = "shut down"
 
 
@@ -107,8 +108,8 @@ class LLM:
         return self._tokenizer
 
     def reconfigure(self, **changes: object) -> None:
-        """Change the driver-side scheduling (policy, chunk_size, max_batch_size, tile_align, chunk_budget, admission)
-        between runs, keeping the workers and their weights: ``bench`` compares schedulers this way.
+        """Change the driver-side scheduling (policy, chunk_size, max_batch_size, tile_align, chunk_budget, admission,
+        step_costs) between runs, keeping the workers and their weights: ``bench`` compares schedulers this way.
         Anything else is fixed by the workers (max_model_len: their positions and KV pool)."""
         bad = sorted(set(changes) - set(RECONFIGURABLE))
         if bad:

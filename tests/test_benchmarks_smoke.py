@@ -124,13 +124,15 @@ def test_cuda_paged_decode_smoke(tmp_path: Path) -> None:
 
 def test_pp_scaling_smoke(tmp_path: Path) -> None:
     png = tmp_path / "pp_scaling.png"
-    r = run(["benchmarks/pp_scaling.py", "--smoke", "--chunk-budgets", "flops,tokens", "--plot", str(png),
+    r = run(["benchmarks/pp_scaling.py", "--smoke", "--chunk-budgets", "fit,tokens", "--plot", str(png),
              "--pp2-partition", "2.5,1.5", "--admissions", "fcfs,longest_first"], tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     labels = {"sarathi", "sarathi[tokens]", "orca", "sarathi[longest_first]", "sarathi[tokens,longest_first]",
               "orca[longest_first]"}
     assert set(r["throughput_tok_s"]) == {f"{x}_pp{pp}" for x in labels for pp in (1, 2)}
     assert set(r["efficiency"]) == labels and r["admissions"] == ["fcfs", "longest_first"]
+    # fitted to pp=1's warm-up (too few micro-batches at smoke size gives None: the FLOPs budget)
+    assert r["chunk_budgets"] == ["fit", "tokens"] and (r["step_costs"] is None or len(r["step_costs"]) == 3)
     for pp in ("pp1", "pp2"):  # the phases add up to the work done
         ph = r["phases"][pp]
         assert ph["prefill_s"] > 0 and ph["drain_s"] >= 0 and ph["piggybacked_decodes"] + ph["decode_only_decodes"] > 0
@@ -225,7 +227,8 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     walls = {1: [10.0, 12.0, 8.0], 2: [6.0, 4.0, 5.0]}  # seconds per round
     calls = []
 
-    def run_once(llm: Fake, items: list, policy: str, chunk: int, budget: str, admission: str) -> float:
+    def run_once(llm: Fake, items: list, policy: str, chunk: int, budget: str, admission: str,
+                 costs: tuple[float, ...] = ()) -> float:
         assert budget == "flops"
         calls.append((policy, llm.pp))
         assert chunk == {1: 256, 2: 128}[llm.pp]  # each pp runs at its own chunk

@@ -200,7 +200,16 @@ def test_run_dir_records_the_scheduling_the_run_ran_under(llm: LLM, tmp_path: Pa
     finally:
         llm.reconfigure(admission="fcfs", chunk_budget="flops")
     summary = write_run_dir(str(tmp_path), llm)
-    assert (summary["admission"], summary["chunk_budget"]) == ("longest_first", "tokens")
+    assert (summary["admission"], summary["chunk_budget"], summary["step_costs"]) == ("longest_first", "tokens", [])
+    # measured step costs (pp = 2 here: they apply) reshape the micro-batches, not the tokens
+    with pytest.raises(ValueError, match="SchedulerConfig.step_costs must be empty or 3 finite numbers"):
+        llm.reconfigure(step_costs=(0.1, -1.0, 0.0))
+    try:
+        llm.reconfigure(step_costs=(0.01, 0.5, 0.05))
+        assert [fields(o) for o in llm.generate(ps, params)] == expected
+    finally:
+        llm.reconfigure(step_costs=())
+    assert write_run_dir(str(tmp_path / "costs"), llm)["step_costs"] == [0.01, 0.5, 0.05]
 
 
 def test_stage_failure_ends_the_run_with_its_error_and_marks_the_llm_broken(monkeypatch: pytest.MonkeyPatch) -> None:

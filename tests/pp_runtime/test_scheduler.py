@@ -183,8 +183,11 @@ class FakePipeline:
         if self.ample_kv:
             assert n_dec == min(len(pre["ready"]), decode_cap), "decode-maximal: every ready decode up to the share rides along"
             budget = cfg.chunk_size - (n_dec if cfg.tile_align else 0)
-            key_cost = self.sched.key_cost if cfg.chunk_budget == "flops" else 0.0
-            expected = greedy_fill(pre["offered"], budget, cfg.max_batch_size - n_dec, key_cost)
+            key_cost, spent = self.sched.key_cost if cfg.chunk_budget == "flops" else 0.0, 0.0
+            if cfg.chunk_budget == "flops" and cfg.step_costs and self.sched.depth > 1:
+                key_cost, row, key = cfg.step_costs  # each decode costs its row and its keys (start + 1)
+                spent = sum(row + key * (c.start + 1) for c in mb.chunks if not c.is_prefill)
+            expected = greedy_fill(pre["offered"], budget, cfg.max_batch_size - n_dec, key_cost, spent)
             assert mb.prefill_tokens == expected, "decode-maximal: prefill chunks fill the rest of the budget"
             if pre["offered"] and cfg.max_batch_size > 1:
                 assert mb.prefill_tokens > 0
@@ -249,12 +252,14 @@ class FakePipeline:
             [r for r in self.sched.waiting if not r.num_preemptions], "a preempted request queued behind a newcomer"
 
 
-def greedy_fill(offered: list[tuple[int, int]], budget: int, slots: int, key_cost: float = 0.0) -> int:
+def greedy_fill(offered: list[tuple[int, int]], budget: int, slots: int, key_cost: float = 0.0,
+                spent: float = 0.0) -> int:
     """Prefill tokens sarathi should take: FCFS, each candidate (start, tokens left) up to the
     token budget left and, with key_cost, the cost left: a token at position p costs 1 + key_cost
-    · (p + 1), and the cost budget is a fresh chunk's, positions 0 .. budget − 1. Token by token,
-    independently of the scheduler's closed form; the first chunk takes at least one token."""
-    cost = sum(1 + key_cost * (p + 1) for p in range(budget))
+    · (p + 1), and the cost budget is a fresh chunk's, positions 0 .. budget − 1, less what the
+    decodes spent (step_costs), but at least one fresh token's. Token by token, independently of
+    the scheduler's closed form; the first chunk takes at least one token."""
+    cost = max(sum(1 + key_cost * (p + 1) for p in range(budget)) - spent, 1 + key_cost)
     taken = 0
     for start, n in offered[:max(0, slots)]:
         if budget <= 0 or cost <= 0:
@@ -285,9 +290,12 @@ def make_requests(lengths: list[int], max_tokens: int | list[int], seed: int = 0
 
 def make_scheduler(policy: str, chunk: int, mbs: int, num_blocks: int = HUGE_KV, block_size: int = 4,
                    tile_align: bool = False, max_model_len: int = 4096, depth: int = 1,
-                   key_cost: float = 0.0, admission: str = "fcfs") -> Scheduler:
-    cfg = SchedulerConfig(policy, chunk, mbs, tile_align, max_model_len, admission=admission)
-    return Scheduler(cfg, BlockManager(num_blocks, block_size), eos_token_ids=(EOS,), depth=depth, key_cost=key_cost)
+                   key_cost: float | tuple[float, ...] = 0.0, admission: str = "fcfs") -> Scheduler:
+    """key_cost: the model's, or a tuple: measured step_costs (beside the model's KEY_COST)."""
+    costs = key_cost if isinstance(key_cost, tuple) else ()
+    cfg = SchedulerConfig(policy, chunk, mbs, tile_align, max_model_len, admission=admission, step_costs=costs)
+    return Scheduler(cfg, BlockManager(num_blocks, block_size), eos_token_ids=(EOS,), depth=depth,
+                     key_cost=KEY_COST if costs else key_cost)
 
 
 def run_workload(policy: str, pp: int, chunk: int, reqs: list[Request], mbs: int = 4, **kw: object) -> FakePipeline:
@@ -313,10 +321,13 @@ LENGTHS = [5, 23, 1, 70, 12, 41, 3, 9]
 # KEY_COST: sarathi's "flops" budget with a key weight large enough to bite at these lengths (a
 # token at position 64 costs 2.3), and its cost floor (C = 1: no token fits, one is taken anyway)
 KEY_COST = 0.02
+# STEP_COSTS: measured costs (prompt key, decode row, decode key) that bite too: a decode at
+# position 40 costs 2.5 tokens, so at C = 7 two decodes leave the chunk its one-token floor
+STEP_COSTS = (0.01, 0.5, 0.05)
 CASES = [(policy, pp, chunk, tile, kc)
          for policy in POLICIES for pp in (1, 2, 3) for chunk in (1, 7, 64)
          for tile in ((False, True) if policy == "sarathi" else (False,))
-         for kc in ((0.0, KEY_COST) if policy == "sarathi" else (0.0,))]
+         for kc in ((0.0, KEY_COST, STEP_COSTS) if policy == "sarathi" else (0.0,))]
 
 
 def case_mbs(chunk: int, tile: bool) -> int:
@@ -326,7 +337,7 @@ def case_mbs(chunk: int, tile: bool) -> int:
 # ---- every policy: budgets, in-flight rules, completion, outputs -----------------------------
 @pytest.mark.parametrize("policy, pp, chunk, tile, kc", CASES)
 def test_all_finish_with_oracle_outputs_and_invariants(policy: str, pp: int, chunk: int, tile: bool,
-                                                        kc: float) -> None:
+                                                        kc: float | tuple[float, ...]) -> None:
     reqs = make_requests(LENGTHS, [1, 6, 12, 4, 9, 2, 7, 5])
     pipe = FakePipeline(make_scheduler(policy, chunk, case_mbs(chunk, tile), tile_align=tile, key_cost=kc), pp,
                         ample_kv=True)
@@ -339,7 +350,8 @@ def test_all_finish_with_oracle_outputs_and_invariants(policy: str, pp: int, chu
 
 
 @pytest.mark.parametrize("policy, pp, chunk, tile, kc", CASES)
-def test_stops_at_eos_and_stop_ids(policy: str, pp: int, chunk: int, tile: bool, kc: float) -> None:
+def test_stops_at_eos_and_stop_ids(policy: str, pp: int, chunk: int, tile: bool,
+                                   kc: float | tuple[float, ...]) -> None:
     # 16 prompts, 40 tokens each at most: some hit EOS or a stop id first, others run to the length
     # limit (asserted below), so both paths run.
     reqs = make_requests(LENGTHS * 2, 40, seed=3, ignore_eos=False, stop=(5, 11))
@@ -358,8 +370,8 @@ def test_stops_at_eos_and_stop_ids(policy: str, pp: int, chunk: int, tile: bool,
 
 @pytest.mark.parametrize("admission", ADMISSIONS)
 @pytest.mark.parametrize("policy, pp, chunk, tile, kc", CASES)
-def test_preemption_under_tiny_kv_changes_no_output(policy: str, pp: int, chunk: int, tile: bool, kc: float,
-                                                    admission: str) -> None:
+def test_preemption_under_tiny_kv_changes_no_output(policy: str, pp: int, chunk: int, tile: bool,
+                                                    kc: float | tuple[float, ...], admission: str) -> None:
     lengths, max_tokens = [9, 14, 3, 20, 6, 11], [12, 8, 16, 5, 10, 9]
     big = run_workload(policy, pp, chunk, make_requests(lengths, max_tokens), mbs=case_mbs(chunk, tile),
                        tile_align=tile, key_cost=kc, admission=admission)
@@ -661,6 +673,28 @@ def test_flops_budget_still_caps_tokens_at_c() -> None:
         < chunk_cost(0, 16, KEY_COST)
     assert max(m.prefill_tokens for m in pipe.history) == 16
     assert_matches_oracle(pipe)
+
+
+def test_step_costs_make_the_chunk_pay_for_its_decodes_in_a_pipeline_only() -> None:
+    # 8 long decodes (max_tokens 30) beside one long prompt: at pp = 2 with measured costs the
+    # decodes' rows and keys come off the chunk's budget; at pp = 1 the costs change nothing
+    def chunks(pp: int, kc: float | tuple[float, ...]) -> list[int]:
+        pipe = run_workload("sarathi", pp, 64, make_requests([4] * 8 + [600], [30] * 8 + [1]), mbs=16, key_cost=kc)
+        assert_matches_oracle(pipe)
+        return [m.prefill_tokens for m in pipe.history if m.prefill_tokens]
+    costs = (KEY_COST, 0.5, 0.05)  # the model's own key cost: only the decodes' charge differs
+    assert chunks(1, costs) == chunks(1, KEY_COST)
+    plain, measured = chunks(2, KEY_COST), chunks(2, costs)
+    assert sum(plain) == sum(measured) == 8 * 4 + 600
+    assert measured[0] == plain[0] == 64  # nothing decodes yet
+    assert len(measured) > len(plain), (plain, measured)  # smaller chunks beside the decodes
+
+
+def test_bad_step_costs_are_named() -> None:
+    for bad in ((0.1, 0.2), (0.1, -0.2, 0.3), (0.1, float("inf"), 0.3), (True, 0.0, 0.0), ("1", 0, 0)):
+        with pytest.raises(ValueError, match="SchedulerConfig.step_costs must be empty or 3 finite numbers"):
+            SchedulerConfig("sarathi", 64, 4, step_costs=bad)
+    assert SchedulerConfig("sarathi", 64, 4, step_costs=(0.0, 0, 1e-3)).step_costs == (0.0, 0, 1e-3)
 
 
 def test_bad_chunk_budget_and_key_cost_are_named() -> None:
