@@ -19,8 +19,8 @@ SARATHI's plain token budget, paired the same way, labelled sarathi[tokens]; --a
 fcfs,longest_first runs each scheduler under both admission orders (longest_first: most
 max_tokens first, so the longest decodes finish beside later prompts' chunks rather than in the
 drain), labelled [longest_first]. Budget "fit" (the default) is "flops" with measured costs: what a
-prompt key, a decode row and a decode key cost on this box, fitted to pp=1's warm-up run
-(pp_runtime/cost_fit.py, SchedulerConfig.step_costs); at pp=2 each micro-batch's chunk then gets
+prompt key, a decode row and a decode key cost on this box, measured on the pp=2 deployment
+as `--step-costs fit` does at start-up (pp_runtime/calibration.py, SchedulerConfig.step_costs); at pp=2 each micro-batch's chunk then gets
 what its decodes leave of a fresh chunk's measured cost, so consecutive micro-batches take equally
 long and the two stages, which wait on each other's steps, idle less; pp=1, one micro-batch in
 flight, runs as under "flops" (--chunk-budgets fit,flops pairs the two). Same batch size and KV
@@ -70,7 +70,7 @@ from launch.parser import parse_partition
 from pairing import alternating, ratios  # same directory: run as a script
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.config import ADMISSIONS, CHUNK_BUDGETS, KV_DTYPES, MATMUL_PRECISIONS
-from pp_runtime.cost_fit import fit_step_costs, samples_from_run
+from pp_runtime.calibration import calibrate, format_costs
 from pp_runtime.workload import generate_workload
 from pp_runtime.workload_config import WorkloadConfig
 
@@ -278,7 +278,7 @@ def main() -> None:
     ap.add_argument("--schedulers", default="sarathi,orca")
     ap.add_argument("--chunk-budgets", default="fit",
                     help="sarathi's chunk budgets to run, comma separated (fit,flops: both, paired; the first "
-                         "is the one reported as sarathi): fit (flops with the step costs fitted to pp=1's warm-up, "
+                         "is the one reported as sarathi): fit (flops with the step costs measured on pp=2 as --step-costs fit does, "
                          "SchedulerConfig.step_costs: at pp=2 micro-batches of equal measured cost), flops, tokens")
     ap.add_argument("--admissions", default="fcfs",
                     help="admission orders to run, comma separated (fcfs,longest_first: both, paired; the first "
@@ -319,13 +319,11 @@ def main() -> None:
             # A whole unmeasured run each: a process's first run is 2-8% slower (the OS faults in and
             # zeroes the KV cache's pages as blocks are first written), which would flatter whichever
             # side pays it more in round 0.
-            llm.executor.drain_timings()
-            run_once(llm, items, policy, chunks[pp], budget, admission, r.get("step_costs") or ())
-            if pp == 1 and "fit" in budgets:
-                r["step_costs"] = fit_step_costs(samples_from_run(llm.engine.history, llm.executor.drain_timings()))
-                print("step costs fitted to pp=1's warm-up (fresh prompt tokens per prompt key, decode row, decode "
-                      "key): " + ("too few micro-batches, the FLOPs budget's" if r["step_costs"] is None else
-                                  ", ".join(f"{c:.3g}" for c in r["step_costs"])), flush=True)
+            run_once(llm, items, policy, chunks[pp], budget, admission)
+        if "fit" in budgets:  # what `--step-costs fit` measures at start-up, on the deployment that uses them
+            r["step_costs"] = calibrate(llms[2])  # warm now, as start-up's is (CacheConfig.prefault)
+            print("step costs measured on pp=2 (fresh prompt tokens per prompt key, decode row, decode key): "
+                  + (format_costs(r["step_costs"]) if r["step_costs"] else "none, the FLOPs budget's"), flush=True)
         paired_runs(llms, items, tokens, runs, a.rounds, chunks, r)
         r["memory_pp2"] = memory(llms[2])
     print("pipeline efficiency tput(pp=2) / (2 × tput(pp=1)), median of paired rounds, target >= 0.9 for sarathi: "

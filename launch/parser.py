@@ -54,6 +54,19 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _step_costs(text: str) -> tuple[float, ...] | str:
+    """'fit', or three numbers ≥ 0 comma separated (prompt key, decode row, decode key)."""
+    if text == "fit":
+        return text
+    try:
+        costs = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        costs = ()
+    if len(costs) != 3 or not all(0 <= c < float("inf") for c in costs):
+        raise argparse.ArgumentTypeError(f"expected 'fit' or 3 numbers ≥ 0 (prompt key,decode row,decode key), got {text!r}")
+    return costs
+
+
 def add_engine_args(p: argparse.ArgumentParser, overrides: bool = False) -> None:
     """The engine flags. overrides=True (bench): every default is None, so that only the flags
     given on the command line replace the config file's values."""
@@ -82,6 +95,11 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
                    help="what sarathi's --chunk-size counts: flops (default: attention included, so a chunk deep "
                         "into a long prompt takes fewer tokens and every micro-batch takes about as long) or "
                         "tokens (SARATHI's plain token budget)")
+    p.add_argument("--step-costs", type=_step_costs, default=(), metavar="fit|KEY,ROW,DKEY",
+                   help="in a pipeline, sarathi's micro-batches of equal measured cost (FLOPs budget): what a "
+                        "prompt key, a decode row and a decode key cost, in fresh prompt tokens; fit: measure "
+                        "them at start-up on a synthetic Zipf run (seconds; the values are printed for reuse); "
+                        "default none: the FLOPs budget alone, decodes uncharged")
     p.add_argument("--admission", choices=ADMISSIONS, default="fcfs",
                    help="the order waiting requests start in: fcfs (default, arrival order) or longest_first "
                         "(most max_tokens first: the longest decodes start early and finish beside later "
@@ -181,7 +199,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     partition = parse_partition(a.partition)
     return dict(model=a.model, pp=a.pp, tp=a.tp, launcher=a.launcher, scheduler=a.scheduler,
                 chunk_size=a.chunk_size, max_batch_size=a.max_batch_size, tile_align=a.tile_align,
-                chunk_budget=a.chunk_budget, admission=a.admission,
+                chunk_budget=a.chunk_budget, admission=a.admission, step_costs=a.step_costs,
                 dtype=a.dtype, device=a.device, attention=a.attention, seed=a.seed, block_size=a.block_size,
                 memory_budget_gb=a.memory_budget_gb, max_model_len=a.max_model_len, partition=partition,
                 threads=a.threads, gguf_weights=a.gguf_weights, kv_cache_dtype=a.kv_cache_dtype,

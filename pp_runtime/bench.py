@@ -7,6 +7,8 @@
 Only the driver-side policy changes between schedulers (``LLM.reconfigure``): weights, KV
 pool and placement are identical, so the comparison isolates scheduling. The KV pool is written
 once at start-up and a short request runs first, so the first scheduler does not run cold.
+With ``step_costs: fit`` (or ``--step-costs fit``) the costs are measured once at start-up
+(pp_runtime.calibration) and every scheduler runs with them; only sarathi's FLOPs budget uses them.
 """
 from __future__ import annotations
 
@@ -50,6 +52,8 @@ def run_bench(cfg: RunConfig, out: str, progress: bool = True, verbose: bool = T
             summaries[policy] = write_run_dir(str(root / policy), llm,
                                               extra={"workload": workload_summary(cfg.workload)})
     comparison = compare(summaries)
+    # measured (step_costs: fit) or given: what sarathi's pipeline micro-batches were sized by
+    comparison["step_costs"] = list(llm.sched_config.step_costs)
     (root / "comparison.json").write_text(json.dumps(comparison, indent=1))
     return comparison
 

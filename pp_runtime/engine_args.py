@@ -29,9 +29,12 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
                         threads: int = 0, gguf_weights: str = "native",
                         kv_cache_dtype: str = "auto", matmul_precision: str = "highest",
                         chunk_budget: str = "flops", prefault_kv: bool = False,
-                        admission: str = "fcfs") -> tuple[EngineConfig, object]:
+                        admission: str = "fcfs", step_costs: Sequence[float] | str = ()) -> tuple[EngineConfig, object]:
     """Resolve the model and validate every setting; raises ValueError naming the bad one.
-    max_batch_size None is kept as 1 here and replaced once the memory plan gives B."""
+    max_batch_size None is kept as 1 here and replaced once the memory plan gives B; step_costs
+    "fit" is kept empty here and fitted once the workers run (pp_runtime.calibration)."""
+    if isinstance(step_costs, str) and step_costs != "fit":
+        raise ValueError(f"step_costs must be 'fit' or 3 numbers (prompt key, decode row, decode key), got {step_costs!r}")
     from stages.model_source import resolve_model
     source = resolve_model(model)
     mcfg = source.config
@@ -51,7 +54,8 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
     cfg = EngineConfig(
         model_path=source.path, parallel=parallel,
         scheduler=SchedulerConfig(scheduler, chunk_size, 1 if max_batch_size is None else max_batch_size, tile_align,
-                                  max_len, chunk_budget=chunk_budget, admission=admission),
+                                  max_len, chunk_budget=chunk_budget, admission=admission,
+                                  step_costs=() if step_costs == "fit" else step_costs),
         cache=CacheConfig(block_size, budget, kv_cache_dtype, prefault_kv), device=DeviceConfig(device, dtype, attention, threads, gguf_weights, matmul_precision),
         seed=seed)
     if max_len > mcfg.max_position_embeddings:

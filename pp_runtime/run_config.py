@@ -20,7 +20,7 @@ import yaml
 
 from pp_runtime.config import SCHEDULER_POLICIES, is_layer_count
 from pp_runtime.configs_dir import find_config
-from pp_runtime.field_checks import check_int, check_positive_number
+from pp_runtime.field_checks import check_int, check_positive_number, is_number
 from pp_runtime.workload_config import WorkloadConfig
 
 # Keys of the run YAML that become pp_runtime.LLM keyword arguments. The first ten are the
@@ -28,7 +28,7 @@ from pp_runtime.workload_config import WorkloadConfig
 ENGINE_KEYS = ("model", "pp", "tp", "chunk_size", "max_batch_size", "tile_align", "memory_budget_gb",
                "max_model_len", "threads", "seed", "launcher", "dtype", "device", "attention",
                "block_size", "partition", "gguf_weights", "kv_cache_dtype", "matmul_precision", "chunk_budget",
-               "admission")
+               "admission", "step_costs")
 RUN_KEYS = ENGINE_KEYS + ("schedulers", "workload")
 
 
@@ -51,6 +51,11 @@ def _check_engine(engine: Mapping[str, Any]) -> None:
                 raise ValueError(f"tile_align must be true or false, got {value!r}")
         elif key == "memory_budget_gb":
             check_positive_number(key, value)
+        elif key == "step_costs":
+            if value != "fit" and not (isinstance(value, (list, tuple)) and len(value) == 3
+                                       and all(is_number(c) and c >= 0 for c in value)):
+                raise ValueError(f"step_costs must be 'fit' or a list of 3 numbers ≥ 0 (prompt key, decode row, "
+                                 f"decode key), got {value!r}")
         elif key == "partition":
             if not isinstance(value, (list, tuple)) or not value or not all(is_layer_count(v) for v in value):
                 raise ValueError(f"partition must be a list of positive layer counts (multiples of 0.5), got {value!r}")

@@ -134,6 +134,23 @@ def test_verbose_run_prints_memory_plan(hf_models: dict, tmp_path: Path, capsys:
     assert "--matmul-precision" not in err
 
 
+def test_step_costs_fit_prints_the_costs_to_reuse(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """--step-costs fit measures at start-up and prints the values in the form the flag takes;
+    the run directory records them."""
+    from pp_runtime import calibration
+    monkeypatch.setattr(calibration, "fit_step_costs", lambda samples: (5.31e-4, 0.5234, 0.003125))
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"prompt_token_ids": [1, 2], "max_tokens": 2}\n')
+    rc, out, err = run_main(["generate", "--model", "llama-tiny", "--pp", "2", "--launcher", "local", "--input",
+                             str(inp), "--step-costs", "fit", "--run-dir", str(tmp_path / "run"), *FAST], capsys)
+    assert rc == 0, err
+    assert "--step-costs 0.000531,0.523,0.00313 reuses them" in err and "fitting step costs on" in err
+    assert json.loads(out)["finish_reason"] == "length"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["step_costs"] == [5.31e-4, 0.5234, 0.003125] and summary["num_requests"] == 1
+
+
 @pytest.mark.parametrize("precision", ["medium", "int8"])
 def test_a_precision_that_changes_nothing_says_so(precision: str, hf_models: dict, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture) -> None:
@@ -203,6 +220,9 @@ BAD_CONFIGS = {  # name: (extra arguments, message); {llama} {gguf} {dir} {missi
                        "kv_cache_dtype fp8 is for float32 models on CPU"),
     "chunk_budget": (["--model", "{llama}", "--chunk-budget", "bytes"], "argument --chunk-budget: invalid choice"),
     "admission": (["--model", "{llama}", "--admission", "lifo"], "argument --admission: invalid choice"),
+    "step_costs": (["--model", "{llama}", "--step-costs", "1e-3,0.5"], "argument --step-costs: expected 'fit' or 3"),
+    "step_costs_negative": (["--model", "{llama}", "--step-costs", "1e-3,-0.5,0"],
+                            "argument --step-costs: expected 'fit' or 3 numbers ≥ 0"),
     "matmul_precision": (["--model", "{llama}", "--matmul-precision", "low"],
                          "argument --matmul-precision: invalid choice"),
     "matmul_medium_on_bf16": (["--model", "{llama}", "--dtype", "bfloat16", "--matmul-precision", "medium"],

@@ -15,13 +15,14 @@ REPO = Path(__file__).resolve().parents[2]
 FILES = ("stage_timings.jsonl", "summary.json", "trace.json", "results.jsonl", "workers.json")
 
 
+COSTS = (2e-3, 0.5, 4e-3)  # given step costs: every scheduler's run records them, the comparison too
 PREFAULT: list[bool] = []  # CacheConfig.prefault of every LLM the bench built
 
 
 @pytest.fixture(scope="module")
 def bench_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = load_run_config(REPO / "configs/runs/smoke.yaml")
-    cfg = replace(cfg, workload=replace(cfg.workload, num_requests=10)).with_overrides(launcher="ray")
+    cfg = replace(cfg, workload=replace(cfg.workload, num_requests=10)).with_overrides(launcher="ray", step_costs=COSTS)
     out = tmp_path_factory.mktemp("bench")
 
     class RecordingLLM(bench.LLM):
@@ -73,6 +74,9 @@ def test_bench_comparison(bench_dir: Path) -> None:
     tput = {s: json.loads((bench_dir / s / "summary.json").read_text())["throughput_tok_s"] for s in ("sarathi", "orca")}
     assert comp["schedulers"]["orca"]["throughput_tok_s_ratio"] == pytest.approx(tput["orca"] / tput["sarathi"])
     assert "micro-batch CV" in format_table(comp)
+    assert comp["step_costs"] == list(COSTS)
+    assert all(json.loads((bench_dir / s / "summary.json").read_text())["step_costs"] == list(COSTS)
+               for s in ("sarathi", "orca"))
 
 
 def test_compare_ratios() -> None:

@@ -219,6 +219,10 @@ def test_minimal_config_and_overrides(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="pp"):
         run.with_overrides(pp=0)
     assert replace(run, schedulers=("orca",)).schedulers == ("orca",)
+    for costs in ("fit", [5e-4, 0.5, 0.003]):  # measured at start-up, or given
+        f.write_text(f"step_costs: {costs}\nworkload: {{kind: fixed, num_requests: 2, prompt_len: 4, decode_len: 2}}\n")
+        assert load_run_config(f).engine == {"step_costs": costs}
+    assert run.with_overrides(step_costs=(1e-3, 0.2, 0.0)).engine["step_costs"] == (1e-3, 0.2, 0.0)
 
 
 def test_trace_path_relative_to_config(tmp_path: Path) -> None:
@@ -262,6 +266,12 @@ def test_trace_path_relative_to_config(tmp_path: Path) -> None:
     ("tile_align: 1\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}", "tile_align"),
     ("chunk_budget: 1\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}", "chunk_budget"),
     ("admission: 1\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}", "admission"),
+    ("step_costs: measure\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}",
+     "step_costs must be 'fit' or a list of 3 numbers"),
+    ("step_costs: [0.1, -0.5, 0]\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}",
+     "step_costs must be 'fit' or a list of 3 numbers"),
+    ("step_costs: [0.1, 0.5]\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}",
+     "step_costs must be 'fit' or a list of 3 numbers"),
     ("memory_budget_gb: -2\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}",
      "memory_budget_gb"),
     ("max_model_len: 64\nworkload: {kind: uniform, num_requests: 4, min_len: 8, max_len: 100, pd_ratio: 2}",

@@ -1,0 +1,82 @@
+"""``step_costs="fit"`` (``--step-costs fit``): measure what a micro-batch's pieces cost on this
+deployment before serving, so that a pipeline's micro-batches are equal in measured cost.
+
+    llm = LLM(model="smollm2-135m", pp=2, step_costs="fit")   # calls calibrate(llm) at start-up
+    llm.sched_config.step_costs                                 # (prompt key, decode row, decode key)
+
+One run of a synthetic workload (Zipf lengths, P:D = 10, all at once: prompt chunks at every
+depth beside decodes of every length) under sarathi with the FLOPs budget and no step costs,
+then ``cost_fit.fit_step_costs`` on its micro-batches' step times. The workload is sized so the
+run has about CHUNKS micro-batches with a prompt chunk, a few times what the fit needs, and
+lengths up to the deployment's max_model_len (at most 1024, the paper's Zipf range). Only a
+pipeline uses the costs: with one stage nothing is run. ``LLM`` writes the KV cache's pages before
+calibrating (CacheConfig.prefault): on a cold cache the OS's first touch of each page lands on the
+first, shallow chunks and the fit prices a prompt key ~30% low. Plain Python, no tensors.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from typing import TYPE_CHECKING
+
+from pp_runtime.cost_fit import fit_step_costs, samples_from_run
+from pp_runtime.request import SamplingParams
+from pp_runtime.workload import WorkItem, generate_workload, split_pd, zipf_pmf
+from pp_runtime.workload_config import WorkloadConfig
+
+if TYPE_CHECKING:
+    from pp_runtime.llm import LLM
+
+CHUNKS = 60  # prompt tokens ≈ CHUNKS × chunk_size: ~3× cost_fit.MIN_SAMPLES chunk micro-batches
+MAX_LEN, THETA, PD_RATIO = 1024, 0.4, 10.0  # the paper's Zipf workload (DESIGN: configs/runs/pp2_zipf)
+MIN_REQUESTS, MAX_REQUESTS = 8, 64
+
+
+def calibration_workload(max_model_len: int, chunk_size: int, vocab_size: int, seed: int = 0) -> list[WorkItem]:
+    """Zipf(θ = 0.4) total lengths on [L/4, L], L = min(1024, max_model_len), split P:D = 10,
+    enough requests for ~CHUNKS chunks of ``chunk_size`` prompt tokens (between 8 and 64)."""
+    hi = min(MAX_LEN, max_model_len)
+    lo = max(2, hi // 4)
+    pmf = zipf_pmf(lo, hi, THETA)
+    mean_total = lo + sum(i * p for i, p in enumerate(pmf))
+    mean_prompt = float(split_pd([round(mean_total)], PD_RATIO)[0][0])
+    n = min(MAX_REQUESTS, max(MIN_REQUESTS, math.ceil(CHUNKS * chunk_size / mean_prompt)))
+    cfg = WorkloadConfig(kind="zipf", num_requests=n, min_len=lo, max_len=hi, theta=THETA, pd_ratio=PD_RATIO,
+                         seed=seed)
+    return generate_workload(cfg, vocab_size)
+
+
+def calibrate(llm: LLM, verbose: bool = False) -> tuple[float, float, float] | None:
+    """Run the calibration workload on ``llm``'s workers, fit the step costs and set them
+    (``llm.reconfigure``); the other scheduling settings are left as they were. Returns the costs,
+    or None where the run could not give them (its step costs are then left empty: the FLOPs
+    budget alone). With one pipeline stage nothing runs and None comes back."""
+    if llm.config.parallel.pp == 1:
+        if verbose:
+            print("pp-runtime: step costs not fitted: with one pipeline stage they change nothing", file=sys.stderr)
+        return None
+    before = llm.sched_config
+    items = calibration_workload(before.max_model_len, before.chunk_size, llm.source.config.vocab_size, llm.config.seed)
+    if verbose:
+        print(f"pp-runtime: fitting step costs on {len(items)} synthetic requests", file=sys.stderr)
+    llm.reconfigure(policy="sarathi", chunk_budget="flops", step_costs=())
+    costs = None
+    try:
+        reqs = [llm.make_request(f"calibration-{it.request_id}", it.prompt_token_ids,
+                                 SamplingParams(max_tokens=it.max_tokens, ignore_eos=True)) for it in items]
+        llm.run(reqs, progress=verbose)
+        if not llm.broken:  # a worker that died shows in the next run's error, not as a fit of half a run
+            costs = fit_step_costs(samples_from_run(llm.engine.history, llm.executor.drain_timings()))
+    finally:
+        llm.reconfigure(policy=before.policy, chunk_budget=before.chunk_budget, step_costs=costs or ())
+    if verbose:
+        print("pp-runtime: " + (f"step costs {format_costs(costs)} (fresh prompt tokens per prompt key, decode "
+                                f"row, decode key; --step-costs {format_costs(costs)} reuses them)"
+                                if costs else "step costs not fitted (too few micro-batches): the FLOPs budget alone"),
+              file=sys.stderr)
+    return costs
+
+
+def format_costs(costs: tuple[float, ...]) -> str:
+    """'5.3e-04,0.52,0.0031': what --step-costs takes back."""
+    return ",".join(f"{c:.3g}" for c in costs)
