@@ -55,7 +55,7 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
         model_path=source.path, parallel=parallel,
         scheduler=SchedulerConfig(scheduler, chunk_size, 1 if max_batch_size is None else max_batch_size, tile_align,
                                   max_len, chunk_budget=chunk_budget, admission=admission,
-                                  step_costs=() if step_costs == "fit" else step_costs),
+                                  step_costs=() if isinstance(step_costs, str) else step_costs),
         cache=CacheConfig(block_size, budget, kv_cache_dtype, prefault_kv), device=DeviceConfig(device, dtype, attention, threads, gguf_weights, matmul_precision),
         seed=seed)
     if max_len > mcfg.max_position_embeddings:

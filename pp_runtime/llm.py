@@ -63,13 +63,14 @@ class LLM:
                  gguf_weights: str = "native", kv_cache_dtype: str = "auto",
                  matmul_precision: str = "highest", chunk_budget: str = "flops", prefault_kv: bool = False,
                  admission: str = "fcfs", step_costs: Sequence[float] | str = ()) -> None:
+        fit = isinstance(step_costs, str) and step_costs == "fit"  # other strings: build_engine_config names them
         self.config, self.source = build_engine_config(
             model, pp, tp, scheduler, chunk_size, max_batch_size, tile_align, dtype, device, attention, seed,
             block_size, memory_budget_gb, max_model_len, partition, threads, gguf_weights, kv_cache_dtype,
             matmul_precision, chunk_budget,
             # a calibration run on a cold cache would charge the OS's first touch of each KV page to
             # the first (shallow) prompt chunks and price a key too low (~0.37e-3 against ~0.52e-3)
-            prefault_kv or step_costs == "fit", admission, step_costs)
+            prefault_kv or fit, admission, step_costs)
         parallel, max_len = self.config.parallel, self.config.scheduler.max_model_len
         self.launcher = launcher or ("local" if parallel.world_size == 1 else "ray")
         with keep_sigterm_handler():
@@ -101,7 +102,7 @@ class LLM:
         self.engine: Engine | None = None
         self._active: dict[str, list[Request]] = {}  # request id -> the current run's requests (abort)
         self._open: Iterator | None = None  # the run under way (a stream may be left half-read)
-        if step_costs == "fit":  # measured on these workers, before the first request is served
+        if fit:  # measured on these workers, before the first request is served
             try:
                 calibrate(self, verbose)
             except BaseException:
