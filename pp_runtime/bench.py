@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from pp_runtime.calibration import format_costs
 from pp_runtime.llm import LLM
 from pp_runtime.request import SamplingParams
 from pp_runtime.run_config import RunConfig
@@ -89,4 +90,6 @@ def format_table(comparison: dict) -> str:
             cells.append(f"{row[key]:>{width - 10}.4g} ({'n/a' if ratio is None else f'{ratio:.2f}x'})")
         lines.append(f"{label:18s}" + "".join(f"{c:>{width}s}" for c in cells))
     lines.append(f"(ratios: scheduler / {comparison['base']})")
+    if comparison.get("step_costs"):  # what sarathi's pipeline micro-batches were sized by
+        lines.append("step costs (prompt key, decode row, decode key): " + format_costs(comparison["step_costs"]))
     return "\n".join(lines)

@@ -75,6 +75,7 @@ def test_bench_comparison(bench_dir: Path) -> None:
     assert comp["schedulers"]["orca"]["throughput_tok_s_ratio"] == pytest.approx(tput["orca"] / tput["sarathi"])
     assert "micro-batch CV" in format_table(comp)
     assert comp["step_costs"] == list(COSTS)
+    assert "step costs (prompt key, decode row, decode key): 0.002,0.5,0.004" in format_table(comp)
     assert all(json.loads((bench_dir / s / "summary.json").read_text())["step_costs"] == list(COSTS)
                for s in ("sarathi", "orca"))
 
