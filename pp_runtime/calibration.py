@@ -19,6 +19,8 @@ import math
 import sys
 from typing import TYPE_CHECKING
 
+from tqdm import tqdm
+
 from pp_runtime.cost_fit import fit_step_costs, samples_from_run
 from pp_runtime.request import SamplingParams
 from pp_runtime.workload import WorkItem, generate_workload, split_pd, zipf_pmf
@@ -64,7 +66,8 @@ def calibrate(llm: LLM, verbose: bool = False) -> tuple[float, float, float] | N
     try:
         reqs = [llm.make_request(f"calibration-{it.request_id}", it.prompt_token_ids,
                                  SamplingParams(max_tokens=it.max_tokens, ignore_eos=True)) for it in items]
-        llm.run(reqs, progress=verbose)
+        with tqdm(total=len(reqs), disable=not verbose, file=sys.stderr, unit="req", desc="calibration") as bar:
+            llm.run(reqs, on_finish=lambda _: bar.update())
         if not llm.broken:  # a worker that died shows in the next run's error, not as a fit of half a run
             costs = fit_step_costs(samples_from_run(llm.engine.history, llm.executor.drain_timings()))
     finally:
