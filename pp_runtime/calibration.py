@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from pp_runtime.cost_fit import fit_step_costs, samples_from_run
+from pp_runtime.executor import WorkerError
 from pp_runtime.request import SamplingParams
 from pp_runtime.workload import WorkItem, generate_workload, split_pd, zipf_pmf
 from pp_runtime.workload_config import WorkloadConfig
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from pp_runtime.llm import LLM
 
 CHUNKS = 60  # prompt tokens ≈ CHUNKS × chunk_size: ~3× cost_fit.MIN_SAMPLES chunk micro-batches
-MAX_LEN, THETA, PD_RATIO = 1024, 0.4, 10.0  # the paper's Zipf workload (DESIGN: configs/runs/pp2_zipf)
+MAX_LEN, THETA, PD_RATIO = 1024, 0.4, 10.0  # the paper's Zipf workload, as configs/runs/pp2_zipf.yaml
 MIN_REQUESTS, MAX_REQUESTS = 8, 64
 
 
@@ -68,18 +69,19 @@ def calibrate(llm: LLM, verbose: bool = False) -> tuple[float, float, float] | N
                                  SamplingParams(max_tokens=it.max_tokens, ignore_eos=True)) for it in items]
         with tqdm(total=len(reqs), disable=not verbose, file=sys.stderr, unit="req", desc="calibration") as bar:
             llm.run(reqs, on_finish=lambda _: bar.update())
-        if not llm.broken:  # a worker that died shows in the next run's error, not as a fit of half a run
-            costs = fit_step_costs(samples_from_run(llm.engine.history, llm.executor.drain_timings()))
+        if llm.broken:  # a worker died or hung: name it, rather than fit half a run
+            raise WorkerError(f"step costs not fitted: {llm.broken}")
+        costs = fit_step_costs(samples_from_run(llm.engine.history, llm.executor.drain_timings()))
     finally:
         llm.reconfigure(policy=before.policy, chunk_budget=before.chunk_budget, step_costs=costs or ())
     if verbose:
         print("pp-runtime: " + (f"step costs {format_costs(costs)} (fresh prompt tokens per prompt key, decode "
                                 f"row, decode key; --step-costs {format_costs(costs)} reuses them)"
-                                if costs else "step costs not fitted (too few micro-batches): the FLOPs budget alone"),
+                                if costs else "step costs not fitted (the run could not separate them): the FLOPs budget alone"),
               file=sys.stderr)
     return costs
 
 
 def format_costs(costs: tuple[float, ...]) -> str:
-    """'5.3e-04,0.52,0.0031': what --step-costs takes back."""
+    """'0.000531,0.523,0.00313' (3 significant digits each): what --step-costs takes back."""
     return ",".join(f"{c:.3g}" for c in costs)
