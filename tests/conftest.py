@@ -68,6 +68,20 @@ def mixed_prompts(seed: int = 0, lengths: tuple[int, ...] = (5, 23, 1, 70, 12, 4
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
 
 
+def fail_on_call(monkeypatch: pytest.MonkeyPatch, worker: object, n: int, message: str) -> None:
+    """Make a local stage worker's n-th ``execute`` raise RuntimeError(message): a stage that fails
+    half-way through a run (a bug, an op that fails), as a dead worker does."""
+    real, calls = worker.execute, []
+
+    def flaky(wire: tuple) -> list[int] | None:
+        calls.append(1)
+        if len(calls) == n:
+            raise RuntimeError(message)
+        return real(wire)
+
+    monkeypatch.setattr(worker, "execute", flaky)
+
+
 def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 

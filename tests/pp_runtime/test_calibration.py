@@ -82,21 +82,13 @@ def test_step_costs_fit_at_start_up_and_given_ones(monkeypatch: pytest.MonkeyPat
         LLM(step_costs=(0.1, 0.2), **TINY)
 
 
-def test_a_worker_dying_in_calibration_is_named_not_fitted() -> None:
+def test_a_worker_dying_in_calibration_is_named_not_fitted(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stage that fails half-way through the calibration run: an error naming it, no costs set
     from half a run, the scheduling left as it was."""
     from pp_runtime.executor import WorkerError
+    from tests.conftest import fail_on_call
     with LLM(pp=2, scheduler="orca", **TINY) as llm:
-        worker = llm.executor.workers[1]
-        real, calls = worker.execute, []
-
-        def flaky(wire: tuple) -> list[int] | None:
-            calls.append(1)
-            if len(calls) == 10:
-                raise RuntimeError("boom")
-            return real(wire)
-
-        worker.execute = flaky
+        fail_on_call(monkeypatch, llm.executor.workers[1], 10, "boom")
         with pytest.raises(WorkerError, match="step costs not fitted: .*stage 1.*boom"):
             calibration.calibrate(llm)
         assert llm.sched_config.step_costs == () and llm.sched_config.policy == "orca"

@@ -17,6 +17,7 @@ import pytest
 from pp_runtime.llm import LLM
 from pp_runtime.request import SamplingParams
 from pp_runtime.run_outputs import StreamOutput
+from tests.conftest import fail_on_call
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=9, temperature=0.8, top_k=40, seed=7, ignore_eos=True)
@@ -219,16 +220,7 @@ def test_stage_failure_ends_the_run_with_its_error_and_marks_the_llm_broken(monk
     from pp_runtime.executor import WorkerError
     with LLM(model="llama-tiny", pp=2, launcher="local", chunk_size=8, max_batch_size=3,
              memory_budget_gb=0.05) as m:
-        worker = m.executor.workers[1]
-        real, calls = worker.execute, []
-
-        def flaky(wire: tuple) -> list[int] | None:
-            calls.append(1)
-            if len(calls) == 12:
-                raise RuntimeError("boom\nsecond line")
-            return real(wire)
-
-        monkeypatch.setattr(worker, "execute", flaky)
+        fail_on_call(monkeypatch, m.executor.workers[1], 12, "boom\nsecond line")
         outs = m.generate([[5, 6, 7], list(range(3, 60))], [SamplingParams(max_tokens=1), GREEDY])
         assert outs[0].finish_reason == "length" and len(outs[0].token_ids) == 1  # finished before
         assert outs[1].finish_reason == "error"
