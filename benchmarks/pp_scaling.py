@@ -20,9 +20,10 @@ fcfs,longest_first runs each scheduler under both admission orders (longest_firs
 max_tokens first, so the longest decodes finish beside later prompts' chunks rather than in the
 drain), labelled [longest_first]. Budget "fit" (the default) is "flops" with measured costs: what a
 prompt key, a decode row and a decode key cost on this box, measured on the pp=2 deployment
-as `--step-costs fit` does at start-up (pp_runtime/calibration.py, SchedulerConfig.step_costs); at pp=2 each micro-batch's chunk then gets
-what its decodes leave of a fresh chunk's measured cost, so consecutive micro-batches take equally
-long and the two stages, which wait on each other's steps, idle less; pp=1, one micro-batch in
+as `--step-costs fit` does at start-up (pp_runtime/calibration.py, SchedulerConfig.step_costs);
+at pp=2 each micro-batch's chunk then gets what its decodes leave of a fresh chunk's measured
+cost, so consecutive micro-batches take equally long and the two stages, which wait on each
+other's steps, idle less; pp=1, one micro-batch in
 flight, runs as under "flops" (--chunk-budgets fit,flops pairs the two). Same batch size and KV
 budget everywhere, and the same chunk unless --pp2-chunk gives pp=2 its own: at pp=2 each
 request decodes once per two micro-batches, so a chunk half as long keeps a round trip's mix of
@@ -278,7 +279,8 @@ def main() -> None:
     ap.add_argument("--schedulers", default="sarathi,orca")
     ap.add_argument("--chunk-budgets", default="fit",
                     help="sarathi's chunk budgets to run, comma separated (fit,flops: both, paired; the first "
-                         "is the one reported as sarathi): fit (flops with the step costs measured on pp=2 as --step-costs fit does, "
+                         "is the one reported as sarathi): fit (flops with the step costs measured on pp=2 as "
+                         "--step-costs fit does, "
                          "SchedulerConfig.step_costs: at pp=2 micro-batches of equal measured cost), flops, tokens")
     ap.add_argument("--admissions", default="fcfs",
                     help="admission orders to run, comma separated (fcfs,longest_first: both, paired; the first "
