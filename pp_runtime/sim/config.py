@@ -33,7 +33,8 @@ Scenario keys: name, scheduler (sarathi|orca|prefill_first|request_level), tp, p
 router (round_robin|least_loaded), chunk_size, max_batch_size (an integer, ``auto`` = the memory
 model's B, or ``auto_per_microbatch`` = ⌊B/pp⌋, the paper's per-micro-batch figure and the
 runtime's default without its cap of 64), tile_align, chunk_budget (flops|tokens, as the runtime's), admission (fcfs|longest_first, as the
-runtime's), partition (layers per stage), dispatch_us (driver work and plan delivery per
+runtime's), step_costs (3 numbers, or ``fit``: fitted to a calibration run of the scenario's own
+simulated steps, as ``--step-costs fit``; pp_runtime.sim.run), partition (layers per stage), dispatch_us (driver work and plan delivery per
 micro-batch), return_us (sampled tokens back to the driver), prep_us (each worker's own cost of
 taking a plan: task start, unpacking, attention metadata; one number or one per stage;
 ``pp-runtime profile --pp N`` measures it), max_running (how many sequences may

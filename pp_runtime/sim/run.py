@@ -15,12 +15,15 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
+from pp_runtime.calibration import calibration_workload, format_costs
+from pp_runtime.cost_fit import fit_step_costs, samples_from_run
 from pp_runtime.request import Request, SamplingParams
 from pp_runtime.sim.comparison import comparison, format_report
 from pp_runtime.sim.config import load_sim_config
-from pp_runtime.sim.deployment import cost_examples, make_cost_model, plan_deployment
+from pp_runtime.sim.deployment import Deployment, cost_examples, make_cost_model, plan_deployment
 from pp_runtime.sim.rundir import write_sim_run_dir
 from pp_runtime.sim.scenario import Scenario, SimConfig
 from pp_runtime.sim.simulator import DummyTokens, simulate
@@ -58,6 +61,27 @@ def make_requests(items: list[tuple[str, object, int, float]]) -> tuple[list[Req
 
 
 # ---- one scenario --------------------------------------------------------------------------------
+def timing_kwargs(cfg: SimConfig, dep: Deployment) -> dict:
+    """simulate()'s seed, control-plane times, jitter and costs of the model for ``dep``'s scenario."""
+    sc = dep.scenario
+    return dict(seed=cfg.seed, dispatch_s=sc.dispatch_us * 1e-6, return_s=sc.return_us * 1e-6,
+                prep_s=[us * 1e-6 for us in sc.prep_us] if isinstance(sc.prep_us, tuple) else sc.prep_us * 1e-6,
+                jitter=dep.jitter, token_id=DUMMY_TOKEN, key_cost=cfg.model.key_cost)
+
+
+def fit_step_costs_simulated(cfg: SimConfig, dep: Deployment) -> tuple[float, float, float] | None:
+    """A scenario's ``step_costs: fit``: what ``--step-costs fit`` does on a real deployment
+    (pp_runtime.calibration), on one simulated replica of this one: the calibration workload
+    under sarathi with the FLOPs budget, then the same least-squares fit on its simulated steps."""
+    sc = dep.scenario
+    work = calibration_workload(cfg.max_model_len, sc.chunk_size, cfg.model.vocab_size, cfg.seed)
+    reqs, _ = make_requests([(it.request_id, it.prompt_len, it.max_tokens, 0.0) for it in work])
+    sched = replace(dep.sched_cfg, policy="sarathi", chunk_budget="flops", step_costs=())
+    res = simulate(reqs, None, sched, dep.memory.num_blocks, cfg.block_size, dep.costs[0], sc.pp, sc.tp,
+                   keep_history=True, **timing_kwargs(cfg, dep))
+    return fit_step_costs(samples_from_run(res.history, res.replicas[0].executor.drain_timings()))
+
+
 def run_scenario(cfg: SimConfig, sc: Scenario, out_dir: str | Path, progress: bool = True,
                  items: list | None = None, cost_model: object | None = None) -> dict:
     """Simulate one scenario and write its run directory; returns its summary."""
@@ -67,16 +91,21 @@ def run_scenario(cfg: SimConfig, sc: Scenario, out_dir: str | Path, progress: bo
     if progress:
         print(f"simulate {sc.name}: {sc.scheduler}, tp={sc.tp} pp={sc.pp} × {sc.replicas} replica(s), "
               f"max_batch_size={dep.sched_cfg.max_batch_size}; {dep.memory.describe()}", file=sys.stderr)
+    if sc.step_costs == "fit":
+        costs = fit_step_costs_simulated(cfg, dep)
+        dep = replace(dep, sched_cfg=replace(dep.sched_cfg, step_costs=costs or ()))
+        if progress:
+            print(f"simulate {sc.name}: step costs " + (format_costs(costs) if costs else "not fitted (the "
+                  "calibration run could not separate them): the FLOPs budget alone"), file=sys.stderr)
     t0 = time.perf_counter()
     res = simulate(reqs, arrivals, dep.sched_cfg, dep.memory.num_blocks, cfg.block_size, dep.costs, sc.pp, sc.tp,
-                   replicas=sc.replicas, router=sc.router, seed=cfg.seed, progress=progress, desc=sc.name,
-                   workers=lambda r: dep.workers[r], dispatch_s=sc.dispatch_us * 1e-6, return_s=sc.return_us * 1e-6,
-                   prep_s=[us * 1e-6 for us in sc.prep_us] if isinstance(sc.prep_us, tuple) else sc.prep_us * 1e-6,
-                   jitter=dep.jitter, token_id=DUMMY_TOKEN, key_cost=cfg.model.key_cost)
+                   replicas=sc.replicas, router=sc.router, progress=progress, desc=sc.name,
+                   workers=lambda r: dep.workers[r], **timing_kwargs(cfg, dep))
     sim_s = time.perf_counter() - t0
     settings = {"scheduler": sc.scheduler, "pp": sc.pp, "tp": sc.tp, "chunk_size": sc.chunk_size,
                 "max_batch_size": dep.sched_cfg.max_batch_size, "tile_align": sc.tile_align,
-                "chunk_budget": sc.chunk_budget, "admission": sc.admission, "model": cfg.model.name,
+                "chunk_budget": sc.chunk_budget, "admission": sc.admission,
+                "step_costs": list(dep.sched_cfg.step_costs), "model": cfg.model.name,
                 "dtype": cfg.dtype, "device": f"sim:{cfg.hardware.name}", "launcher": "sim",
                 "paper_B": dep.memory.max_batch_b, "paper_B_per_microbatch": dep.memory.per_microbatch_b,
                 "kv_blocks": dep.memory.num_blocks, "driver_s_per_microbatch": sc.dispatch_us * 1e-6,

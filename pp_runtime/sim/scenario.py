@@ -50,6 +50,9 @@ class Scenario:
     max_running: int | None = None  # sequences that may run at once; None: max(max_batch_size, B)
     chunk_budget: str = "flops"  # what sarathi's chunk_size counts, as SchedulerConfig.chunk_budget
     admission: str = "fcfs"  # the order waiting requests start in, as SchedulerConfig.admission
+    # SchedulerConfig.step_costs: 3 numbers, or "fit" (fitted to a calibration run of this deployment's
+    # own simulated step times, as the runtime's --step-costs fit does on real ones)
+    step_costs: tuple[float, ...] | str = ()
 
     def __post_init__(self) -> None:
         where = f"scenario {self.name!r}"
@@ -71,6 +74,13 @@ class Scenario:
             raise ValueError(f"{where}: chunk_budget must be one of {', '.join(CHUNK_BUDGETS)}, got {self.chunk_budget!r}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"{where}: admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
+        if self.step_costs != "fit":
+            if isinstance(self.step_costs, str) or not isinstance(self.step_costs, (list, tuple)) \
+                    or len(self.step_costs) not in (0, 3):
+                raise ValueError(f"{where}: step_costs must be 'fit' or 3 numbers ≥ 0 (prompt key, decode row, "
+                                 f"decode key), got {self.step_costs!r}")
+            object.__setattr__(self, "step_costs", tuple(checked_number(f"{where}: step_costs", c)
+                                                         for c in self.step_costs))
         if not isinstance(self.tile_align, bool):
             raise ValueError(f"{where}: tile_align must be true or false, got {self.tile_align!r}")
         if self.partition is not None:
@@ -97,6 +107,7 @@ class Scenario:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["partition"] = list(self.partition) if self.partition else None
         d["prep_us"] = list(self.prep_us) if isinstance(self.prep_us, tuple) else self.prep_us
+        d["step_costs"] = list(self.step_costs) if isinstance(self.step_costs, tuple) else self.step_costs
         return d
 
 

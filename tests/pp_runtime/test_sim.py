@@ -392,6 +392,28 @@ def test_scenario_admission_reaches_the_scheduler(admission: str) -> None:
         dataclasses.replace(sc, admission="lifo")
 
 
+def test_scenario_step_costs_given_or_fitted_on_its_own_simulated_steps(tmp_path: Path) -> None:
+    """Given costs reach the scheduler as they are; "fit" fits the scenario's own simulated steps,
+    as --step-costs fit fits real ones: on the roofline a decode's attention reads its K/V at
+    memory speed, so decodes cost time the FLOPs budget does not charge; the run directory
+    records what the scenario ran with; bad values are named. (LLaMA-13B on A6000s: a prompt key
+    is so cheap beside the linears that the fit may price it 0.)"""
+    from pp_runtime.sim.deployment import plan_deployment
+    from pp_runtime.sim.run import fit_step_costs_simulated, run_scenario
+    cfg = load_sim_config(REPO / "configs/sim/smoke.yaml")
+    given = dataclasses.replace(cfg.scenarios[0], step_costs=[1e-3, 0.5, 2e-3])
+    assert given.step_costs == (1e-3, 0.5, 2e-3) == plan_deployment(cfg, given).sched_cfg.step_costs
+    fit = dataclasses.replace(cfg.scenarios[0], step_costs="fit")
+    assert plan_deployment(cfg, fit).sched_cfg.step_costs == ()  # fitted when the scenario runs
+    kp, dr, dk = fit_step_costs_simulated(cfg, plan_deployment(cfg, fit))
+    assert min(kp, dr, dk) >= 0 and dr + 500 * dk > 1  # a decode at 500 keys: more than a prompt token
+    small = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, num_requests=12))
+    summary = run_scenario(small, fit, tmp_path, progress=False)
+    assert summary["step_costs"] == pytest.approx([kp, dr, dk]) and summary["num_errors"] == 0
+    for bad in ("fits", [1e-3, 0.5], [1e-3, -0.5, 0.0]):
+        with pytest.raises(ValueError, match="step_costs must be"):
+            dataclasses.replace(fit, step_costs=bad)
+
 
 def test_validate_sim_copies_the_runs_admission(tmp_path: Path) -> None:
     run = tmp_path / "run.yaml"
