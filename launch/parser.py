@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pp_runtime.config import ADMISSIONS, CHUNK_BUDGETS, DTYPES, GGUF_WEIGHTS, KV_DTYPES, MATMUL_PRECISIONS, SCHEDULER_POLICIES
+from pp_runtime.config import (ADMISSIONS, CHUNK_BUDGETS, DTYPES, GGUF_WEIGHTS, KV_DTYPES, MATMUL_PRECISIONS,
+                               SCHEDULER_POLICIES, are_step_costs)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,7 +63,7 @@ def _step_costs(text: str) -> tuple[float, ...] | str:
         costs = tuple(float(x) for x in text.split(","))
     except ValueError:
         costs = ()
-    if len(costs) != 3 or not all(0 <= c < float("inf") for c in costs):
+    if len(costs) != 3 or not are_step_costs(costs):
         raise argparse.ArgumentTypeError(f"expected 'fit' or 3 numbers ≥ 0 (prompt key,decode row,decode key), got {text!r}")
     return costs
 

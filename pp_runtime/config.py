@@ -103,6 +103,14 @@ def is_layer_count(n: object) -> bool:
     return isinstance(n, numbers.Real) and not isinstance(n, bool) and n > 0 and (2 * n) % 1 == 0
 
 
+def are_step_costs(costs: object) -> bool:
+    """SchedulerConfig.step_costs as given (a list or tuple): empty, or 3 finite numbers ≥ 0 (prompt
+    key, decode row, decode key; not bools). The one rule the config, the flag, the run YAML and
+    a simulated scenario check, each naming itself."""
+    return isinstance(costs, (tuple, list)) and (not costs or len(costs) == 3 and all(
+        isinstance(c, numbers.Real) and not isinstance(c, bool) and 0 <= c < float("inf") for c in costs))
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """pp stages × tp ranks; ``partition`` optionally gives the layer count of each stage.
@@ -218,12 +226,10 @@ class SchedulerConfig:
         _positive(self, "chunk_size", "max_batch_size", "max_model_len")
         if self.max_running < 0:
             raise ValueError(f"SchedulerConfig.max_running must be ≥ 0 (0: max_batch_size), got {self.max_running}")
-        costs = self.step_costs
-        if not isinstance(costs, (tuple, list)) or (costs and (len(costs) != 3 or not all(
-                isinstance(c, numbers.Real) and not isinstance(c, bool) and 0 <= c < float("inf") for c in costs))):
+        if not are_step_costs(self.step_costs):
             raise ValueError("SchedulerConfig.step_costs must be empty or 3 finite numbers ≥ 0 (prompt key, "
-                             f"decode row, decode key), got {costs!r}")
-        object.__setattr__(self, "step_costs", tuple(costs))  # a list (from JSON, YAML) compares equal to none
+                             f"decode row, decode key), got {self.step_costs!r}")
+        object.__setattr__(self, "step_costs", tuple(self.step_costs))  # a list (from JSON, YAML) compares equal to none
         if self.policy == "sarathi" and self.tile_align and self.chunk_size < self.max_batch_size:
             raise ValueError(f"SchedulerConfig.chunk_size={self.chunk_size} must be ≥ max_batch_size="
                              f"{self.max_batch_size} with tile_align (decodes alone would exceed C)")

@@ -18,9 +18,9 @@ from typing import Any, Mapping
 
 import yaml
 
-from pp_runtime.config import SCHEDULER_POLICIES, is_layer_count
+from pp_runtime.config import SCHEDULER_POLICIES, are_step_costs, is_layer_count
 from pp_runtime.configs_dir import find_config
-from pp_runtime.field_checks import check_int, check_positive_number, is_number
+from pp_runtime.field_checks import check_int, check_positive_number
 from pp_runtime.workload_config import WorkloadConfig
 
 # Keys of the run YAML that become pp_runtime.LLM keyword arguments. The first ten are the
@@ -52,8 +52,7 @@ def _check_engine(engine: Mapping[str, Any]) -> None:
         elif key == "memory_budget_gb":
             check_positive_number(key, value)
         elif key == "step_costs":
-            if value != "fit" and not (isinstance(value, (list, tuple)) and len(value) == 3
-                                       and all(is_number(c) and c >= 0 for c in value)):
+            if value != "fit" and not (isinstance(value, (list, tuple)) and len(value) == 3 and are_step_costs(value)):
                 raise ValueError(f"step_costs must be 'fit' or a list of 3 numbers ≥ 0 (prompt key, decode row, "
                                  f"decode key), got {value!r}")
         elif key == "partition":

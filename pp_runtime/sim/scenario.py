@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from pp_runtime.config import ADMISSIONS, CHUNK_BUDGETS, DTYPE_BYTES, SCHEDULER_POLICIES
+from pp_runtime.config import ADMISSIONS, CHUNK_BUDGETS, DTYPE_BYTES, SCHEDULER_POLICIES, are_step_costs
 from pp_runtime.sim.presets import Hardware, SimModel
 from pp_runtime.sim.simulator import ROUTERS
 from pp_runtime.workload_config import WorkloadConfig
@@ -75,12 +75,10 @@ class Scenario:
         if self.admission not in ADMISSIONS:
             raise ValueError(f"{where}: admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
         if self.step_costs != "fit":
-            if isinstance(self.step_costs, str) or not isinstance(self.step_costs, (list, tuple)) \
-                    or len(self.step_costs) not in (0, 3):
+            if not are_step_costs(self.step_costs):
                 raise ValueError(f"{where}: step_costs must be 'fit' or 3 numbers ≥ 0 (prompt key, decode row, "
                                  f"decode key), got {self.step_costs!r}")
-            object.__setattr__(self, "step_costs", tuple(checked_number(f"{where}: step_costs", c)
-                                                         for c in self.step_costs))
+            object.__setattr__(self, "step_costs", tuple(float(c) for c in self.step_costs))
         if not isinstance(self.tile_align, bool):
             raise ValueError(f"{where}: tile_align must be true or false, got {self.tile_align!r}")
         if self.partition is not None:
