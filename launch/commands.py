@@ -55,6 +55,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
             for o in outs:
                 if o.finish_reason != "error":
                     o.text = tok.decode(o.token_ids)
+        else:  # a JSONL "prompt" text gets its output's text back, as LLM.generate gives it
+            outs = [llm.with_text(o, x.prompt) for o, x in zip(outs, lines)]
         rows = [o.to_json() for o in outs]
         # Results first (--output or stdout), the run directory after: a run directory that
         # cannot be written (disk full, a worker gone before its timings were read) must not

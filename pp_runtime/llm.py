@@ -158,9 +158,10 @@ class LLM:
         """Outputs in the order of ``prompts``; bad prompts come back with finish_reason 'error'.
         A text prompt's output carries the generated text too."""
         reqs = self._requests(prompts, params, ids)
-        return [self._with_text(o, p) for o, p in zip(self.run(reqs, progress), prompts)]
+        return [self.with_text(o, p) for o, p in zip(self.run(reqs, progress), prompts)]
 
-    def _with_text(self, out: RequestOutput, prompt: object) -> RequestOutput:
+    def with_text(self, out: RequestOutput, prompt: object) -> RequestOutput:
+        """``out`` with the text of its tokens where its prompt was text (and it did not fail)."""
         if isinstance(prompt, str) and out.finish_reason != "error":
             out.text = self.tokenizer.decode(out.token_ids)
         return out
@@ -189,12 +190,12 @@ class LLM:
                         yield StreamOutput.partial(req)
                 for req in finished:
                     done.add(req.seq_id)
-                    yield self._with_text(StreamOutput.final(req), prompt_of[req.seq_id])
+                    yield self.with_text(StreamOutput.final(req), prompt_of[req.seq_id])
             # A run started meanwhile (generate inside this loop) closes this one: its requests
             # were cancelled there, and each still ends with its one final output here.
             for req in reqs:
                 if req.seq_id not in done and req.finished:
-                    yield self._with_text(StreamOutput.final(req), prompt_of[req.seq_id])
+                    yield self.with_text(StreamOutput.final(req), prompt_of[req.seq_id])
         finally:
             steps.close()
 

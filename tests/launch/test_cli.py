@@ -436,6 +436,7 @@ def test_text_prompts_use_the_folder_tokenizer(tok_model: Path, tmp_path: Path,
     rc, out, err = run_main(["generate", "--model", str(tok_model), "--input", str(inp), "--quiet", *FAST], capsys)
     rows = [json.loads(x) for x in out.splitlines()]
     assert rc == 0 and [r["token_ids"] for r in rows] == [plain.token_ids] * 2
+    assert rows[0]["text"] == tok.decode(plain.token_ids) and "text" not in rows[1]  # text in, text out
 
 
 def test_chat_template_helpers(tok_model: Path) -> None:
