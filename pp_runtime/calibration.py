@@ -32,12 +32,17 @@ if TYPE_CHECKING:
 
 CHUNKS = 60  # prompt tokens ≈ CHUNKS × chunk_size: ~3× cost_fit.MIN_SAMPLES chunk micro-batches
 MAX_LEN, THETA, PD_RATIO = 1024, 0.4, 10.0  # the paper's Zipf workload, as configs/runs/pp2_zipf.yaml
-MIN_REQUESTS, MAX_REQUESTS = 8, 64
+# at most MAX_REQUESTS: ~CHUNKS chunks of 2048 tokens at the mean Zipf prompt (~600 tokens) take ~200;
+# the ones past the running cap wait their turn, as any workload's do
+MIN_REQUESTS, MAX_REQUESTS = 8, 512
 
 
 def calibration_workload(max_model_len: int, chunk_size: int, vocab_size: int, seed: int = 0) -> list[WorkItem]:
     """Zipf(θ = 0.4) total lengths on [L/4, L], L = min(1024, max_model_len), split P:D = 10,
-    enough requests for ~CHUNKS chunks of ``chunk_size`` prompt tokens (between 8 and 64)."""
+    enough requests for ~CHUNKS chunks of ``chunk_size`` prompt tokens (between 8 and 512).
+    Raises ValueError where max_model_len leaves no room for a prompt and a token (< 2)."""
+    if max_model_len < 2:
+        raise ValueError(f"step costs: a calibration run needs max_model_len ≥ 2, got {max_model_len}")
     hi = min(MAX_LEN, max_model_len)
     lo = max(2, hi // 4)
     pmf = zipf_pmf(lo, hi, THETA)
@@ -62,7 +67,9 @@ def calibrate(llm: LLM, verbose: bool = False) -> tuple[float, float, float] | N
     items = calibration_workload(before.max_model_len, before.chunk_size, llm.source.config.vocab_size, llm.config.seed)
     if verbose:
         print(f"pp-runtime: fitting step costs on {len(items)} synthetic requests", file=sys.stderr)
-    llm.reconfigure(policy="sarathi", chunk_budget="flops", step_costs=())
+    # tile_align off: another policy's chunk_size may be below max_batch_size, which sarathi's
+    # tile_align refuses; the costs do not depend on it
+    llm.reconfigure(policy="sarathi", chunk_budget="flops", tile_align=False, step_costs=())
     costs = None
     try:
         reqs = [llm.make_request(f"calibration-{it.request_id}", it.prompt_token_ids,
@@ -73,7 +80,8 @@ def calibrate(llm: LLM, verbose: bool = False) -> tuple[float, float, float] | N
             raise WorkerError(f"step costs not fitted: {llm.broken}")
         costs = fit_step_costs(samples_from_run(llm.engine.history, llm.executor.drain_timings()))
     finally:
-        llm.reconfigure(policy=before.policy, chunk_budget=before.chunk_budget, step_costs=costs or ())
+        llm.reconfigure(policy=before.policy, chunk_budget=before.chunk_budget, tile_align=before.tile_align,
+                        step_costs=costs or ())
     if verbose:
         print("pp-runtime: " + (f"step costs {format_costs(costs)} (fresh prompt tokens per prompt key, decode "
                                 f"row, decode key; --step-costs {format_costs(costs)} reuses them)"

@@ -108,7 +108,14 @@ def are_step_costs(costs: object) -> bool:
     key, decode row, decode key; not bools). The one rule the config, the flag, the run YAML and
     a simulated scenario check, each naming itself."""
     return isinstance(costs, (tuple, list)) and (not costs or len(costs) == 3 and all(
-        isinstance(c, numbers.Real) and not isinstance(c, bool) and 0 <= c < float("inf") for c in costs))
+        isinstance(c, numbers.Real) and not isinstance(c, bool) and _finite_nonnegative(c) for c in costs))
+
+
+def _finite_nonnegative(x: numbers.Real) -> bool:
+    try:  # an int too large for a float (a YAML or JSON number of 400 digits) is not a cost either
+        return 0 <= float(x) < float("inf")
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True)

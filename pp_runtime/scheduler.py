@@ -153,13 +153,14 @@ class Scheduler:
 
     def _take_prefills(self, plan: list[tuple[Request, int]], budget: int | None, chunked: bool,
                        admit: Callable[[Request], bool] = lambda req: True, key_cost: float = 0.0,
-                       spent: float = 0.0) -> None:
+                       spent: float = 0.0, fresh: int | None = None) -> None:
         """Add prefill work in FCFS order. budget: most prompt tokens (None: no cap, whole prompts);
         with key_cost > 0 (chunked) the chunks' chunk_cost is also capped, at a fresh chunk of
-        budget tokens' less ``spent`` (the decodes' measured cost), never below one fresh token's
-        (a prompt always moves). ``admit`` says which waiting requests may start now."""
+        ``fresh`` tokens' (default: budget) less ``spent`` (the decodes' measured cost), never below
+        one fresh token's (a prompt always moves). ``admit`` says which waiting requests may start now."""
         slots = self.cfg.max_batch_size - len(plan)
-        cost = None if budget is None else max(chunk_cost(0, budget, key_cost) - spent, chunk_cost(0, 1, key_cost))
+        fresh = budget if fresh is None else fresh
+        cost = None if budget is None else max(chunk_cost(0, fresh, key_cost) - spent, chunk_cost(0, 1, key_cost))
         taken = False
         for req, was_running in self._prefill_candidates(admit):
             if slots <= 0 or (budget is not None and (budget <= 0 or cost <= 0)):
@@ -228,13 +229,14 @@ class Scheduler:
         limit = self.cfg.max_batch_size - 1 if prefill_possible else self.cfg.max_batch_size
         self._take_decodes(plan, min(max(1, limit), self._decode_share()))
         budget = self.cfg.chunk_size - (len(plan) if self.cfg.tile_align else 0)
-        key_cost, spent = self.key_cost if self.cfg.chunk_budget == "flops" else 0.0, 0.0
+        key_cost, spent, fresh = self.key_cost if self.cfg.chunk_budget == "flops" else 0.0, 0.0, None
         if self.cfg.chunk_budget == "flops" and self.cfg.step_costs and self.depth > 1:
             # equal measured cost per micro-batch (SchedulerConfig.step_costs): a decode costs its
-            # row and the keys it reads (all its tokens so far), the chunk gets what is left
+            # row and the keys it reads (all its tokens so far), the chunk gets what is left of a
+            # fresh C-token chunk's cost (tile_align's C − decodes caps its tokens, not that again)
             key_cost, row, key = self.cfg.step_costs
-            spent = sum(row + key * req.num_tokens for req, _ in plan)
-        self._take_prefills(plan, budget, chunked=True, key_cost=key_cost, spent=spent)
+            spent, fresh = sum(row + key * req.num_tokens for req, _ in plan), self.cfg.chunk_size
+        self._take_prefills(plan, budget, chunked=True, key_cost=key_cost, spent=spent, fresh=fresh)
         return plan
 
     def _decode_share(self) -> int:

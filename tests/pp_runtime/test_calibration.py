@@ -15,7 +15,7 @@ TINY = dict(model="llama-tiny", launcher="local", chunk_size=8, max_batch_size=3
             max_model_len=128)
 
 
-@pytest.mark.parametrize("max_model_len,chunk", [(128, 8), (2048, 256), (8192, 512), (64, 4096)])
+@pytest.mark.parametrize("max_model_len,chunk", [(128, 8), (2048, 256), (8192, 512), (8192, 2048), (64, 4096), (2, 256)])
 def test_calibration_workload_has_prompt_chunks_at_every_depth(max_model_len: int, chunk: int) -> None:
     items = calibration.calibration_workload(max_model_len, chunk, vocab_size=500, seed=3)
     hi = min(calibration.MAX_LEN, max_model_len)
@@ -26,6 +26,25 @@ def test_calibration_workload_has_prompt_chunks_at_every_depth(max_model_len: in
     if calibration.MIN_REQUESTS < len(items) < calibration.MAX_REQUESTS:  # sized by the chunk count
         assert 0.6 * calibration.CHUNKS * chunk < prompt < 1.6 * calibration.CHUNKS * chunk
     assert calibration.calibration_workload(max_model_len, chunk, 500, seed=3) == items  # deterministic
+    if chunk == 2048:  # sized by the chunk count too (a cap of 64 requests once gave ~19 chunks: no fit)
+        assert calibration.MIN_REQUESTS < len(items) < calibration.MAX_REQUESTS
+
+
+def test_calibration_workload_needs_room_for_a_token() -> None:
+    with pytest.raises(ValueError, match="^step costs: a calibration run needs max_model_len ≥ 2, got 1$"):
+        calibration.calibration_workload(1, 8, vocab_size=500)
+
+
+def test_calibrate_under_another_policy_with_tile_align(monkeypatch: pytest.MonkeyPatch) -> None:
+    """orca with tile_align and chunk_size < max_batch_size (which sarathi's tile_align refuses):
+    the calibration runs sarathi without tile_align, and every setting comes back."""
+    settings = dict(TINY, chunk_size=2, max_batch_size=3)
+    with LLM(pp=2, scheduler="orca", tile_align=True, **settings) as llm:
+        before = llm.sched_config
+        calibration.calibrate(llm)
+        after = llm.sched_config
+        assert (after.policy, after.tile_align, after.chunk_size, after.chunk_budget) == \
+            (before.policy, before.tile_align, before.chunk_size, before.chunk_budget) == ("orca", True, 2, "flops")
 
 
 def test_format_costs_is_what_the_flag_takes_back() -> None:

@@ -183,11 +183,12 @@ class FakePipeline:
         if self.ample_kv:
             assert n_dec == min(len(pre["ready"]), decode_cap), "decode-maximal: every ready decode up to the share rides along"
             budget = cfg.chunk_size - (n_dec if cfg.tile_align else 0)
-            key_cost, spent = self.sched.key_cost if cfg.chunk_budget == "flops" else 0.0, 0.0
+            key_cost, spent, fresh = self.sched.key_cost if cfg.chunk_budget == "flops" else 0.0, 0.0, budget
             if cfg.chunk_budget == "flops" and cfg.step_costs and self.sched.depth > 1:
                 key_cost, row, key = cfg.step_costs  # each decode costs its row and its keys (start + 1)
                 spent = sum(row + key * (c.start + 1) for c in mb.chunks if not c.is_prefill)
-            expected = greedy_fill(pre["offered"], budget, cfg.max_batch_size - n_dec, key_cost, spent)
+                fresh = cfg.chunk_size  # the decodes are charged once: in spent, not also in tile_align's tokens
+            expected = greedy_fill(pre["offered"], budget, cfg.max_batch_size - n_dec, key_cost, spent, fresh)
             assert mb.prefill_tokens == expected, "decode-maximal: prefill chunks fill the rest of the budget"
             if pre["offered"] and cfg.max_batch_size > 1:
                 assert mb.prefill_tokens > 0
@@ -253,13 +254,14 @@ class FakePipeline:
 
 
 def greedy_fill(offered: list[tuple[int, int]], budget: int, slots: int, key_cost: float = 0.0,
-                spent: float = 0.0) -> int:
+                spent: float = 0.0, fresh: int | None = None) -> int:
     """Prefill tokens sarathi should take: FCFS, each candidate (start, tokens left) up to the
     token budget left and, with key_cost, the cost left: a token at position p costs 1 + key_cost
-    · (p + 1), and the cost budget is a fresh chunk's, positions 0 .. budget − 1, less what the
-    decodes spent (step_costs), but at least one fresh token's. Token by token, independently of
-    the scheduler's closed form; the first chunk takes at least one token."""
-    cost = max(sum(1 + key_cost * (p + 1) for p in range(budget)) - spent, 1 + key_cost)
+    · (p + 1), and the cost budget is a fresh chunk's, positions 0 .. fresh − 1 (default: budget),
+    less what the decodes spent (step_costs), but at least one fresh token's. Token by token,
+    independently of the scheduler's closed form; the first chunk takes at least one token."""
+    fresh = budget if fresh is None else fresh
+    cost = max(sum(1 + key_cost * (p + 1) for p in range(fresh)) - spent, 1 + key_cost)
     taken = 0
     for start, n in offered[:max(0, slots)]:
         if budget <= 0 or cost <= 0:
@@ -691,7 +693,8 @@ def test_step_costs_make_the_chunk_pay_for_its_decodes_in_a_pipeline_only() -> N
 
 
 def test_bad_step_costs_are_named() -> None:
-    for bad in ((0.1, 0.2), (0.1, -0.2, 0.3), (0.1, float("inf"), 0.3), (True, 0.0, 0.0), ("1", 0, 0)):
+    for bad in ((0.1, 0.2), (0.1, -0.2, 0.3), (0.1, float("inf"), 0.3), (True, 0.0, 0.0), ("1", 0, 0),
+                (10 ** 400, 0, 0)):  # an int no float holds: a ValueError naming the field, not an OverflowError
         with pytest.raises(ValueError, match="SchedulerConfig.step_costs must be empty or 3 finite numbers"):
             SchedulerConfig("sarathi", 64, 4, step_costs=bad)
     assert SchedulerConfig("sarathi", 64, 4, step_costs=(0.0, 0, 1e-3)).step_costs == (0.0, 0, 1e-3)
