@@ -35,6 +35,11 @@ MAX_LEN, THETA, PD_RATIO = 1024, 0.4, 10.0  # the paper's Zipf workload, as conf
 # at most MAX_REQUESTS: ~CHUNKS chunks of 2048 tokens at the mean Zipf prompt (~600 tokens) take ~200;
 # the ones past the running cap wait their turn, as any workload's do
 MIN_REQUESTS, MAX_REQUESTS = 8, 512
+# The scheduling a calibration run takes, on a real deployment (calibrate) or a simulated one
+# (pp_runtime.sim.run): sarathi's FLOPs budget with no costs yet; tile_align off, since another
+# policy's chunk_size may be below max_batch_size, which sarathi's tile_align refuses, and the
+# costs do not depend on it
+SCHEDULING = dict(policy="sarathi", chunk_budget="flops", tile_align=False, step_costs=())
 
 
 def calibration_workload(max_model_len: int, chunk_size: int, vocab_size: int, seed: int = 0) -> list[WorkItem]:
@@ -67,9 +72,7 @@ def calibrate(llm: LLM, verbose: bool = False) -> tuple[float, float, float] | N
     items = calibration_workload(before.max_model_len, before.chunk_size, llm.source.config.vocab_size, llm.config.seed)
     if verbose:
         print(f"pp-runtime: fitting step costs on {len(items)} synthetic requests", file=sys.stderr)
-    # tile_align off: another policy's chunk_size may be below max_batch_size, which sarathi's
-    # tile_align refuses; the costs do not depend on it
-    llm.reconfigure(policy="sarathi", chunk_budget="flops", tile_align=False, step_costs=())
+    llm.reconfigure(**SCHEDULING)
     costs = None
     try:
         reqs = [llm.make_request(f"calibration-{it.request_id}", it.prompt_token_ids,

@@ -18,7 +18,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from pp_runtime.calibration import calibration_workload, format_costs
+from pp_runtime.calibration import SCHEDULING, calibration_workload, format_costs
 from pp_runtime.cost_fit import fit_step_costs, samples_from_run
 from pp_runtime.request import Request, SamplingParams
 from pp_runtime.sim.comparison import comparison, format_report
@@ -76,7 +76,7 @@ def fit_step_costs_simulated(cfg: SimConfig, dep: Deployment) -> tuple[float, fl
     sc = dep.scenario
     work = calibration_workload(cfg.max_model_len, sc.chunk_size, cfg.model.vocab_size, cfg.seed)
     reqs, _ = make_requests([(it.request_id, it.prompt_len, it.max_tokens, 0.0) for it in work])
-    sched = replace(dep.sched_cfg, policy="sarathi", chunk_budget="flops", step_costs=())
+    sched = replace(dep.sched_cfg, **SCHEDULING)
     res = simulate(reqs, None, sched, dep.memory.num_blocks, cfg.block_size, dep.costs[0], sc.pp, sc.tp,
                    keep_history=True, **timing_kwargs(cfg, dep))
     return fit_step_costs(samples_from_run(res.history, res.replicas[0].executor.drain_timings()))

@@ -413,6 +413,10 @@ def test_scenario_step_costs_given_or_fitted_on_its_own_simulated_steps(tmp_path
     for bad in ("fits", [1e-3, 0.5], [1e-3, -0.5, 0.0]):
         with pytest.raises(ValueError, match="step_costs must be"):
             dataclasses.replace(fit, step_costs=bad)
+    # orca with tile_align and a chunk below max_batch_size (which sarathi's tile_align refuses):
+    # calibrated as the runtime calibrates, sarathi without tile_align
+    orca = dataclasses.replace(fit, scheduler="orca", tile_align=True, chunk_size=64, max_batch_size=96)
+    assert fit_step_costs_simulated(cfg, plan_deployment(cfg, orca)) is not None
 
 
 def test_validate_sim_copies_the_runs_admission(tmp_path: Path) -> None:
