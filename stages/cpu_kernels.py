@@ -144,9 +144,20 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                 lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """(B, H, D) attention of each decode over the first lens[b] slots of its block table."""
-    return _load().paged_decode(q.contiguous(), k_cache, v_cache, tables, lens, scale)
+                 lens: torch.Tensor, scale: float, bf16: bool = False) -> torch.Tensor:
+    """(B, H, D) attention of each decode over the first lens[b] slots of its block table.
+
+    bf16 (where ``bf16_products()``): a call of more than 12 decodes over an fp8 cache, with up to
+    4 query heads a KV head, takes the two products in bf16 where the build also has AVX512-VBMI
+    (``decode_bf16()``): q and the softmax weights rounded to bf16, K and V exact (every fp8 value
+    is a bf16 one), fp32 sums; ~2x fewer instructions than the fp32 walk, which is bound by them.
+    Every other call stays fp32, as a product of up to 12 rows does."""
+    return _load().paged_decode(q.contiguous(), k_cache, v_cache, tables, lens, scale, bf16)
+
+
+def decode_bf16() -> bool:
+    """Whether paged_decode's bf16 path is in this build (AVX512-BF16 and AVX512-VBMI)."""
+    return available() and _load().decode_bf16()
 
 
 def cost_runs(costs: list[int], parts: int) -> list[int]:

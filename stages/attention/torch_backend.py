@@ -76,8 +76,9 @@ class TorchAttention:
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
-        # the CPU prefill kernel's products in bf16 (set_matmul_precision sets it for "medium" and
-        # "int8" where the kernels have AVX512-BF16); decodes keep fp32: they are bound by reading K/V
+        # the CPU attention kernels' products in bf16 (set_matmul_precision sets it for "medium" and
+        # "int8" where the kernels have AVX512-BF16): prefill chunks of more than 12 tokens, and
+        # steps of more than 12 decodes over an fp8 cache (cpu_kernels.paged_decode says which)
         self.bf16 = False
         # on CUDA, decodes read K/V in place (triton_decode) where it can run, else gathered; off
         # only for a before/after measurement (benchmarks/decode_maximal.py --cuda-decode)
@@ -128,7 +129,7 @@ class TorchAttention:
             row += n
         if meta.num_decodes and kernels:  # K/V read in place, no gather
             out[row:] = cpu_kernels.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables,
-                                               decode_lens(meta), self.scale)
+                                               decode_lens(meta), self.scale, self.bf16)
         elif meta.num_decodes and self.paged_cuda and self._decode_kernel_takes(q, k_cache, v_cache, meta):
             triton_decode.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables, decode_lens(meta, q.device),
                                        self.scale, out=out[row:])  # written in place: no copy

@@ -7,7 +7,8 @@
 #include <vector>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                           torch::Tensor lens, double scale);  // paged_decode.cpp
+                           torch::Tensor lens, double scale, bool bf16);  // paged_decode.cpp
+bool decode_bf16();  // whether paged_decode has its bf16 path (paged_decode.cpp)
 // how paged_decode cuts its tasks (costs) into `parts` runs for its threads: the runs' edges
 std::vector<int64_t> cost_runs(const std::vector<int64_t>& costs, int64_t parts);
 void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,

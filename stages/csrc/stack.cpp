@@ -2,7 +2,7 @@
 //
 //   stack = LayerStack(weights, heads, kv_heads, head_dim, scale, eps, products, attn_bf16, cos, sin)
 //   products: "fp32", "bf16" or "int8", the linears' products (stages/layers.py: set_matmul_precision);
-//   attn_bf16: the prefill attention's products in bf16 (TorchAttention.bf16, set there too)
+//   attn_bf16: the attention kernels' bf16 products (TorchAttention.bf16, set there too)
 //   h = stack.forward(h, caches, StepMeta(positions, slots, q_lens, ctx_lens, prefill_tables, decode_tables,
 //                                         decode_lens), times, keep)
 //   times: None, or a float64 (5,) tensor that each op's seconds are added to (preproj, attn, postproj,
@@ -136,7 +136,7 @@ class LayerStack {
     int64_t row = 0;
     torch::Tensor out;
     if (m.q_lens.empty() && m.decode_tables) {  // decodes only: their output is the step's
-      out = paged_decode(q.contiguous(), kc, vc, *m.decode_tables, *m.decode_lens, scale_);
+      out = paged_decode(q.contiguous(), kc, vc, *m.decode_tables, *m.decode_lens, scale_, attn_bf16_);
     } else {
       out = torch::empty({t, h_, d_}, q.options());
       for (size_t i = 0; i < m.q_lens.size(); ++i) {
@@ -148,7 +148,7 @@ class LayerStack {
       if (m.decode_tables)
         out.narrow(0, row, t - row)
             .copy_(paged_decode(q.narrow(0, row, t - row).contiguous(), kc, vc, *m.decode_tables, *m.decode_lens,
-                                scale_));
+                                scale_, attn_bf16_));
     }
     return out;
   }

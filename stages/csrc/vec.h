@@ -6,6 +6,7 @@
 
 #include <array>
 
+#include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
@@ -21,6 +22,13 @@ inline const std::array<float, 256> kFp8Values = [] {
 inline float to_f32(float x) { return x; }
 inline float to_f32(c10::Half x) { return static_cast<float>(x); }
 inline float to_f32(Fp8 x) { return kFp8Values[x.x]; }
+
+// bf16 attention (paged_prefill, paged_decode) takes calls of more than 12 query tokens, as the
+// GEMM's bf16 path takes products of more than 12 rows: a shorter call is bound by reading its
+// context, and a step of up to 12 rows stays bit-identical to fp32 ("medium" promises it)
+constexpr int64_t kBf16MinTokens = 12;
+using Bf16 = uint16_t;  // a bf16's bits (the prefill panels' element in its bf16 path)
+inline Bf16 to_bf16(float x) { return c10::BFloat16(x).x; }  // nearest even
 
 // What the vector loads below (load8, the decode kernel's 16-lane load) return, in units of the
 // element's value: fp8 comes back as value · 2⁻⁸ (its e4m3 bits moved into fp16 bits, whose
@@ -216,3 +224,37 @@ inline float exp_row(float* s, int64_t n, float scale, float m) {
   return sum;
 #endif
 }
+
+#ifdef PP_BF16
+inline __m512bh bcast_pair(const Bf16* p) {  // the bf16 pair at p in all 16 words
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)));
+}
+
+// 2^t, 16 lanes, for softmax weights that are rounded to bf16 next: t = k + f with |f| ≤ ½, 2^f by
+// its degree-5 Taylor polynomial (relative error < 4e-6, against bf16's 2^-9), 2^k by vscalefps
+// (no exponent arithmetic, no clamp: it goes to 0 far below): ~half of exp512's instructions.
+inline __m512 exp2_softmax(__m512 t) {
+  const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, k);
+  constexpr float c[5] = {1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f};  // ln2ⁱ / i!
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (int i = 1; i < 5; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+  return _mm512_scalef_ps(_mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f)), k);
+}
+
+// One softmax row for the bf16 products, in one pass over its scores (exp_row, then zeros, then
+// round_row took three; the softmax was ~20% of a 256-token chunk's attention): e^(s·scale − m) of
+// the first n scores and 0 up to np (a multiple of 16) as bf16 into p; returns their fp32 sum.
+inline float exp_row_bf16(const float* s, int64_t n, int64_t np, float scale, float m, Bf16* p) {
+  constexpr float kLog2e = 1.44269504f;
+  const __m512 vs = _mm512_set1_ps(scale * kLog2e), vm = _mm512_set1_ps(m * kLog2e);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t j = 0; j < np; j += 16) {
+    const __mmask16 k = n > j ? lanes16(n - j) : __mmask16(0);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp2_softmax(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), vs, vm)));
+    acc = _mm512_add_ps(acc, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+#endif

@@ -227,6 +227,71 @@ def test_paged_prefill_bf16_needs_the_instructions(isa: str) -> None:
         cpu_kernels.paged_prefill(q, kc, kc, torch.zeros(1, dtype=torch.long), 1, 0.25, torch.empty_like(q), bf16=True)
 
 
+def decode_bf16_reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, lens: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Each decode's attention with q and the softmax weights rounded to bf16, K and V as given,
+    everything else in fp32: q (B, H, D), keys / vals (B, L, H_kv, D) -> (B, H, D)."""
+    g = q.shape[1] // keys.shape[2]
+    out = torch.empty_like(q)
+    for b, n in enumerate(lens.tolist()):
+        kb, vb = (t[b, :n].float().repeat_interleave(g, 1) for t in (keys, vals))  # (n, H, D)
+        s = torch.einsum("hd,lhd->hl", q[b].bfloat16().float(), kb) * scale
+        p = (s - s.amax(-1, keepdim=True)).exp()
+        out[b] = torch.einsum("hl,lhd->hd", p.bfloat16().float(), vb) / p.sum(-1, keepdim=True)
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("b,bs", [(13, 16), (20, 5), (12, 16)])
+@pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.float16], ids=["fp8", "fp16"])
+@pytest.mark.parametrize("hkv,grp,d", [(3, 3, 64), (2, 4, 128), (1, 1, 64), (4, 2, 128), (1, 8, 64), (2, 5, 64)])
+def test_paged_decode_bf16_products(threads: int, b: int, bs: int, kv: torch.dtype, hkv: int, grp: int, d: int) -> None:
+    """The decode kernel's bf16 path (matmul precision "medium" and "int8"): over an fp8 cache, a
+    call of more than 12 decodes with up to 4 query heads a KV head rounds q and the softmax
+    weights to bf16 and reads K / V exactly, against that rounding done by torch (the fp32 walk
+    misses the same reference ~1000x further on average, so a flag that went unused fails here).
+    Ragged lengths (1 key, odd counts: a V row without a pair), an odd block size, 64 and 128
+    wide heads; 12 decodes, an fp16 cache, and groups of 5 or 8 keep the fp32 walk, bit for bit."""
+    if not cpu_kernels.decode_bf16():
+        pytest.skip("no AVX512-BF16 + AVX512-VBMI in this build")
+    g = torch.Generator().manual_seed(b * 31 + hkv * grp + d)
+    nb = -(-300 // bs)
+    kc = (torch.randn(b * nb + 7, bs, hkv, d, generator=g) * 3).to(kv)
+    vc = torch.randn(b * nb + 7, bs, hkv, d, generator=g).to(kv)
+    tables = torch.randperm(b * nb + 7, generator=g)[:b * nb].view(b, nb).contiguous()
+    lens = torch.randint(1, nb * bs + 1, (b,), generator=g)
+    lens[:3] = torch.tensor([1, 17, nb * bs])
+    q = torch.randn(b, hkv * grp, d, generator=g) * 3
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_kernels.paged_decode(q, kc, vc, tables, lens, d ** -0.5, bf16=True)
+        out32 = cpu_kernels.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
+    finally:
+        torch.set_num_threads(old)
+    if b <= 12 or kv != torch.float8_e4m3fn or grp > 4:
+        assert torch.equal(out, out32)
+        return
+    keys, vals = (c[tables.reshape(-1)].view(b, nb * bs, hkv, d) for c in (kc, vc))
+    ref = decode_bf16_reference(q, keys, vals, lens, d ** -0.5)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=3e-5)  # measured: at most 5e-6
+    assert (out32 - ref).abs().mean() > 100 * (out - ref).abs().mean()  # measured: ~4000x
+
+
+def test_paged_decode_bf16_needs_the_instructions(isa: str) -> None:
+    """Asked of a build without AVX512-BF16, the decode kernel's bf16 flag is an error naming
+    what it needs (as the prefill kernel's); with AVX512-BF16 but no AVX512-VBMI it keeps fp32."""
+    kc = torch.zeros(1, 16, 1, 64, dtype=torch.float8_e4m3fn)
+    q = torch.zeros(13, 1, 64)
+    tables, lens = torch.zeros(13, 1, dtype=torch.long), torch.ones(13, dtype=torch.long)
+    if cpu_kernels.bf16_products():
+        assert cpu_kernels.paged_decode(q, kc, kc, tables, lens, 0.125, bf16=True).eq(0).all()
+        return
+    assert not cpu_kernels.decode_bf16()
+    with pytest.raises(RuntimeError, match="AVX512-BF16"):
+        cpu_kernels.paged_decode(q, kc, kc, tables, lens, 0.125, bf16=True)
+
+
 def test_xformers_packing_and_mask_match_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("xformers.ops.fmha.attn_bias")  # imported before CUDA is faked below
     chunks, q, k, v, kc, vc = mixed_batch(1)
