@@ -144,15 +144,15 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                 lens: torch.Tensor, scale: float, bf16: bool = False) -> torch.Tensor:
+                 lens: torch.Tensor, scale: float, bf16: bool = False, bf16_over: int = 12) -> torch.Tensor:
     """(B, H, D) attention of each decode over the first lens[b] slots of its block table.
 
-    bf16 (where ``bf16_products()``): a call of more than 12 decodes over an fp8 cache, with up to
-    4 query heads a KV head, takes the two products in bf16 where the build also has AVX512-VBMI
-    (``decode_bf16()``): q and the softmax weights rounded to bf16, K and V exact (every fp8 value
-    is a bf16 one), fp32 sums; ~2x fewer instructions than the fp32 walk, which is bound by them.
-    Every other call stays fp32, as a product of up to 12 rows does."""
-    return _load().paged_decode(q.contiguous(), k_cache, v_cache, tables, lens, scale, bf16)
+    bf16 (where ``bf16_products()``): a call of more than ``bf16_over`` decodes over an fp8 cache,
+    with up to 4 query heads a KV head, takes the two products in bf16 where the build also has
+    AVX512-VBMI (``decode_bf16()``): q and the softmax weights rounded to bf16, K and V exact (every
+    fp8 value is a bf16 one), fp32 sums; ~2x fewer instructions than the fp32 walk, which is bound
+    by them. Every other call stays fp32 (12: as a product of up to 12 rows does under "medium")."""
+    return _load().paged_decode(q.contiguous(), k_cache, v_cache, tables, lens, scale, bf16, bf16_over)
 
 
 def decode_bf16() -> bool:
@@ -308,11 +308,13 @@ def panel_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def layer_stack(weights: list[torch.Tensor], heads: int, kv_heads: int, head_dim: int, scale: float, eps: float,
-                products: str, attn_bf16: bool, cos: torch.Tensor, sin: torch.Tensor) -> object:
+                products: str, attn_bf16: bool, decode_bf16_over: int, cos: torch.Tensor, sin: torch.Tensor) -> object:
     """stack.cpp's LayerStack over 7 tensors a layer (stages/layer_loop.py): ``.forward(h, caches,
     step_meta(...))`` runs them all in one call; products: the linears' ("fp32", "bf16", "int8");
-    attn_bf16: the prefill attention's (``paged_prefill``'s bf16)."""
-    return _load().LayerStack(weights, heads, kv_heads, head_dim, scale, eps, products, attn_bf16, cos, sin)
+    attn_bf16, decode_bf16_over: the attention kernels' (``paged_prefill``'s bf16, ``paged_decode``'s
+    bf16 and bf16_over)."""
+    return _load().LayerStack(weights, heads, kv_heads, head_dim, scale, eps, products, attn_bf16, decode_bf16_over,
+                              cos, sin)
 
 
 def step_meta(positions: torch.Tensor, slots: torch.Tensor, q_lens: list[int], ctx_lens: list[int],

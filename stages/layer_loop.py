@@ -73,7 +73,8 @@ class LayerLoop:
         rope = model.rope
         return LayerLoop(cpu_kernels.layer_stack(weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_size,
                                                  model.backend.scale, cfg.rms_norm_eps, products,
-                                                 model.backend.bf16, rope.cos, rope.sin))
+                                                 model.backend.bf16, model.backend.decode_bf16_over, rope.cos,
+                                                 rope.sin))
 
     @staticmethod
     def takes(h: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:

@@ -78,8 +78,11 @@ class TorchAttention:
         self.scale = scale
         # the CPU attention kernels' products in bf16 (set_matmul_precision sets it for "medium" and
         # "int8" where the kernels have AVX512-BF16): prefill chunks of more than 12 tokens, and
-        # steps of more than 12 decodes over an fp8 cache (cpu_kernels.paged_decode says which)
+        # steps of more than decode_bf16_over decodes over an fp8 cache (cpu_kernels.paged_decode):
+        # 12 under "medium", whose steps of up to 12 rows stay fp32; 0 under "int8", which has no
+        # fp32 rows to keep and whose small decode steps (a pipeline's, a drain's) gain the same
         self.bf16 = False
+        self.decode_bf16_over = 12
         # on CUDA, decodes read K/V in place (triton_decode) where it can run, else gathered; off
         # only for a before/after measurement (benchmarks/decode_maximal.py --cuda-decode)
         self.paged_cuda = True
@@ -129,7 +132,8 @@ class TorchAttention:
             row += n
         if meta.num_decodes and kernels:  # K/V read in place, no gather
             out[row:] = cpu_kernels.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables,
-                                               decode_lens(meta), self.scale, self.bf16)
+                                               decode_lens(meta), self.scale, self.bf16,
+                                               self.decode_bf16_over)
         elif meta.num_decodes and self.paged_cuda and self._decode_kernel_takes(q, k_cache, v_cache, meta):
             triton_decode.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables, decode_lens(meta, q.device),
                                        self.scale, out=out[row:])  # written in place: no copy

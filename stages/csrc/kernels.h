@@ -7,7 +7,7 @@
 #include <vector>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                           torch::Tensor lens, double scale, bool bf16);  // paged_decode.cpp
+                           torch::Tensor lens, double scale, bool bf16, int64_t bf16_over);  // paged_decode.cpp
 bool decode_bf16();  // whether paged_decode has its bf16 path (paged_decode.cpp)
 // how paged_decode cuts its tasks (costs) into `parts` runs for its threads: the runs' edges
 std::vector<int64_t> cost_runs(const std::vector<int64_t>& costs, int64_t parts);

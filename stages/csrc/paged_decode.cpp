@@ -7,8 +7,8 @@
 // wide, 16 where the build has AVX-512) does both passes from registers, one task
 // per sequence walking its blocks' rows in memory order; otherwise one_head's plain loops, one
 // task per (sequence, KV head) (docs/BENCHMARKS.md). bf16: heads_bf16's bf16 products for a call
-// of more than 12 decodes over fp8 K/V with a group of up to 4, where the build has AVX512-BF16
-// and AVX512-VBMI; every other call keeps fp32 (a build without AVX512-BF16 refuses the flag).
+// of more than bf16_over decodes over fp8 K/V with a group of up to 4, where the build has
+// AVX512-BF16 and AVX512-VBMI; every other call keeps fp32 (a build without AVX512-BF16 refuses the flag).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -37,7 +37,7 @@ struct Args {
   float* out;
   int64_t H, Hkv, G, BS, NBT, Dyn;
   float scale;
-  bool bf16;  // bf16 products where heads_bf16 takes this call (fp8 K/V, G <= 4, > 12 decodes)
+  bool bf16;  // bf16 products where heads_bf16 takes this call (fp8 K/V, G <= 4)
 };
 
 // One (sequence b, KV head h). DC / GC: the head size / query heads per KV head if known at
@@ -308,8 +308,8 @@ void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vecto
 #endif
 
 #ifdef PP_DECODE_BF16
-// The decodes' two products in bf16 (matmul precision "medium" and "int8", more than 12 decodes,
-// fp8 K/V): heads_tiled is bound by its instructions, not by memory (fp8, 512 keys, hot: 21.6 µs a
+// The decodes' two products in bf16 (matmul precision "medium": steps of more than 12 decodes;
+// "int8": every step; fp8 K/V): heads_tiled is bound by its instructions, not by memory (fp8, 512 keys, hot: 21.6 µs a
 // decode and layer, ~49 cycles per key and KV head against the 24 FMAs it needs: each 16 fp8 widen in
 // ~4 µops). vdpbf16ps does two products a lane, and fp8 → bf16 is exact (4 significant bits, an
 // exponent range bf16 covers, subnormals included) through a table: 64 elements in 5 µops. So K
@@ -568,7 +568,7 @@ std::vector<int64_t> cost_runs(const std::vector<int64_t>& costs, int64_t parts)
 }
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor tables, torch::Tensor lens, double scale, bool bf16) {
+                           torch::Tensor tables, torch::Tensor lens, double scale, bool bf16, int64_t bf16_over) {
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(q.dtype() == torch::kFloat32 &&
               (kv == torch::kFloat32 || kv == torch::kFloat16 || kv == torch::kFloat8_e4m3fn) &&
@@ -587,7 +587,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     using T = decltype(element);
     run_d(Args<T>{q.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables.data_ptr<int64_t>(),
                   lens.data_ptr<int64_t>(), out.data_ptr<float>(), H, Hkv, H / Hkv, k_cache.size(1), tables.size(1), D,
-                  static_cast<float>(scale), bf16 && B > kBf16MinTokens}, B);
+                  static_cast<float>(scale), bf16 && B > bf16_over}, B);
   };
   if (kv == torch::kFloat16) run_as(c10::Half{});
   else if (kv == torch::kFloat8_e4m3fn) run_as(Fp8{});

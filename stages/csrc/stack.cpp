@@ -1,8 +1,10 @@
 // A stage's decoder layers as one call from Python (stages/layer_loop.py says when it applies).
 //
-//   stack = LayerStack(weights, heads, kv_heads, head_dim, scale, eps, products, attn_bf16, cos, sin)
+//   stack = LayerStack(weights, heads, kv_heads, head_dim, scale, eps, products, attn_bf16, decode_bf16_over,
+//                      cos, sin)
 //   products: "fp32", "bf16" or "int8", the linears' products (stages/layers.py: set_matmul_precision);
-//   attn_bf16: the attention kernels' bf16 products (TorchAttention.bf16, set there too)
+//   attn_bf16, decode_bf16_over: the attention kernels' bf16 products, the decode kernel's for steps
+//   of more than decode_bf16_over decodes (TorchAttention.bf16, .decode_bf16_over, set there too)
 //   h = stack.forward(h, caches, StepMeta(positions, slots, q_lens, ctx_lens, prefill_tables, decode_tables,
 //                                         decode_lens), times, keep)
 //   times: None, or a float64 (5,) tensor that each op's seconds are added to (preproj, attn, postproj,
@@ -68,9 +70,10 @@ struct StepMeta {
 class LayerStack {
  public:
   LayerStack(std::vector<torch::Tensor> weights, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
-             double eps, const std::string& products, bool attn_bf16, torch::Tensor cos, torch::Tensor sin)
+             double eps, const std::string& products, bool attn_bf16, int64_t decode_bf16_over, torch::Tensor cos,
+             torch::Tensor sin)
       : w_(std::move(weights)), h_(heads), hkv_(kv_heads), d_(head_dim), scale_(scale), eps_(eps),
-        products_(products_of(products)), attn_bf16_(attn_bf16),
+        products_(products_of(products)), attn_bf16_(attn_bf16), decode_bf16_over_(decode_bf16_over),
         cos_(std::move(cos)), sin_(std::move(sin)) {
     TORCH_CHECK(!w_.empty() && w_.size() % PER_LAYER == 0, "LayerStack: ", int(PER_LAYER), " weights a layer");
   }
@@ -136,7 +139,8 @@ class LayerStack {
     int64_t row = 0;
     torch::Tensor out;
     if (m.q_lens.empty() && m.decode_tables) {  // decodes only: their output is the step's
-      out = paged_decode(q.contiguous(), kc, vc, *m.decode_tables, *m.decode_lens, scale_, attn_bf16_);
+      out = paged_decode(q.contiguous(), kc, vc, *m.decode_tables, *m.decode_lens, scale_, attn_bf16_,
+                         decode_bf16_over_);
     } else {
       out = torch::empty({t, h_, d_}, q.options());
       for (size_t i = 0; i < m.q_lens.size(); ++i) {
@@ -148,7 +152,7 @@ class LayerStack {
       if (m.decode_tables)
         out.narrow(0, row, t - row)
             .copy_(paged_decode(q.narrow(0, row, t - row).contiguous(), kc, vc, *m.decode_tables, *m.decode_lens,
-                                scale_, attn_bf16_));
+                                scale_, attn_bf16_, decode_bf16_over_));
     }
     return out;
   }
@@ -168,6 +172,7 @@ class LayerStack {
   double scale_, eps_;
   Products products_;
   bool attn_bf16_;
+  int64_t decode_bf16_over_;
   torch::Tensor cos_, sin_;
 };
 
@@ -181,7 +186,7 @@ void bind_layer_stack(pybind11::module& m) {
       }));
   py::class_<LayerStack>(m, "LayerStack", py::module_local())
       .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, std::string, bool,
-                    torch::Tensor, torch::Tensor>())
+                    int64_t, torch::Tensor, torch::Tensor>())
       .def("forward", &LayerStack::forward, py::arg("h"), py::arg("caches"), py::arg("meta"),
            py::arg("times") = py::none(), py::arg("keep") = py::none(), py::call_guard<py::gil_scoped_release>(),
            "the stage's decoder layers over h (T, H), as stages/model.py runs them on CPU");

@@ -242,16 +242,18 @@ def decode_bf16_reference(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tenso
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("b,bs", [(13, 16), (20, 5), (12, 16)])
+@pytest.mark.parametrize("b,bs,over", [(13, 16, 12), (20, 5, 12), (12, 16, 12), (4, 16, 0), (1, 7, 0)])
 @pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.float16], ids=["fp8", "fp16"])
 @pytest.mark.parametrize("hkv,grp,d", [(3, 3, 64), (2, 4, 128), (1, 1, 64), (4, 2, 128), (1, 8, 64), (2, 5, 64)])
-def test_paged_decode_bf16_products(threads: int, b: int, bs: int, kv: torch.dtype, hkv: int, grp: int, d: int) -> None:
-    """The decode kernel's bf16 path (matmul precision "medium" and "int8"): over an fp8 cache, a
-    call of more than 12 decodes with up to 4 query heads a KV head rounds q and the softmax
-    weights to bf16 and reads K / V exactly, against that rounding done by torch (the fp32 walk
-    misses the same reference ~1000x further on average, so a flag that went unused fails here).
-    Ragged lengths (1 key, odd counts: a V row without a pair), an odd block size, 64 and 128
-    wide heads; 12 decodes, an fp16 cache, and groups of 5 or 8 keep the fp32 walk, bit for bit."""
+def test_paged_decode_bf16_products(threads: int, b: int, bs: int, over: int, kv: torch.dtype, hkv: int, grp: int,
+                                    d: int) -> None:
+    """The decode kernel's bf16 path (matmul precision "medium": calls of more than 12 decodes;
+    "int8": every call): over an fp8 cache, a call of more than ``bf16_over`` decodes with up to 4
+    query heads a KV head rounds q and the softmax weights to bf16 and reads K / V exactly, against
+    that rounding done by torch (the fp32 walk misses the same reference ~1000x further on average,
+    so a flag that went unused fails here). Ragged lengths (1 key, odd counts: a V row without a
+    pair), odd block sizes, 64 and 128 wide heads, a task per sequence or (1 decode, 2 threads) per
+    KV head; 12 decodes under 12, an fp16 cache, and groups of 5 or 8 keep the fp32 walk, bit for bit."""
     if not cpu_kernels.decode_bf16():
         pytest.skip("no AVX512-BF16 + AVX512-VBMI in this build")
     g = torch.Generator().manual_seed(b * 31 + hkv * grp + d)
@@ -260,16 +262,16 @@ def test_paged_decode_bf16_products(threads: int, b: int, bs: int, kv: torch.dty
     vc = torch.randn(b * nb + 7, bs, hkv, d, generator=g).to(kv)
     tables = torch.randperm(b * nb + 7, generator=g)[:b * nb].view(b, nb).contiguous()
     lens = torch.randint(1, nb * bs + 1, (b,), generator=g)
-    lens[:3] = torch.tensor([1, 17, nb * bs])
+    lens[:3] = torch.tensor([nb * bs, 1, 17])[:b]
     q = torch.randn(b, hkv * grp, d, generator=g) * 3
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = cpu_kernels.paged_decode(q, kc, vc, tables, lens, d ** -0.5, bf16=True)
+        out = cpu_kernels.paged_decode(q, kc, vc, tables, lens, d ** -0.5, bf16=True, bf16_over=over)
         out32 = cpu_kernels.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
     finally:
         torch.set_num_threads(old)
-    if b <= 12 or kv != torch.float8_e4m3fn or grp > 4:
+    if b <= over or kv != torch.float8_e4m3fn or grp > 4:
         assert torch.equal(out, out32)
         return
     keys, vals = (c[tables.reshape(-1)].view(b, nb * bs, hkv, d) for c in (kc, vc))

@@ -94,6 +94,44 @@ def test_bf16_products_and_fp16_caches(hf_models: dict, threads: int, precision:
     both_loops(worker(str(hf_models["qwen2"]), precision=precision, kv_dtype=kv_dtype), STEPS[step])
 
 
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama with SmolLM2's head shape (64 wide, 3 query heads a KV head): the one the decode
+    kernel's tiled and bf16 walks take (the shared tiny models' 16-wide heads take its plain loops)."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=512,
+                                   rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False,
+                                   bos_token_id=1, eos_token_id=2)
+    folder = tmp_path_factory.mktemp("wide_heads") / "llama"
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("precision,step,bf16", [("int8", "decodes", True), ("int8", "many_decodes", True),
+                                                 ("medium", "decodes", False), ("medium", "many_decodes", True),
+                                                 ("highest", "many_decodes", False)])
+def test_decode_attention_bf16_reaches_both_loops(wide_heads: Path, precision: str, step: str, bf16: bool) -> None:
+    """Over an fp8 cache the decodes' attention takes bf16 products in steps of more than 12 decodes
+    under "medium" (up to 12 rows stay fp32) and in every step under "int8", in the C++ loop as in
+    the Python one: the step's output changes when the decodes are kept fp32 exactly where it should."""
+    if not cpu_kernels.decode_bf16():
+        pytest.skip("no bf16 decode attention in this build")
+    w = worker(str(wide_heads), precision=precision, kv_dtype="fp8")
+    chunks = STEPS[step]
+    both_loops(w, chunks)
+    meta = build_metadata(chunks, BLOCK, w.device)
+    ids = torch.tensor([c.token_ids[0] for c in chunks])
+    with torch.inference_mode():
+        out = w.model(ids, meta, w.kv_caches)  # writes the same K/V each time: the runs see one cache
+        w.model.backend.decode_bf16_over = 1 << 30  # decodes fp32, in both loops
+        w.model.prepare_layer_loop()
+        fp32 = w.model(ids, meta, w.kv_caches)
+    both_loops(w, chunks)
+    assert torch.equal(out, fp32) != bf16
+
+
 @pytest.mark.parametrize("partition", [(1.5, 2.5), (2.5, 1.5), (1, 3)])
 @pytest.mark.parametrize("stage", [0, 1])
 def test_stages_and_half_layers(hf_models: dict, partition: tuple[float, float], stage: int) -> None:
