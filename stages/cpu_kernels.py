@@ -148,7 +148,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """(B, H, D) attention of each decode over the first lens[b] slots of its block table.
 
     bf16 (where ``bf16_products()``): a call of more than ``bf16_over`` decodes over an fp8 cache,
-    with up to 4 query heads a KV head, takes the two products in bf16 where the build also has
+    with heads 64 or 128 wide and up to 4 query heads a KV head, takes the two products in bf16 where the build also has
     AVX512-VBMI (``decode_bf16()``): q and the softmax weights rounded to bf16, K and V exact (every
     fp8 value is a bf16 one), fp32 sums; ~2x fewer instructions than the fp32 walk, which is bound
     by them. Every other call stays fp32 (12: as a product of up to 12 rows does under "medium")."""

@@ -292,13 +292,14 @@ def set_matmul_precision(model: nn.Module, precision: str) -> dict[str, int]:
     products where the kernels have AVX512-BF16 (``model.backend.bf16``; at int8 a chunk's linears
     shrink ~3x and its fp32 attention would be an eighth of it): prefill chunks of more than 12
     tokens, and decodes over an fp8 cache in steps of more than ``backend.decode_bf16_over`` (12
-    under medium, 0 under int8). Returns how many linears took each: {"bf16": n, "int8": n}."""
+    under medium, 0 under int8) for heads 64 or 128 wide, up to 4 a KV head, where the kernels also
+    have AVX512-VBMI (``cpu_kernels.decode_bf16``). Returns how many linears took each: {"bf16": n, "int8": n}."""
     bf16 = precision == "medium" and cpu_kernels.bf16_products()
     int8 = precision == "int8" and cpu_kernels.int8_products()
     backend = getattr(model, "backend", None)
     if hasattr(backend, "bf16"):  # the torch backend's CPU kernels
         backend.bf16 = precision in ("medium", "int8") and cpu_kernels.bf16_products()
-        backend.decode_bf16_over = 0 if precision == "int8" else 12  # medium: up to 12 rows stay fp32
+        backend.decode_bf16_over = 0 if precision == "int8" else 12  # medium promises fp32 up to 12 rows, int8 none
     n = {"bf16": 0, "int8": 0}
     for mod in model.modules():
         if isinstance(mod, LINEARS):

@@ -79,8 +79,9 @@ class TorchAttention:
         # the CPU attention kernels' products in bf16 (set_matmul_precision sets it for "medium" and
         # "int8" where the kernels have AVX512-BF16): prefill chunks of more than 12 tokens, and
         # steps of more than decode_bf16_over decodes over an fp8 cache (cpu_kernels.paged_decode):
-        # 12 under "medium", whose steps of up to 12 rows stay fp32; 0 under "int8", which has no
-        # fp32 rows to keep and whose small decode steps (a pipeline's, a drain's) gain the same
+        # 12 under "medium", whose steps of up to 12 rows stay fp32; 0 under "int8", which promises
+        # no fp32 rows (its GGUF linears take int8 at every row count) and whose small decode steps
+        # (a pipeline's, a drain's) gain the same
         self.bf16 = False
         self.decode_bf16_over = 12
         # on CUDA, decodes read K/V in place (triton_decode) where it can run, else gathered; off

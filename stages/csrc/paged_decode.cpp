@@ -347,7 +347,7 @@ struct Fp8Bf16 {
 
 // q (D fp32) -> bf16 in widen's order, per 64 elements: the 32 words a multiplies, then b's
 template <int DC>
-inline void pack_q(const float* q, __m512i* out) {
+inline void pack_q(const float* q, Bf16* out) {
   // word 8L + t <- element 16L + t (a) or 16L + 8 + t (b) of the 64, indexing the two natural halves
   alignas(64) static const std::array<int16_t, 64> idx = [] {
     std::array<int16_t, 64> x{};
@@ -357,8 +357,8 @@ inline void pack_q(const float* q, __m512i* out) {
   for (int c = 0; c < DC; c += 64) {
     const __m512i n0 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + c + 16), _mm512_loadu_ps(q + c)));
     const __m512i n1 = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + c + 48), _mm512_loadu_ps(q + c + 32)));
-    out[c / 32] = _mm512_permutex2var_epi16(n0, _mm512_load_si512(idx.data()), n1);
-    out[c / 32 + 1] = _mm512_permutex2var_epi16(n0, _mm512_load_si512(idx.data() + 32), n1);
+    _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(n0, _mm512_load_si512(idx.data()), n1));
+    _mm512_storeu_si512(out + c + 32, _mm512_permutex2var_epi16(n0, _mm512_load_si512(idx.data() + 32), n1));
   }
 }
 
@@ -366,9 +366,9 @@ inline __m512 dot2(__m512 acc, __m512i x, __m512i y) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(x), reinterpret_cast<__m512bh>(y));
 }
 
-// score_rows in bf16: qp (G, DC / 32) packed by pack_q, R fp8 K rows from kr (stride rs)
+// score_rows in bf16: qp (G, DC) packed by pack_q, R fp8 K rows from kr (stride rs)
 template <int DC, int GC, int R>
-inline void score_rows_bf16(const __m512i* qp, const Fp8* kr, int64_t rs, float scale, float* p, int64_t len,
+inline void score_rows_bf16(const Bf16* qp, const Fp8* kr, int64_t rs, float scale, float* p, int64_t len,
                             const Fp8Bf16& t) {
   __m512 acc[GC][R];
   for (int g = 0; g < GC; ++g)
@@ -378,7 +378,7 @@ inline void score_rows_bf16(const __m512i* qp, const Fp8* kr, int64_t rs, float 
       __m512i ka, kb;
       t.widen(_mm512_loadu_si512(kr + r * rs + c), ka, kb);
       for (int g = 0; g < GC; ++g)
-        acc[g][r] = dot2(dot2(acc[g][r], qp[g * (DC / 32) + c / 32], ka), qp[g * (DC / 32) + c / 32 + 1], kb);
+        acc[g][r] = dot2(dot2(acc[g][r], _mm512_loadu_si512(qp + g * DC + c), ka), _mm512_loadu_si512(qp + g * DC + c + 32), kb);
     }
   }
   for (int g = 0; g < GC; ++g) {
@@ -396,8 +396,8 @@ inline void score_rows_bf16(const __m512i* qp, const Fp8* kr, int64_t rs, float 
 // 64-wide slice in widen's order: lane 4L + t of the q-th holds d = 16L + 4q + t, put back at the end.
 template <int DC, int GC>
 void heads_bf16(const Args<Fp8>& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& p, std::vector<Bf16>& pb,
-                std::vector<float>& acc, std::vector<float>& inv, std::vector<__m512i>& qp, int64_t next_seq) {
-  constexpr int R = GC <= 4 ? 4 : 2, QV = DC / 32;
+                std::vector<float>& acc, std::vector<float>& inv, std::vector<Bf16>& qp, int64_t next_seq) {
+  constexpr int R = GC <= 4 ? 4 : 2;
   const Fp8Bf16 t;
   const int64_t len = a.lens[b], rs = a.Hkv * DC, nh = h1 - h0, lp = (len + 16) / 16 * 16;  // pairs read p[len]
   const int64_t* table = a.tables + b * a.NBT;
@@ -406,8 +406,8 @@ void heads_bf16(const Args<Fp8>& a, int64_t b, int64_t h0, int64_t h1, std::vect
   pb.resize(nh * GC * lp);
   acc.assign(nh * GC * DC, 0.f);
   inv.resize(nh * GC);
-  qp.resize(nh * GC * QV);
-  for (int64_t i = 0; i < nh * GC; ++i) pack_q<DC>(a.q + (b * a.H + h0 * GC) * DC + i * DC, &qp[i * QV]);
+  qp.resize(nh * GC * DC);
+  for (int64_t i = 0; i < nh * GC; ++i) pack_q<DC>(a.q + (b * a.H + h0 * GC) * DC + i * DC, &qp[i * DC]);
   // pass 1: scores, R rows of a block at a time, every head of a row before the next rows
   for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {
     const int64_t n = std::min(a.BS, len - start);
@@ -418,7 +418,7 @@ void heads_bf16(const Args<Fp8>& a, int64_t b, int64_t h0, int64_t h1, std::vect
       for (int64_t h = h0; h < h1; ++h) {
         const Fp8* kr = a.k + (table[blk] * a.BS * a.Hkv + h) * DC + j * rs;
         float* ph = p.data() + (h - h0) * GC * len + start + j;
-        const __m512i* qh = &qp[(h - h0) * GC * QV];
+        const Bf16* qh = &qp[(h - h0) * GC * DC];
         if (full) score_rows_bf16<DC, GC, R>(qh, kr, rs, a.scale, ph, len, t);
         else score_rows_bf16<DC, GC, 1>(qh, kr, rs, a.scale, ph, len, t);
       }
@@ -503,7 +503,7 @@ void run(const Args<T>& a, int64_t B) {
       std::vector<float> p, acc, inv;
 #ifdef PP_DECODE_BF16
       std::vector<Bf16> pb;
-      std::vector<__m512i> qp;
+      std::vector<Bf16> qp;
 #endif
       // runs r0 .. r1 - 1 are consecutive tasks (several where fewer threads came, or nested)
       for (int64_t i = edge[r0], end = edge[r1]; i < end; ++i) {

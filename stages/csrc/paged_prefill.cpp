@@ -52,7 +52,6 @@ struct Args {
   int64_t Lp;
 };
 
-
 // s[r][c] = Σ_d q_r[d] kt[d][c] for r < MR, c < NR (kt: one D x NR panel; s row stride lds)
 template <int DC>
 inline void qk_tile(const float* const* qr, const float* kt, int64_t D, float* s, int64_t lds) {

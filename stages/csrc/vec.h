@@ -23,9 +23,10 @@ inline float to_f32(float x) { return x; }
 inline float to_f32(c10::Half x) { return static_cast<float>(x); }
 inline float to_f32(Fp8 x) { return kFp8Values[x.x]; }
 
-// bf16 attention (paged_prefill, paged_decode) takes calls of more than 12 query tokens, as the
-// GEMM's bf16 path takes products of more than 12 rows: a shorter call is bound by reading its
-// context, and a step of up to 12 rows stays bit-identical to fp32 ("medium" promises it)
+// The prefill attention's bf16 path takes chunks of more than 12 tokens, as the GEMM's bf16 path
+// takes products of more than 12 rows: a shorter chunk is bound by reading its context, and a step
+// of up to 12 rows stays bit-identical to fp32 ("medium" promises it; paged_decode's bf16_over is
+// that 12 under "medium")
 constexpr int64_t kBf16MinTokens = 12;
 using Bf16 = uint16_t;  // a bf16's bits (the prefill panels' element in its bf16 path)
 inline Bf16 to_bf16(float x) { return c10::BFloat16(x).x; }  // nearest even
@@ -61,7 +62,7 @@ inline __m512 load16(const Fp8* p) {  // 16 fp8 -> 16 floats · 2⁻⁸, as load
   return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBF80))));
 }
 #if defined(__AVX512BF16__)
-#define PP_BF16 1  // vdpbf16ps: two bf16 products into each of 16 fp32 sums (gemm_bf16.cpp, paged_prefill.cpp)
+#define PP_BF16 1  // vdpbf16ps: two bf16 products into each of 16 fp32 sums (gemm_bf16.cpp, paged_prefill.cpp, paged_decode.cpp)
 // two rows of 16 weights (k, k + 1) -> 16 words, word j holding bf16 w[k][j] (low) and w[k + 1][j]:
 // the pair one vdpbf16ps lane multiplies with x's (k, k + 1)
 inline __m512i pair_rows(__m512 r0, __m512 r1) {

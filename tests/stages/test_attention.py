@@ -276,13 +276,15 @@ def test_paged_decode_bf16_products(threads: int, b: int, bs: int, over: int, kv
         return
     keys, vals = (c[tables.reshape(-1)].view(b, nb * bs, hkv, d) for c in (kc, vc))
     ref = decode_bf16_reference(q, keys, vals, lens, d ** -0.5)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=3e-5)  # measured: at most 5e-6
+    # measured: at most 5e-6; a softmax weight rounding to the other bf16 neighbour than torch's moves an
+    # output by up to ~1e-4, and the ratio below is what tells the bf16 walk from the fp32 one
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
     assert (out32 - ref).abs().mean() > 100 * (out - ref).abs().mean()  # measured: ~4000x
 
 
 def test_paged_decode_bf16_needs_the_instructions(isa: str) -> None:
     """Asked of a build without AVX512-BF16, the decode kernel's bf16 flag is an error naming
-    what it needs (as the prefill kernel's); with AVX512-BF16 but no AVX512-VBMI it keeps fp32."""
+    what it needs (as the prefill kernel's); a build with it takes the flag."""
     kc = torch.zeros(1, 16, 1, 64, dtype=torch.float8_e4m3fn)
     q = torch.zeros(13, 1, 64)
     tables, lens = torch.zeros(13, 1, dtype=torch.long), torch.ones(13, dtype=torch.long)

@@ -124,7 +124,7 @@ def test_decode_attention_bf16_reaches_both_loops(wide_heads: Path, precision: s
     meta = build_metadata(chunks, BLOCK, w.device)
     ids = torch.tensor([c.token_ids[0] for c in chunks])
     with torch.inference_mode():
-        out = w.model(ids, meta, w.kv_caches)  # writes the same K/V each time: the runs see one cache
+        out = w.model(ids, meta, w.kv_caches)  # each run writes its step's K/V before its attention reads them
         w.model.backend.decode_bf16_over = 1 << 30  # decodes fp32, in both loops
         w.model.prepare_layer_loop()
         fp32 = w.model(ids, meta, w.kv_caches)
