@@ -83,8 +83,8 @@ def calibrate(llm: LLM, verbose: bool = False) -> tuple[float, float, float] | N
             raise WorkerError(f"step costs not fitted: {llm.broken}")
         costs = fit_step_costs(samples_from_run(llm.engine.history, llm.executor.drain_timings()))
     finally:
-        llm.reconfigure(policy=before.policy, chunk_budget=before.chunk_budget, tile_align=before.tile_align,
-                        step_costs=costs or ())
+        # every setting SCHEDULING changed comes back (a key added there cannot be missed here)
+        llm.reconfigure(**{**{k: getattr(before, k) for k in SCHEDULING}, "step_costs": costs or ()})
     if verbose:
         print("pp-runtime: " + (f"step costs {format_costs(costs)} (fresh prompt tokens per prompt key, decode "
                                 f"row, decode key; --step-costs {format_costs(costs)} reuses them)"

@@ -64,6 +64,9 @@ _SOURCES = [str(Path(__file__).with_name("csrc") / f)
                       "stack.cpp", "embedding.cpp")]
 TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a multiple of it
 PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a multiple of it
+# the most rows a product keeps fp32 under "medium" (vec.h: kBf16MinTokens): the GEMM's and the prefill
+# attention's bf16 paths take more, paged_decode's under medium too (its bf16_over)
+BF16_FP32_ROWS = 12
 
 
 # one build per kind of CPU and per checkout: ninja rebuilds every object when build.ninja names
@@ -144,14 +147,14 @@ def usable(x: torch.Tensor) -> bool:
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                 lens: torch.Tensor, scale: float, bf16: bool = False, bf16_over: int = 12) -> torch.Tensor:
+                 lens: torch.Tensor, scale: float, bf16: bool = False, bf16_over: int = BF16_FP32_ROWS) -> torch.Tensor:
     """(B, H, D) attention of each decode over the first lens[b] slots of its block table.
 
     bf16 (where ``bf16_products()``): a call of more than ``bf16_over`` decodes over an fp8 cache,
     with heads 64 or 128 wide and up to 4 query heads a KV head, takes the two products in bf16 where the build also has
     AVX512-VBMI (``decode_bf16()``): q and the softmax weights rounded to bf16, K and V exact (every
     fp8 value is a bf16 one), fp32 sums; ~2x fewer instructions than the fp32 walk, which is bound
-    by them. Every other call stays fp32 (12: as a product of up to 12 rows does under "medium")."""
+    by them. Every other call stays fp32 (BF16_FP32_ROWS: as a product of up to 12 rows does under "medium")."""
     return _load().paged_decode(q.contiguous(), k_cache, v_cache, tables, lens, scale, bf16, bf16_over)
 
 

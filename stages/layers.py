@@ -299,7 +299,8 @@ def set_matmul_precision(model: nn.Module, precision: str) -> dict[str, int]:
     backend = getattr(model, "backend", None)
     if hasattr(backend, "bf16"):  # the torch backend's CPU kernels
         backend.bf16 = precision in ("medium", "int8") and cpu_kernels.bf16_products()
-        backend.decode_bf16_over = 0 if precision == "int8" else 12  # medium promises fp32 up to 12 rows, int8 none
+        # medium promises fp32 up to 12 rows, int8 none
+        backend.decode_bf16_over = 0 if precision == "int8" else cpu_kernels.BF16_FP32_ROWS
     n = {"bf16": 0, "int8": 0}
     for mod in model.modules():
         if isinstance(mod, LINEARS):

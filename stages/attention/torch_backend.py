@@ -83,7 +83,7 @@ class TorchAttention:
         # no fp32 rows (its GGUF linears take int8 at every row count) and whose small decode steps
         # (a pipeline's, a drain's) gain the same
         self.bf16 = False
-        self.decode_bf16_over = 12
+        self.decode_bf16_over = cpu_kernels.BF16_FP32_ROWS
         # on CUDA, decodes read K/V in place (triton_decode) where it can run, else gathered; off
         # only for a before/after measurement (benchmarks/decode_maximal.py --cuda-decode)
         self.paged_cuda = True

@@ -2,13 +2,14 @@
 #include <torch/extension.h>
 
 #include "kernels.h"
+#include "vec.h"  // kBf16MinTokens
 
 void bind_layer_stack(pybind11::module& m);  // stack.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (fp32 q, fp32, fp16 or fp8 K/V caches, CPU; bf16: bf16 products where taken)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
-        py::arg("bf16") = false, py::arg("bf16_over") = 12);
+        py::arg("bf16") = false, py::arg("bf16_over") = kBf16MinTokens);
   m.def("decode_bf16", &decode_bf16, "whether paged_decode has its bf16 path (AVX512-BF16 and AVX512-VBMI)");
   m.def("cost_runs", &cost_runs, "paged_decode's cut of tasks of these costs into runs of consecutive tasks of about equal cost, one a thread: the runs' edges (parts + 1)");
   m.def("paged_prefill", &paged_prefill, "paged causal prefill attention of one chunk, into out (fp32 q, fp32, fp16 or fp8 K/V caches, CPU; bf16: bf16 products)",

@@ -190,7 +190,6 @@ void pack_block_bf16(const Args& a, int64_t h, int64_t blk, Bf16* kt, Bf16* vp) 
 #endif
 
 #ifdef PP_BF16
-
 // The bf16 tiles are MR rows x NP panels (up to 4: 64 keys or output columns), 24 accumulators
 // as the GEMM's bf16 tiles, against vdpbf16ps's latency. Measured against 6 (one panel): no
 // faster here (256-token chunk, 1 thread: 0.645 / 0.644 ms a layer), the kernel's products were
@@ -254,7 +253,6 @@ inline void round_row(const float* x, int64_t n, Bf16* y) {
   for (int64_t i = 0; i < n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
 }
-
 #endif
 
 struct Scratch {
