@@ -105,10 +105,11 @@ class Request:
     def finished(self) -> bool:
         return self.phase is Phase.FINISHED
 
-    def admit(self) -> None:
+    def admit(self, cached: int = 0) -> None:
+        """Start running; ``cached``: leading tokens whose K/V the prefix cache holds already."""
         self.phase = Phase.RUNNING
         self.prefill_len = self.num_tokens
-        self.num_scheduled = 0
+        self.num_scheduled = cached
 
     def preempt(self) -> None:
         """Drop all cached state; the request will be recomputed from its tokens."""

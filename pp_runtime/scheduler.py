@@ -128,6 +128,9 @@ class Scheduler:
         mb = MicroBatch(self._next_mb, tuple(chunks),
                         tuple(self._by_seq[c.seq_id].request_id for c in chunks))
         self._next_mb += 1
+        # after the plan, not during it: a block this batch fills is found from the next batch on
+        for c in chunks:
+            self.blocks.register(c.seq_id, self._by_seq[c.seq_id].tokens_slice, c.start + len(c.token_ids))
         return mb
 
     def _chunk(self, req: Request, n: int) -> SeqChunk:
@@ -168,8 +171,10 @@ class Scheduler:
             if was_running and req.phase is not Phase.RUNNING:
                 continue  # preempted while this batch was being built
             running = req.phase is Phase.RUNNING
-            start = req.num_scheduled if running else 0  # a preempted prompt is recomputed from 0
-            remaining = req.prefill_len - start if running else req.num_tokens
+            # a waiting prompt (a preempted one too: recomputed) starts after its cached blocks
+            hit = self._cached_prefix(req) if not running and self.blocks.prefix_caching else []
+            start = req.num_scheduled if running else len(hit) * self.blocks.block_size
+            remaining = (req.prefill_len if running else req.num_tokens) - start
             n = remaining if not chunked or budget is None else fit_chunk(start, min(remaining, budget), cost, key_cost)
             if n == 0:
                 if taken:
@@ -181,10 +186,10 @@ class Scheduler:
                 if len(self.running) >= self.cfg.running_cap:
                     return
                 # Admit only what fits in free blocks now: a newcomer never preempts older work.
-                if blocks_for(req.num_tokens, self.blocks.block_size) > self.blocks.num_free:
+                if not self.blocks.can_admit(req.num_tokens, hit):
                     return
                 self.waiting.remove(req)
-                req.admit()
+                req.admit(self.blocks.take_prefix(req.seq_id, hit, req.num_tokens))
                 self.running.append(req)
             if not self._reserve(req, n, plan):
                 return
@@ -194,6 +199,9 @@ class Scheduler:
             if budget is not None:
                 budget -= n
                 cost -= chunk_cost(start, n, key_cost)
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        return self.blocks.cached_prefix(req.tokens_slice(0, req.num_tokens))
 
     def _prefill_candidates(self, admit: Callable[[Request], bool]) -> list[tuple[Request, bool]]:
         """Running prompts first (FCFS), then waiting ones; a snapshot, with where each came from."""

@@ -114,17 +114,22 @@ class FakePipeline:
 
     # -- the simulated model + paged cache --
     def _execute(self, c: SeqChunk) -> int | None:
+        # A slot holds what a real K/V row depends on: its position and every token up to it (with
+        # prefix caching a slot another sequence wrote is right exactly when that history matches).
         bs = self.sched.blocks.block_size
-        for i, tok in enumerate(c.token_ids):
+        hist = self._history(c.seq_id)
+        for i in range(c.num_tokens):
             pos = c.start + i
-            self.cache[(c.block_table[pos // bs], pos % bs)] = (c.seq_id, pos, tok)
-        if c.sample is None:
-            return None
+            self.cache[(c.block_table[pos // bs], pos % bs)] = (pos, next_token(hist[:pos + 1]), hist[pos])
         # Attention over the whole context, through the block table, as a worker would read it.
         seen = [self.cache.get((c.block_table[p // bs], p % bs)) for p in range(c.context_len)]
-        assert all(s is not None and s[:2] == (c.seq_id, p) for p, s in enumerate(seen)), \
-            f"seq {c.seq_id}: KV cache corrupted (another sequence wrote into its blocks)"
-        return next_token([s[2] for s in seen])
+        assert all(s is not None and s[:2] == (p, next_token(hist[:p + 1])) for p, s in enumerate(seen)), \
+            f"seq {c.seq_id}: KV cache corrupted (a slot holds another history's K/V)"
+        return None if c.sample is None else next_token([s[2] for s in seen])
+
+    def _history(self, seq_id: int) -> list[int]:
+        req = self.reqs[seq_id]
+        return req.prompt_token_ids + req.output_token_ids
 
     # -- invariants --
     def _snapshot(self) -> dict:
@@ -133,9 +138,14 @@ class FakePipeline:
         # Prefill work on offer, FCFS: running prompts' remainders, then admissible newcomers.
         # as (start position, tokens left)
         offered = [(r.num_scheduled, r.prefill_len - r.num_scheduled) for r in s.running if r.is_prefilling]
-        offered += [(0, r.num_tokens) for r in list(s.waiting)[:max(0, self.cfg.max_batch_size - len(s.running))]]
+        # a waiting one from its cached prefix (0 without prefix caching)
+        hits = {r.seq_id: len(s.blocks.cached_prefix(self._history(r.seq_id))) * s.blocks.block_size
+                for r in s.waiting}
+        offered += [(hits[r.seq_id], r.num_tokens - hits[r.seq_id])
+                    for r in list(s.waiting)[:max(0, self.cfg.max_batch_size - len(s.running))]]
         decoding = sum(1 for r in s.running if r.is_decoding)  # ready or in flight
-        return {"ready": ready, "offered": offered, "share": -(-decoding // s.depth),
+        return {"ready": ready, "offered": offered, "share": -(-decoding // s.depth), "hits": hits,
+                "preemptions": {q: r.num_preemptions for q, r in self.reqs.items()},
                 "unfinished_seen": {q for q in self.seen if not self.reqs[q].finished}}
 
     def _check_plan(self, mb: MicroBatch, pre: dict) -> None:
@@ -146,21 +156,29 @@ class FakePipeline:
         assert [c.is_prefill for c in chunks] == sorted((c.is_prefill for c in chunks), reverse=True), \
             "prefill chunks must come before decodes"
         in_flight = {c.seq_id: c for m in self.in_flight for c in m.chunks}
+        # (re)started by this plan: waiting before it, or preempted while it was built and taken again
+        restarted = {q for q in ids if q in pre["hits"] or self.reqs[q].num_preemptions > pre["preemptions"][q]}
         for c in chunks:
-            self._check_chunk(c, in_flight)
+            self._check_chunk(c, in_flight, c.seq_id in restarted)
+            if c.seq_id in pre["hits"] and self.ample_kv:  # nothing evicted meanwhile: the hit seen before
+                assert c.start == pre["hits"][c.seq_id]
         getattr(self, f"_check_{cfg.policy}")(mb, pre)
         self.seen.update(ids)
 
-    def _check_chunk(self, c: SeqChunk, in_flight: dict[int, SeqChunk]) -> None:
+    def _check_chunk(self, c: SeqChunk, in_flight: dict[int, SeqChunk], restarted: bool) -> None:
         req = self.reqs[c.seq_id]
-        hist = req.prompt_token_ids + req.output_token_ids
+        hist = self._history(c.seq_id)
         assert not req.finished
         assert c.num_tokens >= 1
         assert list(c.token_ids) == hist[c.start:c.start + c.num_tokens], "chunk carries the wrong tokens"
         assert c.block_table == tuple(self.sched.blocks.block_table(c.seq_id))
         assert len(c.block_table) >= blocks_for(c.context_len, self.sched.blocks.block_size)
         assert (c.sample is not None) == (c.context_len == len(hist)), "sample exactly at the last known token"
-        if c.is_prefill and c.start > 0:  # a continuation: right after the previous chunk of this prompt
+        bs, caching = self.sched.blocks.block_size, self.sched.blocks.prefix_caching
+        if restarted:  # it starts after whole cached blocks (none without prefix caching)
+            assert c.is_prefill and c.start % bs == 0 and (caching or c.start == 0)
+            assert c.seq_id not in in_flight, f"seq {c.seq_id} is already in an in-flight micro-batch"
+        elif c.is_prefill and c.start > 0:  # a continuation: right after the previous chunk of this prompt
             assert self.last_end.get(c.seq_id) == c.start
             assert c.seq_id not in in_flight or in_flight[c.seq_id].is_prefill
         else:  # a decode, or a prompt (re)starting: nothing of it may be in flight
@@ -197,7 +215,8 @@ class FakePipeline:
         for c in mb.chunks:
             if c.is_prefill:
                 req = self.reqs[c.seq_id]
-                assert c.start == 0 and c.num_tokens == req.prefill_len, "prompt was chunked"
+                assert c.context_len == req.prefill_len and c.start % self.sched.blocks.block_size == 0, \
+                    "prompt was chunked"
                 assert c.sample is not None
 
     def _check_orca(self, mb: MicroBatch, pre: dict) -> None:
@@ -230,8 +249,10 @@ class FakePipeline:
     def _check_blocks(self) -> None:
         bm = self.sched.blocks
         owned = [b for q in self.reqs for b in bm.block_table(q)]
-        assert len(owned) == len(set(owned)), "a KV block has two owners"
-        assert bm.num_free + len(owned) == bm.num_blocks
+        shared = {b for b in owned if owned.count(b) > 1}
+        # only cached blocks are shared (no sequence writes into one: _execute's reads would see it)
+        assert not shared if not bm.prefix_caching else shared <= set(bm._key_of), "a KV block has two owners"
+        assert bm.num_free + len(set(owned)) == bm.num_blocks
         for r in self.reqs.values():
             if r in self.sched.running:
                 assert bm.num_tokens(r.seq_id) == r.num_scheduled
@@ -280,11 +301,12 @@ def greedy_fill(offered: list[tuple[int, int]], budget: int, slots: int, key_cos
 
 # ---- workload helpers -------------------------------------------------------------------------
 def make_requests(lengths: list[int], max_tokens: int | list[int], seed: int = 0, ignore_eos: bool = True,
-                  stop: tuple[int, ...] = ()) -> list[Request]:
+                  stop: tuple[int, ...] = (), shared: int = 0) -> list[Request]:
+    """shared: the prompts' first ``shared`` tokens are the same (a system prompt)."""
     mts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(lengths)
     out = []
     for i, (n, mt) in enumerate(zip(lengths, mts)):
-        prompt = [1 + (seed * 7919 + i * 131 + j * 17) % (VOCAB - 1) for j in range(n)]
+        prompt = [1 + (seed * 7919 + (0 if j < shared else i * 131) + j * 17) % (VOCAB - 1) for j in range(n)]
         out.append(Request(f"r{i}", i, prompt, SamplingParams(max_tokens=mt, ignore_eos=ignore_eos,
                                                               stop_token_ids=stop)))
     return out
@@ -292,11 +314,12 @@ def make_requests(lengths: list[int], max_tokens: int | list[int], seed: int = 0
 
 def make_scheduler(policy: str, chunk: int, mbs: int, num_blocks: int = HUGE_KV, block_size: int = 4,
                    tile_align: bool = False, max_model_len: int = 4096, depth: int = 1,
-                   key_cost: float | tuple[float, ...] = 0.0, admission: str = "fcfs") -> Scheduler:
+                   key_cost: float | tuple[float, ...] = 0.0, admission: str = "fcfs",
+                   prefix_caching: bool = False) -> Scheduler:
     """key_cost: the model's, or a tuple: measured step_costs (beside the model's KEY_COST)."""
     costs = key_cost if isinstance(key_cost, tuple) else ()
     cfg = SchedulerConfig(policy, chunk, mbs, tile_align, max_model_len, admission=admission, step_costs=costs)
-    return Scheduler(cfg, BlockManager(num_blocks, block_size), eos_token_ids=(EOS,), depth=depth,
+    return Scheduler(cfg, BlockManager(num_blocks, block_size, prefix_caching), eos_token_ids=(EOS,), depth=depth,
                      key_cost=KEY_COST if costs else key_cost)
 
 
@@ -573,17 +596,18 @@ def workloads(draw: st.DrawFn) -> dict:
                 block_size=block_size, num_blocks=num_blocks, lengths=lengths, max_tokens=max_tokens,
                 max_model_len=draw(st.one_of(st.just(4096), st.integers(8, 56))),
                 ignore_eos=draw(st.booleans()), stop=tuple(draw(st.lists(st.integers(0, VOCAB - 1), max_size=2))),
-                seed=draw(st.integers(0, 1000)))
+                seed=draw(st.integers(0, 1000)), prefix_caching=draw(st.booleans()), shared=draw(st.integers(0, 40)))
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=workloads())
 def test_random_workloads_complete_with_unconstrained_outputs(w: dict) -> None:
     def reqs() -> list[Request]:
-        return make_requests(w["lengths"], w["max_tokens"], w["seed"], w["ignore_eos"], w["stop"])
+        return make_requests(w["lengths"], w["max_tokens"], w["seed"], w["ignore_eos"], w["stop"], w["shared"])
     reference = run_workload("sarathi", 1, 4096, reqs(), mbs=64)
     pipe = FakePipeline(make_scheduler(w["policy"], w["chunk"], w["mbs"], w["num_blocks"], w["block_size"],
-                                       w["tile"], w["max_model_len"], admission=w["admission"]), w["pp"],
+                                       w["tile"], w["max_model_len"], admission=w["admission"],
+                                       prefix_caching=w["prefix_caching"]), w["pp"],
                         ample_kv=w["num_blocks"] == HUGE_KV)
     pipe.add(reqs())
     pipe.run()
