@@ -106,6 +106,9 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
                    help="the order waiting requests start in: fcfs (default, arrival order) or longest_first "
                         "(most max_tokens first: the longest decodes start early and finish beside later "
                         "prompts' chunks, a shorter batch end to end)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="share the K/V of whole blocks of prompt that an earlier request computed (a system "
+                        "prompt, few-shot examples): only the rest is prefilled (vLLM's automatic prefix caching)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--attention", choices=("torch", "xformers", "auto"), default="auto")
@@ -202,6 +205,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, pp=a.pp, tp=a.tp, launcher=a.launcher, scheduler=a.scheduler,
                 chunk_size=a.chunk_size, max_batch_size=a.max_batch_size, tile_align=a.tile_align,
                 chunk_budget=a.chunk_budget, admission=a.admission, step_costs=a.step_costs,
+                enable_prefix_caching=a.enable_prefix_caching,
                 dtype=a.dtype, device=a.device, attention=a.attention, seed=a.seed, block_size=a.block_size,
                 memory_budget_gb=a.memory_budget_gb, max_model_len=a.max_model_len, partition=partition,
                 threads=a.threads, gguf_weights=a.gguf_weights, kv_cache_dtype=a.kv_cache_dtype,

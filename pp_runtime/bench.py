@@ -45,6 +45,7 @@ def run_bench(cfg: RunConfig, out: str, progress: bool = True, verbose: bool = T
         _warm_up(llm)
         for policy in cfg.schedulers:
             llm.reconfigure(policy=policy)
+            llm.reset_prefix_cache()  # each scheduler starts without the last one's prefixes
             if verbose:
                 print(f"bench: {policy} on {len(items)} requests", file=sys.stderr)
             reqs = [llm.make_request(it.request_id, it.prompt_token_ids,

@@ -277,12 +277,18 @@ class CacheConfig:
     a block is first written, so a process's first run pays for that: 2-8% of its throughput on
     the project's box. True writes every page at allocation (about a second per GiB) so that runs
     measured from the first one (``pp-runtime bench``'s schedulers) are all warm.
+
+    enable_prefix_caching: vLLM's automatic prefix caching (pp_runtime/kv_cache.py): a prompt
+    that starts with whole blocks some earlier request computed (a system prompt, few-shot
+    examples, a conversation's history) shares their K/V and prefills only the rest; the blocks
+    stay cached across runs of one LLM until their room is needed.
     """
 
     block_size: int = 16
     memory_budget_bytes: int | None = 4 << 30
     kv_dtype: str = "auto"
     prefault: bool = False
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "block_size")
@@ -290,8 +296,9 @@ class CacheConfig:
             _positive(self, "memory_budget_bytes")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"CacheConfig.kv_dtype must be {' or '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if not isinstance(self.prefault, bool):
-            raise ValueError(f"CacheConfig.prefault must be true or false, got {self.prefault!r}")
+        for name in ("prefault", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CacheConfig.{name} must be true or false, got {getattr(self, name)!r}")
 
 
 GGUF_WEIGHTS = ("native", "dequantize")

@@ -62,7 +62,8 @@ class LLM:
                  partition: Sequence[float] | None = None, threads: int = 0, verbose: bool = False,
                  gguf_weights: str = "native", kv_cache_dtype: str = "auto",
                  matmul_precision: str = "highest", chunk_budget: str = "flops", prefault_kv: bool = False,
-                 admission: str = "fcfs", step_costs: Sequence[float] | str = ()) -> None:
+                 admission: str = "fcfs", step_costs: Sequence[float] | str = (),
+                 enable_prefix_caching: bool = False) -> None:
         fit = isinstance(step_costs, str) and step_costs == "fit"  # other strings: build_engine_config names them
         self.config, self.source = build_engine_config(
             model, pp, tp, scheduler, chunk_size, max_batch_size, tile_align, dtype, device, attention, seed,
@@ -70,7 +71,7 @@ class LLM:
             matmul_precision, chunk_budget,
             # a calibration run on a cold cache would charge the OS's first touch of each KV page to
             # the first (shallow) prompt chunks and price a key too low (~0.37e-3 against ~0.52e-3)
-            prefault_kv or fit, admission, step_costs)
+            prefault_kv or fit, admission, step_costs, enable_prefix_caching)
         parallel, max_len = self.config.parallel, self.config.scheduler.max_model_len
         self.launcher = launcher or ("local" if parallel.world_size == 1 else "ray")
         with keep_sigterm_handler():
@@ -88,6 +89,8 @@ class LLM:
             self.sched_config = replace(self.config.scheduler, max_batch_size=mbs, max_running=mbs * pp)
             self.config = replace(self.config, scheduler=self.sched_config)
             self.executor.allocate_cache(self.memory.num_blocks)
+            # one block manager for the LLM's life: cached prefixes outlive the run that computed them
+            self.blocks = BlockManager(self.memory.num_blocks, block_size, self.config.cache.enable_prefix_caching)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -131,6 +134,10 @@ class LLM:
             sched = replace(sched, max_running=sched.max_batch_size * self.config.parallel.pp)
         self.sched_config = sched
         self.config = replace(self.config, scheduler=self.sched_config)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's name): runs compared side by side start equal."""
+        self.blocks.reset_prefix_cache()
 
     def workers_info(self) -> list[dict]:
         return self.executor.workers_info()
@@ -260,9 +267,9 @@ class LLM:
         the run's requests by id for ``abort``, and its record in ``last_run`` once it ends."""
         if self.broken:
             raise WorkerError(f"this LLM's workers are gone ({self.broken}); create a new LLM")
-        scheduler = Scheduler(self.sched_config, BlockManager(self.memory.num_blocks, self.config.cache.block_size),
-                              self.source.config.eos_token_ids, self.config.seed, depth=self.config.parallel.pp,
-                              key_cost=self.source.config.key_cost)
+        self.blocks.free_all()  # a run leaves none held (the pipeline drains); this makes sure
+        scheduler = Scheduler(self.sched_config, self.blocks, self.source.config.eos_token_ids, self.config.seed,
+                              depth=self.config.parallel.pp, key_cost=self.source.config.key_cost)
         self.engine = Engine(scheduler, self.executor, self.config.parallel.pp)
         offsets = [0.0] * len(reqs) if arrivals is None else list(arrivals)
         self._active = {}

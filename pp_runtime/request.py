@@ -74,6 +74,7 @@ class Request:
     prefill_len: int = 0
     in_flight: int = 0  # micro-batches in flight that contain this request
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held at the last admission
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None
@@ -109,7 +110,7 @@ class Request:
         """Start running; ``cached``: leading tokens whose K/V the prefix cache holds already."""
         self.phase = Phase.RUNNING
         self.prefill_len = self.num_tokens
-        self.num_scheduled = cached
+        self.num_scheduled = self.num_cached_tokens = cached
 
     def preempt(self) -> None:
         """Drop all cached state; the request will be recomputed from its tokens."""
@@ -136,13 +137,14 @@ class RequestOutput:
     ttft_s: float | None = None
     latency_s: float | None = None
     text: str | None = None
+    num_cached_tokens: int = 0  # of its prompt, found in the prefix cache (vLLM's field)
 
     @classmethod
     def from_request(cls, req: Request) -> "RequestOutput":
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
         lat = None if req.finish_time is None else req.finish_time - req.arrival_time
         return cls(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids),
-                   req.finish_reason or "error", req.error, ttft, lat)
+                   req.finish_reason or "error", req.error, ttft, lat, num_cached_tokens=req.num_cached_tokens)
 
     def to_json(self) -> dict:
         out = {"id": self.request_id, "token_ids": self.token_ids, "finish_reason": self.finish_reason,

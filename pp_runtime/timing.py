@@ -153,6 +153,7 @@ def summarize(records: list[TimingRecord], run_start: float, run_end: float, req
     done = [r for r in requests if r.finish_reason not in ("error", None)]
     prefill = sum(len(r.prompt_token_ids) for r in done)
     decode = sum(len(r.output_token_ids) for r in done)
+    cached = sum(r.num_cached_tokens for r in done)
     wall = max(run_end - run_start, 1e-12)
     ttft = [r.first_token_time - r.arrival_time for r in done if r.first_token_time is not None]
     tbt = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:])]
@@ -166,6 +167,8 @@ def summarize(records: list[TimingRecord], run_start: float, run_end: float, req
             "num_microbatches": len({r.mb for r in records}),
             "prefill_tokens": prefill, "decode_tokens": decode, "wall_s": wall,
             "throughput_tok_s": (prefill + decode) / wall, "decode_tok_s": decode / wall,
+            # prompt tokens found in the prefix cache (--enable-prefix-caching), not computed
+            "prefix_cache_hit_tokens": cached, "prefix_cache_hit_rate": cached / prefill if prefill else 0.0,
             "bubble_s_per_request_p50": percentile(per_req, 50), "bubble_s_per_request_p90": percentile(per_req, 90),
             "bubble_fraction_per_stage": bubble_fraction_per_stage(records, gaps, run_start),
             "bubble_s_by_cause": causes,

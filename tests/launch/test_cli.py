@@ -125,6 +125,26 @@ def test_generate_stdout_and_run_dir(hf_models: dict, tmp_path: Path, capsys: py
     assert isinstance(summary["max_batch_size"], int) and 1 <= summary["max_batch_size"] <= 64
 
 
+def test_prefix_caching_flag_shares_a_system_prompt(hf_models: dict, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    system = list(range(3, 43))  # 40 tokens: two whole 16-token blocks to share
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": system + [50 + i] * (i + 1),
+                                       "max_tokens": 4}) + "\n" for i in range(3)))
+    out = {}
+    for flag in ((), ("--enable-prefix-caching",)):
+        run_dir = tmp_path / f"run{len(flag)}"
+        # one request a micro-batch: the second prompt starts after the first one's blocks are in
+        rc, text, err = run_main(["generate", "--model", str(hf_models["llama"]), "--input", str(inp), "--run-dir",
+                                  str(run_dir), "--quiet", "--max-batch-size", "1", *flag, *FAST], capsys)
+        assert rc == 0, err
+        out[flag] = [json.loads(x)["token_ids"] for x in text.splitlines()]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["enable_prefix_caching"] == bool(flag)
+        assert summary["prefix_cache_hit_tokens"] == (2 * 32 if flag else 0)
+    assert out[()] == out[("--enable-prefix-caching",)]
+
+
 def test_verbose_run_prints_memory_plan(hf_models: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"prompt_token_ids": [1, 2], "max_tokens": 2}\n')

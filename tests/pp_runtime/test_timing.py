@@ -70,16 +70,17 @@ def test_clock_offset_estimate_and_correction() -> None:
 
 
 def test_summary_has_every_design_field() -> None:
-    def req(rid: str, arrival: float, times: list[float], n_prompt: int) -> SimpleNamespace:
+    def req(rid: str, arrival: float, times: list[float], n_prompt: int, cached: int = 0) -> SimpleNamespace:
         return SimpleNamespace(request_id=rid, arrival_time=arrival, first_token_time=times[0], token_times=times,
                                prompt_token_ids=[1] * n_prompt, output_token_ids=[2] * len(times),
-                               finish_reason="length")
-    reqs = [req("A", 0.0, [2.0, 6.0, 7.0], 8), req("B", 0.0, [3.0, 5.0], 4)]
+                               finish_reason="length", num_cached_tokens=cached)
+    reqs = [req("A", 0.0, [2.0, 6.0, 7.0], 8), req("B", 0.0, [3.0, 5.0], 4, cached=3)]
     s = summarize(two_stage_pipeline(), 0.0, 7.0, reqs, {"scheduler": "sarathi", "pp": 2, "tp": 1,
                                                          "chunk_size": 8, "max_batch_size": 4})
     assert all(k in s for k in SUMMARY_FIELDS)
     assert s["prefill_tokens"] == 12 and s["decode_tokens"] == 5 and s["wall_s"] == 7.0
     assert s["throughput_tok_s"] == pytest.approx(17 / 7)
+    assert s["prefix_cache_hit_tokens"] == 3 and s["prefix_cache_hit_rate"] == pytest.approx(3 / 12)
     assert s["bubble_s_per_request_p50"] == pytest.approx(2.5)
     assert s["ttft_s_p50"] == pytest.approx(2.5)
     assert s["tbt_s_p50"] == pytest.approx(2.0)  # gaps 4, 1, 2
