@@ -22,8 +22,11 @@ least recently freed first:
     bm.take_prefix(1, hit, len(other))     # seq 1 starts with 32 tokens in the cache: 32
 
 Keys are exact (tuples of token ids, chained by block id), so a hit never rests on a hash.
-Why registering at schedule time is safe: every stage runs micro-batches in issue order, so a
-later micro-batch that reads a block runs after the one that writes it, on every stage.
+Why registering when a chunk is planned is safe: every stage runs micro-batches in issue order,
+so a later micro-batch that reads a block runs after the one that writes it, on every stage;
+and within a micro-batch every attention backend writes all of the batch's K/V into the cache
+before any of it is read (stages/attention), so a prompt can share a block that an earlier
+prompt of the same micro-batch fills.
 """
 from __future__ import annotations
 

@@ -128,9 +128,9 @@ class Scheduler:
         mb = MicroBatch(self._next_mb, tuple(chunks),
                         tuple(self._by_seq[c.seq_id].request_id for c in chunks))
         self._next_mb += 1
-        # after the plan, not during it: a block this batch fills is found from the next batch on
-        for c in chunks:
-            self.blocks.register(c.seq_id, self._by_seq[c.seq_id].tokens_slice, c.start + len(c.token_ids))
+        for c in chunks:  # a decode that fills its block (prompt chunks registered as planned)
+            if not c.is_prefill:
+                self.blocks.register(c.seq_id, self._by_seq[c.seq_id].tokens_slice, c.context_len)
         return mb
 
     def _chunk(self, req: Request, n: int) -> SeqChunk:
@@ -194,6 +194,9 @@ class Scheduler:
             if not self._reserve(req, n, plan):
                 return
             plan.append((req, n))
+            # found by the prompts admitted after it, this batch's too: every layer writes the
+            # batch's K/V before any attention reads the cache (kv_cache.py)
+            self.blocks.register(req.seq_id, req.tokens_slice, start + n)
             slots -= 1
             taken = True
             if budget is not None:

@@ -32,6 +32,15 @@ def test_vs_hf_smoke(hf_models: dict, tmp_path: Path) -> None:
     assert r["ours_pp1_int8_tok_s"] > 0 and len(r["rounds"]["ratio_int8"]) == len(r["rounds"]["ratio"]) == 1
 
 
+def test_prefix_cache_smoke(hf_models: dict, tmp_path: Path) -> None:
+    png = tmp_path / "prefix_cache.png"
+    r = run(["benchmarks/prefix_cache.py", "--smoke", "--model", str(hf_models["llama"]), "--plot", str(png)], tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    on, off = r["rounds"]["on"][0], r["rounds"]["off"][0]
+    assert off["hit_rate"] == 0 and on["hit_rate"] > 0  # the 40 shared tokens: 2 blocks a prompt after the first
+    assert on["computed_prompt_tokens"] < off["computed_prompt_tokens"] and r["tok_s_ratio_on_off"] > 0
+
+
 def test_pipeline_smoke(tmp_path: Path) -> None:
     r = run(["benchmarks/pipeline.py", "--smoke", "--reps", "1"], tmp_path)
     assert r["ttft_pp2_t1_s"] > 0 and 0 < r["control_plane_pp2"]["driver_fraction"]

@@ -94,7 +94,9 @@ class FakePipeline:
 
     def run_oldest(self) -> list[Request]:
         mb = self.in_flight.popleft()
-        tokens = [self._execute(c) for c in mb.chunks]
+        for c in mb.chunks:  # as a layer does: every K/V of the batch written, then attention
+            self._write(c)
+        tokens = [self._attend(c) for c in mb.chunks]
         done = self.sched.postprocess(mb, [t for t in tokens if t is not None])
         for r in done:
             assert r.finished and r.seq_id not in self.reported, f"{r.request_id} reported twice"
@@ -113,7 +115,7 @@ class FakePipeline:
         raise AssertionError("did not finish")
 
     # -- the simulated model + paged cache --
-    def _execute(self, c: SeqChunk) -> int | None:
+    def _write(self, c: SeqChunk) -> None:
         # A slot holds what a real K/V row depends on: its position and every token up to it (with
         # prefix caching a slot another sequence wrote is right exactly when that history matches).
         bs = self.sched.blocks.block_size
@@ -121,7 +123,11 @@ class FakePipeline:
         for i in range(c.num_tokens):
             pos = c.start + i
             self.cache[(c.block_table[pos // bs], pos % bs)] = (pos, next_token(hist[:pos + 1]), hist[pos])
+
+    def _attend(self, c: SeqChunk) -> int | None:
         # Attention over the whole context, through the block table, as a worker would read it.
+        bs = self.sched.blocks.block_size
+        hist = self._history(c.seq_id)
         seen = [self.cache.get((c.block_table[p // bs], p % bs)) for p in range(c.context_len)]
         assert all(s is not None and s[:2] == (p, next_token(hist[:p + 1])) for p, s in enumerate(seen)), \
             f"seq {c.seq_id}: KV cache corrupted (a slot holds another history's K/V)"
@@ -141,10 +147,11 @@ class FakePipeline:
         # a waiting one from its cached prefix (0 without prefix caching)
         hits = {r.seq_id: len(s.blocks.cached_prefix(self._history(r.seq_id))) * s.blocks.block_size
                 for r in s.waiting}
-        offered += [(hits[r.seq_id], r.num_tokens - hits[r.seq_id])
-                    for r in list(s.waiting)[:max(0, self.cfg.max_batch_size - len(s.running))]]
+        newcomers = [r.seq_id for r in list(s.waiting)[:max(0, self.cfg.max_batch_size - len(s.running))]]
+        offered += [(hits[q], self.reqs[q].num_tokens - hits[q]) for q in newcomers]
         decoding = sum(1 for r in s.running if r.is_decoding)  # ready or in flight
         return {"ready": ready, "offered": offered, "share": -(-decoding // s.depth), "hits": hits,
+                "newcomers": newcomers,
                 "preemptions": {q: r.num_preemptions for q, r in self.reqs.items()},
                 "unfinished_seen": {q for q in self.seen if not self.reqs[q].finished}}
 
@@ -160,8 +167,8 @@ class FakePipeline:
         restarted = {q for q in ids if q in pre["hits"] or self.reqs[q].num_preemptions > pre["preemptions"][q]}
         for c in chunks:
             self._check_chunk(c, in_flight, c.seq_id in restarted)
-            if c.seq_id in pre["hits"] and self.ample_kv:  # nothing evicted meanwhile: the hit seen before
-                assert c.start == pre["hits"][c.seq_id]
+            if c.seq_id in pre["hits"] and self.ample_kv:  # nothing evicted: the hit seen before, or more
+                assert c.start >= pre["hits"][c.seq_id]  # (blocks of prompts planned before it in this batch)
         getattr(self, f"_check_{cfg.policy}")(mb, pre)
         self.seen.update(ids)
 
@@ -206,10 +213,21 @@ class FakePipeline:
                 key_cost, row, key = cfg.step_costs  # each decode costs its row and its keys (start + 1)
                 spent = sum(row + key * (c.start + 1) for c in mb.chunks if not c.is_prefill)
                 fresh = cfg.chunk_size  # the decodes are charged once: in spent, not also in tile_align's tokens
-            expected = greedy_fill(pre["offered"], budget, cfg.max_batch_size - n_dec, key_cost, spent, fresh)
+            expected = greedy_fill(self._offered(mb, pre), budget, cfg.max_batch_size - n_dec, key_cost, spent, fresh)
             assert mb.prefill_tokens == expected, "decode-maximal: prefill chunks fill the rest of the budget"
             if pre["offered"] and cfg.max_batch_size > 1:
                 assert mb.prefill_tokens > 0
+
+    def _offered(self, mb: MicroBatch, pre: dict) -> list[tuple[int, int]]:
+        """pre's offers, a newcomer's from where it was found cached when its turn came: one this
+        batch took from its chunk's start (the blocks of prompts taken before it count), one it did
+        not take from what the cache holds now (all of this batch's prompt blocks)."""
+        starts = {c.seq_id: c.start for c in mb.chunks}
+        news = pre["newcomers"]
+        bm = self.sched.blocks
+        late = [starts[q] if q in starts else len(bm.cached_prefix(self._history(q))) * bm.block_size for q in news]
+        return pre["offered"][:len(pre["offered"]) - len(news)] + \
+            [(st, self.reqs[q].num_tokens - st) for q, st in zip(news, late)]
 
     def _check_whole_prompts(self, mb: MicroBatch) -> None:
         for c in mb.chunks:

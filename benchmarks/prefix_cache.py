@@ -1,0 +1,128 @@
+"""Prefix caching on a shared-prompt workload: the same requests with and without
+--enable-prefix-caching, in paired rounds, one process.
+
+    .venv/bin/python benchmarks/prefix_cache.py                    # embedded SmolLM2, ~3 min
+    .venv/bin/python benchmarks/prefix_cache.py --smoke --model HF_FOLDER   # tiny sizes (CI smoke test)
+    .venv/bin/python benchmarks/prefix_cache.py --json out.json --plot out.png
+
+Workload: a --shared-token prefix (a system prompt with few-shot examples; seeded random ids,
+since the compute does not depend on which tokens) under --num distinct tails of --min-tail to
+--max-tail tokens, --new-tokens each (ignore_eos), all arriving at once. Every round runs both
+engines (alternating which goes first); the caching engine's cache is reset before each of its
+runs, so its first request computes the prefix every round, as the first request after a
+server starts would. Per side: total tokens/s ((prompt + generated) / wall), TTFT p50 and p99,
+prompt tokens computed, the hit rate; the figure is the median of the rounds' ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from pairing import alternating, ratios  # same directory: run as a script
+
+from pp_runtime import LLM, SamplingParams
+from pp_runtime.timing import percentile
+
+SIDES = ("off", "on")
+
+
+def workload(vocab: int, shared: int, num: int, min_tail: int, max_tail: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, vocab, (shared,), generator=g).tolist()
+    lens = torch.randint(min_tail, max_tail + 1, (num,), generator=g).tolist()
+    return [prefix + torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def run_side(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
+    llm.reset_prefix_cache()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    wall = time.perf_counter() - t
+    assert all(len(o.token_ids) == new_tokens for o in outs)
+    ttft = [o.ttft_s for o in outs]
+    prompt = sum(len(p) for p in prompts)
+    return {"wall_s": wall, "tok_s": (prompt + new_tokens * len(prompts)) / wall,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "computed_prompt_tokens": sum(mb.prefill_tokens for mb in llm.engine.history),
+            "hit_rate": sum(o.num_cached_tokens for o in outs) / prompt, "tokens": [o.token_ids for o in outs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="model (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--shared", type=int, default=512, help="tokens every prompt starts with")
+    ap.add_argument("--num", type=int, default=32)
+    ap.add_argument("--min-tail", type=int, default=16)
+    ap.add_argument("--max-tail", type=int, default=96)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--matmul-precision", default="highest")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="tokens/s and TTFT of both sides as a PNG")
+    a = ap.parse_args()
+    if a.smoke:
+        a.shared, a.num, a.min_tail, a.max_tail, a.new_tokens, a.rounds = 40, 6, 3, 9, 4, 1
+    torch.set_num_threads(a.threads)
+    kw = dict(model=a.model, chunk_size=a.chunk, threads=a.threads, memory_budget_gb=0.05 if a.smoke else 2.0,
+              max_model_len=None if a.smoke else 2048, prefault_kv=not a.smoke,
+              matmul_precision=a.matmul_precision, kv_cache_dtype=a.kv_cache_dtype)
+    llms = {side: LLM(**kw, enable_prefix_caching=side == "on") for side in SIDES}
+    try:
+        prompts = workload(llms["on"].source.config.vocab_size, a.shared, a.num, a.min_tail, a.max_tail)
+        for llm in llms.values():  # warm-up
+            llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))
+        rounds: dict[str, list[dict]] = {side: [] for side in SIDES}
+        for k, side in alternating(a.rounds, SIDES):
+            r = run_side(llms[side], prompts, a.new_tokens)
+            rounds[side].append(r)
+            print(f"round {k} {side:>3}: {r['tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_s']:.3f} s, "
+                  f"computed {r['computed_prompt_tokens']} prompt tokens, hit rate {r['hit_rate']:.3f}",
+                  file=sys.stderr)
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    assert all(r["tokens"] == rounds["off"][0]["tokens"] for side in SIDES for r in rounds[side]), \
+        "prefix caching changed a token"
+    speedup = statistics.median(ratios([r["tok_s"] for r in rounds["on"]], [r["tok_s"] for r in rounds["off"]]))
+    ttft = statistics.median(ratios([r["ttft_p50_s"] for r in rounds["on"]], [r["ttft_p50_s"] for r in rounds["off"]]))
+    result = {"settings": {k: v for k, v in vars(a).items() if k not in ("json", "plot")},
+              "rounds": {s: [{k: v for k, v in r.items() if k != "tokens"} for r in rounds[s]] for s in SIDES},
+              "tok_s_ratio_on_off": speedup, "ttft_p50_ratio_on_off": ttft}
+    print(f"prefix caching: tokens/s ×{speedup:.2f}, TTFT p50 ×{ttft:.3f} (median of {a.rounds} paired rounds); "
+          f"same tokens")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if a.plot:
+        plot(result, a.plot)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, key, label in ((axes[0], "tok_s", "total tokens/s"), (axes[1], "ttft_p50_s", "TTFT p50 (s)")):
+        for i, side in enumerate(SIDES):
+            ys = [r[key] for r in result["rounds"][side]]
+            ax.bar(i, statistics.median(ys), color=("tab:gray", "tab:blue")[i])
+            ax.plot([i] * len(ys), ys, "k.", ms=4)
+        ax.set_xticks(range(len(SIDES)), [f"prefix caching {s}" for s in SIDES])
+        ax.set_ylabel(label)
+    s = result["settings"]
+    fig.suptitle(f"{s['num']} prompts: {s['shared']} shared + {s['min_tail']}-{s['max_tail']} own tokens, "
+                 f"{s['new_tokens']} new", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
