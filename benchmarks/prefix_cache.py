@@ -11,7 +11,10 @@ since the compute does not depend on which tokens) under --num distinct tails of
 engines (alternating which goes first); the caching engine's cache is reset before each of its
 runs, so its first request computes the prefix every round, as the first request after a
 server starts would. Per side: total tokens/s ((prompt + generated) / wall), TTFT p50 and p99,
-prompt tokens computed, the hit rate; the figure is the median of the rounds' ratios.
+prompt tokens computed, the hit rate; the figure is the median of the rounds' ratios. Tokens:
+the same on both sides at --matmul-precision highest (checked); medium and int8 round by a
+product's row count, so a tail computed as a chunk of its own can flip a near-tie (the share of
+requests with the same tokens is printed).
 """
 from __future__ import annotations
 
@@ -89,15 +92,17 @@ def main() -> None:
     finally:
         for llm in llms.values():
             llm.shutdown()
-    assert all(r["tokens"] == rounds["off"][0]["tokens"] for side in SIDES for r in rounds[side]), \
-        "prefix caching changed a token"
+    ref = rounds["off"][0]["tokens"]
+    same = min(sum(a == b for a, b in zip(r["tokens"], ref)) / len(ref) for side in SIDES for r in rounds[side])
+    if a.matmul_precision == "highest":
+        assert same == 1.0, "prefix caching changed a token"
     speedup = statistics.median(ratios([r["tok_s"] for r in rounds["on"]], [r["tok_s"] for r in rounds["off"]]))
     ttft = statistics.median(ratios([r["ttft_p50_s"] for r in rounds["on"]], [r["ttft_p50_s"] for r in rounds["off"]]))
     result = {"settings": {k: v for k, v in vars(a).items() if k not in ("json", "plot")},
               "rounds": {s: [{k: v for k, v in r.items() if k != "tokens"} for r in rounds[s]] for s in SIDES},
-              "tok_s_ratio_on_off": speedup, "ttft_p50_ratio_on_off": ttft}
+              "tok_s_ratio_on_off": speedup, "ttft_p50_ratio_on_off": ttft, "same_tokens_share": same}
     print(f"prefix caching: tokens/s ×{speedup:.2f}, TTFT p50 ×{ttft:.3f} (median of {a.rounds} paired rounds); "
-          f"same tokens")
+          f"{same:.0%} of requests the same tokens in every run")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(result, f, indent=1)
