@@ -2,12 +2,12 @@
 seed only, not on what it was batched with, the chunk size, the batch size or the scheduler."""
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from pp_runtime import LLM, SamplingParams
+from pp_runtime.kv_cache import BlockManager
 from tests.conftest import mixed_prompts
 
 MAX_NEW = 10
@@ -67,12 +67,14 @@ def test_same_seed_any_scheduler(hf_models: dict, alone: list[int], scheduler: s
     assert run(hf_models["llama"], prompts, plist, scheduler=scheduler)[2] == alone
 
 
-def test_same_seed_under_preemption(hf_models: dict, alone: list[int]) -> None:
+@pytest.mark.parametrize("prefix_caching", (False, True))
+def test_same_seed_under_preemption(hf_models: dict, alone: list[int], prefix_caching: bool) -> None:
     # A KV cache this small forces preemption and recomputation; seeds are per position, so a
-    # recomputed request samples what it would have sampled anyway.
+    # recomputed request samples what it would have sampled anyway (with prefix caching it may
+    # find its own blocks still cached and recompute less).
     prompts, plist = crowd(7)
     with LLM(model=str(hf_models["llama"]), memory_budget_gb=0.05, chunk_size=16, max_batch_size=6) as llm:
-        llm.memory = replace(llm.memory, num_blocks=8)  # 128 tokens of KV for 216 tokens of requests
+        llm.blocks = BlockManager(8, 16, prefix_caching)  # 128 tokens of KV for 216 tokens of requests
         reqs = [llm.make_request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
         outs = llm.run(reqs)
     assert reqs[2].num_preemptions > 0  # the followed request itself was dropped and recomputed
