@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/prefix_cache.py                    # embedded SmolLM2, ~3 min
     .venv/bin/python benchmarks/prefix_cache.py --smoke --model HF_FOLDER   # tiny sizes (CI smoke test)
     .venv/bin/python benchmarks/prefix_cache.py --json out.json --plot out.png
+    .venv/bin/python benchmarks/prefix_cache.py --pp 2 --threads 1   # two Ray stages a side, a thread each
 
 Workload: a --shared-token prefix (a system prompt with few-shot examples; seeded random ids,
 since the compute does not depend on which tokens) under --num distinct tails of --min-tail to
@@ -64,7 +65,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (Ray actors past 1)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads per worker")
     ap.add_argument("--matmul-precision", default="highest")
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round")
@@ -74,7 +76,7 @@ def main() -> None:
     if a.smoke:
         a.shared, a.num, a.min_tail, a.max_tail, a.new_tokens, a.rounds = 40, 6, 3, 9, 4, 1
     torch.set_num_threads(a.threads)
-    kw = dict(model=a.model, chunk_size=a.chunk, threads=a.threads, memory_budget_gb=0.05 if a.smoke else 2.0,
+    kw = dict(model=a.model, pp=a.pp, chunk_size=a.chunk, threads=a.threads, memory_budget_gb=0.05 if a.smoke else 2.0,
               max_model_len=None if a.smoke else 2048, prefault_kv=not a.smoke,
               matmul_precision=a.matmul_precision, kv_cache_dtype=a.kv_cache_dtype)
     llms = {side: LLM(**kw, enable_prefix_caching=side == "on") for side in SIDES}

@@ -125,6 +125,9 @@ def generate_workload(cfg: WorkloadConfig, vocab_size: int) -> list[WorkItem]:
     else:
         prompts, decodes = split_pd(_sample_totals(cfg, len_rng), float(cfg.pd_ratio))
     ids = _token_ids(tok_rng, prompts, vocab_size)
+    if cfg.shared_prefix:  # its own stream: the rest of every prompt stays what the seed gave
+        prefix = _token_ids(np.random.default_rng([cfg.seed, 1]), [cfg.shared_prefix], vocab_size)[0]
+        ids = [prefix[:len(p)] + p[cfg.shared_prefix:] for p in ids]
     width = len(str(n - 1))  # zero-padded ids sort in request order
     return [WorkItem(f"req-{i:0{width}d}", ids[i], int(decodes[i]), arrival)
             for i, arrival in enumerate(_arrivals(cfg, n, arr_rng))]

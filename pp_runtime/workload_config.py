@@ -39,6 +39,9 @@ class WorkloadConfig:
     pd_ratio:       prompt tokens / decode tokens: prompt = round(L·pd/(pd+1)), decode = L − prompt,
                     each at least 1.
     arrival:        "all" (every arrival_s = 0) or "poisson" with ``rate`` requests per second.
+    shared_prefix:  synthetic kinds: every prompt's first ``shared_prefix`` tokens (all of a shorter
+                    one) are the same ids, as under one system prompt; lengths and the other ids
+                    stay what the seed gives without it. For --enable-prefix-caching.
     Fields that do not apply to the kind/arrival must stay None: a stray one is usually a typo.
     """
 
@@ -55,6 +58,7 @@ class WorkloadConfig:
     rate: float | None = None
     seed: int = 0
     trace_path: str | None = None
+    shared_prefix: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -74,12 +78,14 @@ class WorkloadConfig:
             check_positive_number("WorkloadConfig.rate", self.rate)
         elif self.rate is not None:
             raise ValueError("WorkloadConfig.rate applies only to arrival 'poisson'")
-        allowed = {"fixed": {"prompt_len", "decode_len", "length", "pd_ratio"},
-                   "uniform": {"min_len", "max_len", "pd_ratio"},
-                   "zipf": {"min_len", "max_len", "theta", "pd_ratio"},
+        allowed = {"fixed": {"prompt_len", "decode_len", "length", "pd_ratio", "shared_prefix"},
+                   "uniform": {"min_len", "max_len", "pd_ratio", "shared_prefix"},
+                   "zipf": {"min_len", "max_len", "theta", "pd_ratio", "shared_prefix"},
                    "trace": {"trace_path"}}[self.kind]
+        if self.shared_prefix is not None:
+            check_int("WorkloadConfig.shared_prefix", self.shared_prefix, 1)
         for name in ("prompt_len", "decode_len", "length", "min_len", "max_len", "theta", "pd_ratio",
-                     "trace_path"):
+                     "trace_path", "shared_prefix"):
             if getattr(self, name) is not None and name not in allowed:
                 raise ValueError(f"WorkloadConfig.{name} does not apply to kind {self.kind!r}")
         getattr(self, f"_check_{self.kind}")()
@@ -147,6 +153,8 @@ def workload_summary(cfg: WorkloadConfig) -> dict[str, Any]:
     """JSON-able description of the workload for summary.json (None where a field does not apply)."""
     keys = ("kind", "num_requests", "pd_ratio", "theta", "min_len", "max_len", "arrival", "rate", "seed")
     out = {k: getattr(cfg, k) for k in keys}
+    if cfg.shared_prefix is not None:
+        out["shared_prefix"] = cfg.shared_prefix
     extra = {"fixed": ("prompt_len", "decode_len", "length"), "trace": ("trace_path",)}.get(cfg.kind, ())
     out.update({k: getattr(cfg, k) for k in extra})
     # numpy scalars (from callers building configs programmatically) are not JSON-able

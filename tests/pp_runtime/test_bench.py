@@ -22,7 +22,9 @@ PREFAULT: list[bool] = []  # CacheConfig.prefault of every LLM the bench built
 @pytest.fixture(scope="module")
 def bench_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cfg = load_run_config(REPO / "configs/runs/smoke.yaml")
-    cfg = replace(cfg, workload=replace(cfg.workload, num_requests=10)).with_overrides(launcher="ray", step_costs=COSTS)
+    # under one 40-token system prompt, with prefix caching: over Ray's two stages too (gloo)
+    cfg = replace(cfg, workload=replace(cfg.workload, num_requests=10, shared_prefix=40)).with_overrides(
+        launcher="ray", step_costs=COSTS, enable_prefix_caching=True)
     out = tmp_path_factory.mktemp("bench")
 
     class RecordingLLM(bench.LLM):
@@ -34,6 +36,18 @@ def bench_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         mp.setattr(bench, "LLM", RecordingLLM)
         run_bench(cfg, str(out), progress=False, verbose=False)
     return out
+
+
+def test_bench_prefix_caching_over_ray(bench_dir: Path) -> None:
+    """Each scheduler starts without the last one's prefixes (reset), finds the shared blocks, and
+    gets the same greedy tokens however it batched and whatever it found cached."""
+    runs = {s: (json.loads((bench_dir / s / "summary.json").read_text()),
+                [json.loads(x)["token_ids"] for x in (bench_dir / s / "results.jsonl").read_text().splitlines()])
+            for s in ("sarathi", "orca")}
+    for summary, _ in runs.values():
+        assert summary["enable_prefix_caching"] and summary["workload"]["shared_prefix"] == 40
+        assert 0 < summary["prefix_cache_hit_tokens"] <= 9 * 32  # two whole blocks for each after the first
+    assert runs["sarathi"][1] == runs["orca"][1]
 
 
 def test_bench_writes_the_kv_pool_before_the_first_scheduler(bench_dir: Path) -> None:

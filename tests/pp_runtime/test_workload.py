@@ -136,6 +136,24 @@ def test_token_ids_in_range_and_ids_unique() -> None:
         generate_workload(zipf_cfg(0.4, n=2), 3)
 
 
+def test_shared_prefix_changes_only_the_first_tokens() -> None:
+    cfg = zipf_cfg(0.4, n=50, seed=3)
+    plain = generate_workload(cfg, VOCAB)
+    shared = generate_workload(replace(cfg, shared_prefix=40), VOCAB)
+    head = max((it.prompt_token_ids for it in shared), key=len)[:40]
+    assert len(head) == 40 and min(len(it.prompt_token_ids) for it in shared) < 40  # both cases below
+    for a, b in zip(plain, shared):
+        assert (a.total_len, a.max_tokens, a.arrival_s) == (b.total_len, b.max_tokens, b.arrival_s)
+        n = len(b.prompt_token_ids)
+        assert b.prompt_token_ids[:40] == head[:n] and b.prompt_token_ids[40:] == a.prompt_token_ids[40:]
+    assert generate_workload(replace(cfg, shared_prefix=40), VOCAB) == shared
+    assert workload_summary(replace(cfg, shared_prefix=40))["shared_prefix"] == 40
+    with pytest.raises(ValueError, match="WorkloadConfig.shared_prefix"):
+        replace(cfg, shared_prefix=0)
+    with pytest.raises(ValueError, match="shared_prefix does not apply to kind 'trace'"):
+        WorkloadConfig(kind="trace", trace_path="t.jsonl", shared_prefix=8)
+
+
 # --- traces ------------------------------------------------------------------------------------
 
 def test_trace_round_trip(tmp_path: Path) -> None:
