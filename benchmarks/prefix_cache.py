@@ -79,6 +79,10 @@ def main() -> None:
     kw = dict(model=a.model, pp=a.pp, chunk_size=a.chunk, threads=a.threads, memory_budget_gb=0.05 if a.smoke else 2.0,
               max_model_len=None if a.smoke else 2048, prefault_kv=not a.smoke,
               matmul_precision=a.matmul_precision, kv_cache_dtype=a.kv_cache_dtype)
+    if a.pp > 1:  # both sides' stage actors at once: Ray's embedded node would count only the cores
+        import ray
+        ray.init(address="local", num_cpus=2 * a.pp, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0})
     llms = {side: LLM(**kw, enable_prefix_caching=side == "on") for side in SIDES}
     try:
         prompts = workload(llms["on"].source.config.vocab_size, a.shared, a.num, a.min_tail, a.max_tail)
