@@ -39,7 +39,8 @@ class StreamOutput(RequestOutput):
 
     @classmethod
     def partial(cls, req: Request) -> "StreamOutput":
-        return cls(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), None)
+        return cls(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), None,
+                   num_cached_tokens=req.num_cached_tokens)
 
     @classmethod
     def final(cls, req: Request) -> "StreamOutput":

@@ -87,3 +87,15 @@ def test_eviction_under_a_small_cache_changes_no_token(hf_models: dict) -> None:
     assert [o.token_ids for o in outs] == expected
     assert sum(o.num_cached_tokens for o in outs[6:]) < sum(cached_tokens(p) for p in prompts[6:]), \
         "some second visits should miss: their blocks were evicted"
+
+
+def test_streamed_outputs_say_what_was_cached(hf_models: dict, reference: tuple) -> None:
+    prompts, expected = reference
+    with LLM(model=str(hf_models["llama"]), pp=2, launcher="local", chunk_size=16, max_batch_size=2,
+             memory_budget_gb=0.05, enable_prefix_caching=True) as llm:
+        items = list(llm.generate_stream(prompts, PARAMS))
+    finals = {o.request_id: o for o in items if o.finished}
+    assert [finals[str(i)].token_ids for i in range(len(prompts))] == expected
+    assert sum(o.num_cached_tokens for o in finals.values()) > 0
+    for o in items:
+        assert o.num_cached_tokens == finals[o.request_id].num_cached_tokens
