@@ -56,7 +56,8 @@ class BlockManager:
         self._children: dict[int, set[int]] = {}  # registered block -> blocks registered after it
         self._evictable: OrderedDict[int, None] = OrderedDict()  # registered, unheld: oldest first
         self._chain: dict[int, tuple[int, int]] = {}  # seq -> (its blocks walked, parent for the next; -2: stop)
-        self.queried_tokens = 0  # tokens of every sequence that took a prefix (hit or not)
+        # tokens of every take_prefix (hit or not; a preempted sequence's recomputation too), and hits
+        self.queried_tokens = 0
         self.hit_tokens = 0
 
     @property

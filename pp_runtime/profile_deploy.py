@@ -130,6 +130,7 @@ def profile_deployment(llm: object, grid: str | Grid, out_dir: str, progress: bo
     rounds = g.warmup + g.reps
     plans = per_round * rounds  # round-major: drift on a shared machine hits every point alike
     executor, pp = llm.executor, llm.config.parallel.pp
+    llm.reset_prefix_cache()  # the grid writes its own K/V over blocks the prefix cache may hold
     executor.drain_timings()  # entries of earlier runs are not ours
     executor.drain_op_times()
     submitted, returned = run_grid(executor, plans, pp, progress)

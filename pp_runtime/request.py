@@ -74,7 +74,7 @@ class Request:
     prefill_len: int = 0
     in_flight: int = 0  # micro-batches in flight that contain this request
     num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache held at the last admission
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held at the first admission (vLLM's)
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: str | None = None
@@ -110,7 +110,9 @@ class Request:
         """Start running; ``cached``: leading tokens whose K/V the prefix cache holds already."""
         self.phase = Phase.RUNNING
         self.prefill_len = self.num_tokens
-        self.num_scheduled = self.num_cached_tokens = cached
+        self.num_scheduled = cached
+        if not self.num_preemptions:  # a recomputation's hit is mostly its own blocks: not the prompt's
+            self.num_cached_tokens = cached
 
     def preempt(self) -> None:
         """Drop all cached state; the request will be recomputed from its tokens."""

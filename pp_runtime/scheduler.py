@@ -171,6 +171,8 @@ class Scheduler:
             if was_running and req.phase is not Phase.RUNNING:
                 continue  # preempted while this batch was being built
             running = req.phase is Phase.RUNNING
+            if not running and len(self.running) >= self.cfg.running_cap:
+                return
             # a waiting prompt (a preempted one too: recomputed) starts after its cached blocks
             hit = self._cached_prefix(req) if not running and self.blocks.prefix_caching else []
             start = req.num_scheduled if running else len(hit) * self.blocks.block_size
@@ -183,8 +185,6 @@ class Scheduler:
             if not chunked and budget is not None and n > budget and any(r.is_prefilling for r, _ in plan):
                 return  # whole prompts only: the next one does not fit this batch
             if req.phase is Phase.WAITING:
-                if len(self.running) >= self.cfg.running_cap:
-                    return
                 # Admit only what fits in free blocks now: a newcomer never preempts older work.
                 if not self.blocks.can_admit(req.num_tokens, hit):
                     return

@@ -45,9 +45,12 @@ def check_stage_csvs(out: Path, pp: int, grid: str) -> list[list[dict]]:
     return stages
 
 
-def test_local_pp2_profile_then_generate_unchanged(tmp_path: Path) -> None:
+@pytest.mark.parametrize("caching", (False, True))
+def test_local_pp2_profile_then_generate_unchanged(tmp_path: Path, caching: bool) -> None:
+    # with prefix caching the second run would find the first run's blocks, which the grid overwrote
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    with LLM(model="llama-tiny", pp=2, launcher="local", memory_budget_gb=0.05, block_size=4) as llm:
+    with LLM(model="llama-tiny", pp=2, launcher="local", memory_budget_gb=0.05, block_size=4,
+             enable_prefix_caching=caching) as llm:
         before = [o.token_ids for o in llm.generate(PROMPTS, params)]
         result = profile_deployment(llm, GRID, str(tmp_path), progress=False)
         after = [o.token_ids for o in llm.generate(PROMPTS, params)]

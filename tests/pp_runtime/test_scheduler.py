@@ -639,6 +639,9 @@ def test_random_workloads_complete_with_unconstrained_outputs(w: dict) -> None:
             assert (r.output_token_ids, r.finish_reason) == (ref.output_token_ids, ref.finish_reason)
     assert pipe.sched.blocks.num_free == pipe.sched.blocks.num_blocks
     assert not pipe.sched.running and not pipe.sched.waiting
+    for r in pipe.reqs.values():  # what the first admission found of the prompt, whole blocks of it
+        assert r.num_cached_tokens % w["block_size"] == 0 and r.num_cached_tokens < max(1, len(r.prompt_token_ids))
+        assert w["prefix_caching"] or r.num_cached_tokens == 0
 
 
 def test_sarathi_uses_every_slot_for_decodes_when_no_prefill_can_come() -> None:
