@@ -278,6 +278,11 @@ class LLM:
         start_wall, start = time.time(), time.perf_counter()
         try:
             yield from run_loop.steps(self, reqs, offsets)
+        except GeneratorExit:  # a stream left early: drained, every planned block written
+            raise
+        except BaseException:  # cut short: a block registered as planned may never have been written
+            self.blocks.reset_prefix_cache()
+            raise
         finally:
             self._active = {}
             self._open = None

@@ -99,3 +99,24 @@ def test_streamed_outputs_say_what_was_cached(hf_models: dict, reference: tuple)
     assert sum(o.num_cached_tokens for o in finals.values()) > 0
     for o in items:
         assert o.num_cached_tokens == finals[o.request_id].num_cached_tokens
+
+
+def test_a_run_cut_short_forgets_the_cache(hf_models: dict, reference: tuple,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error out of the middle of a run may leave planned blocks unwritten: none stays cached."""
+    prompts, _ = reference
+    with LLM(model=str(hf_models["llama"]), chunk_size=16, max_batch_size=2, memory_budget_gb=0.05,
+             enable_prefix_caching=True) as llm:
+        llm.generate(prompts, PARAMS)
+        assert llm.blocks.num_cached > 0
+        submit, calls = llm.executor.submit, []
+
+        def failing(mb: object) -> None:
+            calls.append(mb)
+            if len(calls) == 3:
+                raise RuntimeError("plan lost")
+            submit(mb)
+        monkeypatch.setattr(llm.executor, "submit", failing)
+        with pytest.raises(RuntimeError, match="plan lost"):
+            llm.generate([p[::-1] for p in prompts], PARAMS)
+        assert llm.blocks.num_cached == 0
