@@ -120,3 +120,16 @@ def test_a_run_cut_short_forgets_the_cache(hf_models: dict, reference: tuple,
         with pytest.raises(RuntimeError, match="plan lost"):
             llm.generate([p[::-1] for p in prompts], PARAMS)
         assert llm.blocks.num_cached == 0
+
+
+def test_a_conversation_finds_its_earlier_turns_generated_tokens_too(hf_models: dict) -> None:
+    """Blocks a decode fills are registered as well: the next turn's prompt (prompt + answer + a new
+    message) finds every whole block the first turn computed, its answer's included."""
+    first = shared_prompts()[1]
+    with LLM(model=str(hf_models["llama"]), chunk_size=32, memory_budget_gb=0.05, enable_prefix_caching=True) as llm:
+        answer = llm.generate([first], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
+        turn = first + answer + [7, 8, 9]
+        out = llm.generate([turn], PARAMS)[0]
+    computed = len(first) + len(answer) - 1  # the last answer token was sampled, never fed back
+    assert out.num_cached_tokens == computed // BLOCK * BLOCK > len(first)
+    assert out.token_ids == hf_greedy(hf_models["llama"], [turn], MAX_NEW)[0]
