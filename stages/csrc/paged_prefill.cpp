@@ -18,6 +18,8 @@
 // an fp8 cache are exact in bf16).
 // The panels then hold pairs: Kᵀ word (p, j) = K[j][2p], K[j][2p + 1]; V word (jp, c) = V[2jp][c],
 // V[2jp + 1][c]. A bf16 panel has as many elements as an fp32 one, so both layouts share offsets.
+// Here: a task's online softmax and the dispatch; the tiles and packing in prefill_tiles.h (fp32)
+// and prefill_bf16.h, the tile sizes and arguments in paged_prefill.h.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -28,232 +30,15 @@
 #include <memory>
 #include <type_traits>
 #include <vector>
+
+#include "paged_prefill.h"
+#include "prefill_bf16.h"
+#include "prefill_tiles.h"
 #include "vec.h"
 
 namespace {
 
-constexpr int MR = 6;    // rows per micro-tile
-constexpr int NR = 16;   // keys (Q Kᵀ) or output columns (P V) per micro-tile
-constexpr int TQ = 16;   // query positions per task
-constexpr int KC = 256;  // keys per online-softmax step
-// a running max below any score: finite, since -ffast-math assumes no infinities
-constexpr float kNoMax = -1e30f;
-
-struct Args {
-  const float* q;
-  const void* k;  // T: float, c10::Half or Fp8, as the cache is
-  const void* v;
-  const int64_t* table;
-  float* out;
-  int64_t q_row, out_row, n, ctx, H, Hkv, G, D, BS;
-  float scale;
-  const void* kt;  // E: (Hkv, Lp / NR, D, NR): Kᵀ panels, zero past ctx
-  const void* vp;  // E: (Hkv, D / NR, Lp, NR): V panels, zero past ctx (a bf16 pair reads one row past)
-  int64_t Lp;
-};
-
-// s[r][c] = Σ_d q_r[d] kt[d][c] for r < MR, c < NR (kt: one D x NR panel; s row stride lds)
-template <int DC>
-inline void qk_tile(const float* const* qr, const float* kt, int64_t D, float* s, int64_t lds) {
-  const int64_t Dn = DC > 0 ? DC : D;
-#if defined(PP_AVX512)
-  // a 16-key panel row is one 16-lane register: half the FMA instructions of the 8-lane tile
-  __m512 c[MR];
-  for (int r = 0; r < MR; ++r) c[r] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < Dn; ++d) {
-    const __m512 b = _mm512_loadu_ps(kt + d * NR);
-    for (int r = 0; r < MR; ++r) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][d]), b, c[r]);
-  }
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(s + r * lds, c[r]);
-#elif defined(PP_AVX2)
-  __m256 c[MR][2];
-  for (int r = 0; r < MR; ++r) c[r][0] = c[r][1] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < Dn; ++d) {
-    const __m256 b0 = _mm256_loadu_ps(kt + d * NR), b1 = _mm256_loadu_ps(kt + d * NR + 8);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(qr[r] + d);
-      c[r][0] = _mm256_fmadd_ps(a, b0, c[r][0]);
-      c[r][1] = _mm256_fmadd_ps(a, b1, c[r][1]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(s + r * lds, c[r][0]);
-    _mm256_storeu_ps(s + r * lds + 8, c[r][1]);
-  }
-#else
-  float c[MR][NR] = {};
-  for (int64_t d = 0; d < Dn; ++d)
-    for (int r = 0; r < MR; ++r)
-      for (int j = 0; j < NR; ++j) c[r][j] += qr[r][d] * kt[d * NR + j];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NR; ++j) s[r * lds + j] = c[r][j];
-#endif
-}
-
-// o[r][0:NR] += Σ_j p[r][j] vp[j][0:NR] for r < MR, j < kc (vp: a V panel; p, o row strides ldp, ldo)
-inline void pv_tile(const float* p, int64_t ldp, const float* vp, int64_t kc, float* o, int64_t ldo) {
-#if defined(PP_AVX512)
-  __m512 c[MR];
-  for (int r = 0; r < MR; ++r) c[r] = _mm512_loadu_ps(o + r * ldo);
-  for (int64_t j = 0; j < kc; ++j) {
-    const __m512 b = _mm512_loadu_ps(vp + j * NR);
-    for (int r = 0; r < MR; ++r) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * ldp + j]), b, c[r]);
-  }
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(o + r * ldo, c[r]);
-#elif defined(PP_AVX2)
-  __m256 c[MR][2];
-  for (int r = 0; r < MR; ++r) {
-    c[r][0] = _mm256_loadu_ps(o + r * ldo);
-    c[r][1] = _mm256_loadu_ps(o + r * ldo + 8);
-  }
-  for (int64_t j = 0; j < kc; ++j) {
-    const __m256 b0 = _mm256_loadu_ps(vp + j * NR), b1 = _mm256_loadu_ps(vp + j * NR + 8);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(p + r * ldp + j);
-      c[r][0] = _mm256_fmadd_ps(a, b0, c[r][0]);
-      c[r][1] = _mm256_fmadd_ps(a, b1, c[r][1]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(o + r * ldo, c[r][0]);
-    _mm256_storeu_ps(o + r * ldo + 8, c[r][1]);
-  }
-#else
-  for (int64_t j = 0; j < kc; ++j)
-    for (int r = 0; r < MR; ++r) {
-      const float w = p[r * ldp + j];
-      for (int c = 0; c < NR; ++c) o[r * ldo + c] += w * vp[j * NR + c];
-    }
-#endif
-}
-
-// The panels of KV head h for the positions of cache block blk (both read once, in place).
-template <typename T>
-void pack_block(const Args& a, int64_t h, int64_t blk, float* kt, float* vp) {
-  const int64_t j0 = blk * a.BS, j1 = std::min(a.ctx, j0 + a.BS), D = a.D, row = a.Hkv * D;
-  const T* kr = static_cast<const T*>(a.k) + (a.table[blk] * a.BS * a.Hkv + h) * D;
-  const T* vr = static_cast<const T*>(a.v) + (a.table[blk] * a.BS * a.Hkv + h) * D;
-  for (int64_t j = j0; j < j1; ++j, kr += row, vr += row) {
-    float* kp = kt + (h * (a.Lp / NR) + j / NR) * D * NR + j % NR;
-    for (int64_t d = 0; d < D; ++d) kp[d * NR] = to_f32(kr[d]);
-    for (int64_t c = 0; c < D; c += NR) {
-      float* vo = vp + ((h * (D / NR) + c / NR) * a.Lp + j) * NR;
-      for (int64_t i = 0; i < NR; ++i) vo[i] = to_f32(vr[c + i]);
-    }
-  }
-}
-
-#ifdef PP_BF16
-template <typename T>
-inline __m512 widen16(const T* p) {  // 16 cache elements -> their 16 values, exactly
-  if constexpr (std::is_same_v<T, float>) return _mm512_loadu_ps(p);
-  else if constexpr (std::is_same_v<T, Fp8>) return _mm512_mul_ps(load16(p), _mm512_set1_ps(raw_unit<Fp8>()));
-  else return load16(p);
-}
-
-// pack_block's panels as bf16 pairs: K's (d, d + 1) in word (d / 2, j), V's rows (j, j + 1) in word
-// (j / 2, c); 16 elements at a time (converted one by one, packing took ~9% of a 256-token chunk's
-// attention): a K row's 16 bf16 go out as 8 words a panel row apart, two V rows' 16 columns as 16
-// adjacent words (pair_rows). A V row without its pair in this block (an odd block size) goes in
-// one element at a time.
-template <typename T>
-void pack_block_bf16(const Args& a, int64_t h, int64_t blk, Bf16* kt, Bf16* vp) {
-  const int64_t j0 = blk * a.BS, j1 = std::min(a.ctx, j0 + a.BS), D = a.D, row = a.Hkv * D;
-  const T* k0 = static_cast<const T*>(a.k) + (a.table[blk] * a.BS * a.Hkv + h) * D;
-  const T* v0 = static_cast<const T*>(a.v) + (a.table[blk] * a.BS * a.Hkv + h) * D;
-  const T* kr = k0;
-  for (int64_t j = j0; j < j1; ++j, kr += row) {
-    uint32_t* kp = reinterpret_cast<uint32_t*>(kt + (h * (a.Lp / NR) + j / NR) * D * NR) + j % NR;
-    for (int64_t d = 0; d < D; d += 16) {
-      alignas(32) uint32_t w[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(w), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(widen16(kr + d))));
-      for (int i = 0; i < 8; ++i) kp[(d / 2 + i) * NR] = w[i];
-    }
-  }
-  Bf16* vo = vp + h * D * a.Lp;
-  for (int64_t j = j0; j < j1;) {
-    const T* vr = v0 + (j - j0) * row;
-    const bool last = j + 1 == a.ctx;  // its pair is padding: zero
-    if (j % 2 == 0 && (j + 1 < j1 || last)) {
-      for (int64_t c = 0; c < D; c += NR) {
-        const __m512 r1 = last ? _mm512_setzero_ps() : widen16(vr + row + c);
-        _mm512_storeu_si512(vo + c * a.Lp + j * NR, pair_rows(widen16(vr + c), r1));
-      }
-      j += 2;
-    } else {
-      for (int64_t c = 0; c < D; c += NR)
-        for (int64_t i = 0; i < NR; ++i) vo[c * a.Lp + (j / 2 * NR + i) * 2 + j % 2] = to_bf16(to_f32(vr[c + i]));
-      j += 1;
-    }
-  }
-}
-#endif
-
-#ifdef PP_BF16
-// The bf16 tiles are MR rows x NP panels (up to 4: 64 keys or output columns), 24 accumulators
-// as the GEMM's bf16 tiles, against vdpbf16ps's latency. Measured against 6 (one panel): no
-// faster here (256-token chunk, 1 thread: 0.645 / 0.644 ms a layer), the kernel's products were
-// not waiting on it; kept at no cost for other cores and head sizes.
-constexpr int NPB = 4;
-
-// s[r][c] = Σ_d q_r[d] kt_c[d] for r < MR, c < NP · NR as qk_tile over NP consecutive panels
-// (kt: the first, D / 2 x NR words each), from bf16: q rows at q + r * D
-template <int DC, int NP>
-inline void qk_tile_bf16(const Bf16* q, const Bf16* kt, int64_t D, float* s, int64_t lds) {
-  const int64_t Dn = DC > 0 ? DC : D;
-  __m512 c[MR][NP];
-  for (int r = 0; r < MR; ++r)
-    for (int i = 0; i < NP; ++i) c[r][i] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < Dn / 2; ++p) {
-    __m512bh b[NP];
-    for (int i = 0; i < NP; ++i) b[i] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(kt + i * Dn * NR + p * 2 * NR));
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh x = bcast_pair(q + r * Dn + 2 * p);
-      for (int i = 0; i < NP; ++i) c[r][i] = _mm512_dpbf16_ps(c[r][i], x, b[i]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int i = 0; i < NP; ++i) _mm512_storeu_ps(s + r * lds + i * NR, c[r][i]);
-}
-
-// o[r][c] += Σ_j p[r][j] v_c[j] for r < MR, c < NP · NR as pv_tile over kc2 keys (even) and NP
-// column panels (vp: the first's slab, kc2 / 2 x NR words; the next at + pstride), from bf16 P rows
-// at stride ldp
-template <int NP>
-inline void pv_tile_bf16(const Bf16* p, int64_t ldp, const Bf16* vp, int64_t pstride, int64_t kc2, float* o,
-                         int64_t ldo) {
-  __m512 c[MR][NP];
-  for (int r = 0; r < MR; ++r)
-    for (int i = 0; i < NP; ++i) c[r][i] = _mm512_loadu_ps(o + r * ldo + i * NR);
-  for (int64_t j = 0; j < kc2; j += 2) {
-    __m512bh b[NP];
-    for (int i = 0; i < NP; ++i) b[i] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(vp + i * pstride + j * NR));
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh x = bcast_pair(p + r * ldp + j);
-      for (int i = 0; i < NP; ++i) c[r][i] = _mm512_dpbf16_ps(c[r][i], x, b[i]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int i = 0; i < NP; ++i) _mm512_storeu_ps(o + r * ldo + i * NR, c[r][i]);
-}
-
-// f<NP>() for NP = n (1 .. NPB): the tiles' panel count as a compile-time constant
-template <typename F>
-inline void with_panels(int64_t n, const F& f) {
-  switch (n) {
-    case 1: return f(std::integral_constant<int, 1>());
-    case 2: return f(std::integral_constant<int, 2>());
-    case 3: return f(std::integral_constant<int, 3>());
-    default: return f(std::integral_constant<int, NPB>());
-  }
-}
-
-// n floats -> n bf16 (n a multiple of 16)
-inline void round_row(const float* x, int64_t n, Bf16* y) {
-  for (int64_t i = 0; i < n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i))));
-}
-#endif
+using namespace pp_prefill;
 
 struct Scratch {
   std::vector<const float*> qr;
