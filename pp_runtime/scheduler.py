@@ -173,8 +173,10 @@ class Scheduler:
             running = req.phase is Phase.RUNNING
             if not running and len(self.running) >= self.cfg.running_cap:
                 return
-            # a waiting prompt (a preempted one too: recomputed) starts after its cached blocks
-            hit = self._cached_prefix(req) if not running and self.blocks.prefix_caching else []
+            # a waiting prompt (a preempted one too: recomputed) starts after its cached blocks (the
+            # flag checked here too: without caching, no copy of every waiting prompt's tokens)
+            hit = (self.blocks.cached_prefix(req.tokens_slice(0, req.num_tokens))
+                   if not running and self.blocks.prefix_caching else [])
             start = req.num_scheduled if running else len(hit) * self.blocks.block_size
             remaining = (req.prefill_len if running else req.num_tokens) - start
             n = remaining if not chunked or budget is None else fit_chunk(start, min(remaining, budget), cost, key_cost)
@@ -202,9 +204,6 @@ class Scheduler:
             if budget is not None:
                 budget -= n
                 cost -= chunk_cost(start, n, key_cost)
-
-    def _cached_prefix(self, req: Request) -> list[int]:
-        return self.blocks.cached_prefix(req.tokens_slice(0, req.num_tokens))
 
     def _prefill_candidates(self, admit: Callable[[Request], bool]) -> list[tuple[Request, bool]]:
         """Running prompts first (FCFS), then waiting ones; a snapshot, with where each came from."""
