@@ -21,12 +21,20 @@ import torch
 from pp_runtime.batch import SeqChunk
 from stages.attention import TorchAttention, build_metadata, triton_decode
 
-VARIANTS = {  # name: paged_decode's tuning knobs
+VARIANTS = {  # name: paged_decode's tuning knobs ("paged": its defaults, spans chosen by choose_splits)
     "paged": {},
     "paged-unaligned": {"aligned": False},
     "paged-tokens16": {"tokens": 16},
     "paged-tokens64": {"tokens": 64},
+    "paged-warps1": {"num_warps": 1},
+    "paged-warps2": {"num_warps": 2},
     "paged-warps8": {"num_warps": 8},
+    "paged-warps2-tokens16": {"num_warps": 2, "tokens": 16},
+    "paged-warps2-tokens64": {"num_warps": 2, "tokens": 64},
+    "paged-stages1": {"num_stages": 1},
+    "paged-stages2": {"num_stages": 2},
+    "paged-stages4": {"num_stages": 4},
+    **{f"paged-splits{n}": {"splits": n} for n in (1, 2, 4, 8, 16)},
 }
 
 

@@ -108,7 +108,8 @@ def measure(model: str | None, chunks: list[int], decodes: list[int], context: i
             for way in ways:
                 for ew in elementwise:
                     if hasattr(w.model.backend, "paged_cuda"):
-                        w.model.backend.paged_cuda = way == "paged"
+                        w.model.backend.paged_cuda = way != "gathered"
+                        w.model.backend.decode_tuning = decode_tuning(way)
                     triton_elementwise.enabled = ew != "eager"
                     out.append({"chunk": c, "cuda_decode": way, "elementwise": ew, **labels,
                                 **_measure_chunk(w, c, decodes, context, rounds, mm["flop_s"], profile)})
@@ -133,6 +134,25 @@ def elementwise_ways(w: StageWorker, asked: tuple[str, ...]) -> tuple[str, ...]:
     return asked or ("eager",)
 
 
+TUNING_KEYS = ("tokens", "num_warps", "num_stages", "splits")
+
+
+def decode_tuning(way: str) -> dict[str, int]:
+    """``paged:num_warps=2:splits=4`` -> the Triton decode kernel's knobs {num_warps: 2, splits: 4}
+    (stages/attention/triton_decode.py); ``paged`` and ``gathered`` -> {}. Raises ValueError naming
+    a knob or value it does not take."""
+    name, *knobs = way.split(":")
+    if name not in ("paged", "gathered") or (knobs and name != "paged"):
+        raise ValueError(f"--cuda-decode takes paged[:KEY=VALUE...] and gathered, not {way!r}")
+    tuning = {}
+    for knob in knobs:
+        key, _, value = knob.partition("=")
+        if key not in TUNING_KEYS or not value.isdigit():
+            raise ValueError(f"--cuda-decode {way!r}: {knob!r} is not KEY=INTEGER with KEY one of {', '.join(TUNING_KEYS)}")
+        tuning[key] = int(value)
+    return tuning
+
+
 def decode_ways(w: StageWorker, asked: tuple[str, ...]) -> tuple[str, ...]:
     """The labels of the decode attention each result runs: on CUDA's torch backend those asked
     for of ``paged`` (K/V read in place by the Triton kernel) and ``gathered`` (copied out, then
@@ -147,7 +167,7 @@ def decode_ways(w: StageWorker, asked: tuple[str, ...]) -> tuple[str, ...]:
     kc = torch.empty(1, w.block_size, cfg.num_kv_heads // w.tp.size, cfg.head_size, device=w.device, dtype=w.kv_dtype)
     if triton_decode.usable(q, kc, kc):
         return asked or ("paged",)
-    if "paged" in asked:
+    if any(way != "gathered" for way in asked):
         raise ValueError("--cuda-decode paged: the Triton decode kernel cannot run here "
                          f"({triton_decode.triton_missing() or 'head size or cache dtype'})")
     return asked or ("gathered",)
@@ -322,15 +342,19 @@ def main() -> None:
                     help="auto: xformers on CUDA where its operators run, else torch SDPA")
     ap.add_argument("--cuda-decode", default="",
                     help="on CUDA with --attention torch, how decodes read K/V, comma-separated to compare: paged (in "
-                         "place, the Triton kernel), gathered (copied out, then SDPA); default: the backend's own")
+                         "place, the Triton kernel; paged:num_warps=2:splits=4 and the like set its tokens, num_warps, "
+                         "num_stages, splits), gathered (copied out, then SDPA); default: the backend's own")
     ap.add_argument("--cuda-elementwise", default="",
                     help="on CUDA, how norms, RoPE, SiLU·mul and the K/V write run, comma-separated to compare: fused (one Triton "
                          "kernel each) and eager (torch ops); default: fused where it runs")
     ap.add_argument("--matmul-size", type=int, default=0,
                     help="side of the square matmul that measures the device's rate (0: 8192 on CUDA, 2048 on CPU)")
     a = ap.parse_args()
-    if a.cuda_decode and set(a.cuda_decode.split(",")) - {"paged", "gathered"}:
-        raise SystemExit(f"decode_maximal: --cuda-decode takes paged and/or gathered, not {a.cuda_decode!r}")
+    try:
+        for way in filter(None, a.cuda_decode.split(",")):
+            decode_tuning(way)
+    except ValueError as e:
+        raise SystemExit(f"decode_maximal: {e}") from None
     if a.cuda_elementwise and set(a.cuda_elementwise.split(",")) - {"fused", "eager"}:
         raise SystemExit(f"decode_maximal: --cuda-elementwise takes fused and/or eager, not {a.cuda_elementwise!r}")
     if a.smoke:

@@ -116,6 +116,26 @@ def test_decode_maximal_refuses_a_cuda_way_on_cpu(hf_models: dict, flag: str, wa
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [f"decode_maximal: {flag} {why}"]
 
 
+@pytest.mark.parametrize("way,why", (
+    ("paged:warps=2", "'warps=2' is not KEY=INTEGER with KEY one of tokens, num_warps, num_stages, splits"),
+    ("paged:splits=x", "'splits=x' is not KEY=INTEGER with KEY one of tokens, num_warps, num_stages, splits"),
+    ("gathered:splits=2", "takes paged[:KEY=VALUE...] and gathered, not 'gathered:splits=2'")))
+def test_decode_maximal_refuses_a_bad_decode_tuning(way: str, why: str) -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/decode_maximal.py", "--smoke", "--cuda-decode", f"paged,{way}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1 and why in proc.stderr
+
+
+@pytest.mark.gpu(1)
+def test_decode_maximal_decode_tunings_on_cuda(hf_models: dict, tmp_path: Path) -> None:
+    r = run(["benchmarks/decode_maximal.py", "--smoke", "--model", str(hf_models["llama"]), "--device", "cuda",
+             "--dtype", "bfloat16", "--attention", "torch", "--cuda-decode", "paged,paged:splits=2:num_warps=2,gathered"],
+            tmp_path)
+    assert [x["cuda_decode"] for x in r] == ["paged", "paged:splits=2:num_warps=2", "gathered"]
+    assert all(x["chunk_ms"] > 0 for x in r)
+
+
 @pytest.mark.gpu(1)
 def test_decode_maximal_fused_and_eager_elementwise_on_cuda(hf_models: dict, tmp_path: Path) -> None:
     r = run(["benchmarks/decode_maximal.py", "--smoke", "--model", str(hf_models["llama"]), "--device", "cuda",
@@ -127,7 +147,9 @@ def test_decode_maximal_fused_and_eager_elementwise_on_cuda(hf_models: dict, tmp
 def test_cuda_paged_decode_smoke(tmp_path: Path) -> None:
     r = run(["benchmarks/cuda_paged_decode.py", "--decodes", "4", "--context", "100", "--reps", "2"], tmp_path)
     assert set(r["ms"]) == {"gathered", "paged-backend", "paged", "paged-unaligned", "paged-tokens16", "paged-tokens64",
-                            "paged-warps8"}
+                            "paged-warps1", "paged-warps2", "paged-warps8", "paged-warps2-tokens16",
+                            "paged-warps2-tokens64", "paged-stages1", "paged-stages2", "paged-stages4",
+                            *(f"paged-splits{n}" for n in (1, 2, 4, 8, 16))}
     assert max(r["max_err"].values()) < 1e-2  # bf16 outputs of the same attention
 
 

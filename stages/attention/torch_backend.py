@@ -87,6 +87,9 @@ class TorchAttention:
         # on CUDA, decodes read K/V in place (triton_decode) where it can run, else gathered; off
         # only for a before/after measurement (benchmarks/decode_maximal.py --cuda-decode)
         self.paged_cuda = True
+        # the Triton kernel's tuning knobs (triton_decode.paged_decode's tokens, num_warps,
+        # num_stages, splits), set only by decode_maximal.py --cuda-decode paged:KEY=VALUE
+        self.decode_tuning: dict[str, int] = {}
 
     @staticmethod
     def _use_paged_kernel(q: torch.Tensor) -> bool:
@@ -137,7 +140,7 @@ class TorchAttention:
                                                self.decode_bf16_over)
         elif meta.num_decodes and self.paged_cuda and self._decode_kernel_takes(q, k_cache, v_cache, meta):
             triton_decode.paged_decode(q[row:], k_cache, v_cache, meta.decode_tables, decode_lens(meta, q.device),
-                                       self.scale, out=out[row:])  # written in place: no copy
+                                       self.scale, out=out[row:], **self.decode_tuning)  # in place: no copy
         elif meta.num_decodes:
             b = meta.num_decodes
             idx = meta.decode_tables.reshape(-1)

@@ -52,12 +52,14 @@ def shapes_fit(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                 lens: torch.Tensor, scale: float, tokens: int = 0, num_warps: int = 4,
-                 aligned: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+                 lens: torch.Tensor, scale: float, tokens: int = 0, num_warps: int = 4, num_stages: int = 3,
+                 splits: int = 0, aligned: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, H, D) one query per decode; caches (NB, BS, H_kv, D); tables (B, nb_max) block ids;
     lens (B,) context lengths (≥ 1), both on q's device -> (B, H, D) in q's dtype, written into
-    ``out`` where given (any strides with contiguous head rows: a slice of the layer's output). ``tokens``,
-    ``num_warps`` and ``aligned`` (tell Triton that K/V rows start 16-element aligned, so that it
+    ``out`` where given (any strides with contiguous head rows: a slice of the layer's output).
+    ``splits`` > 1 cuts each decode's keys into that many spans, one program each, merged by a
+    second kernel (flash-decoding); 0 picks it (``choose_splits``). ``tokens``, ``num_warps``,
+    ``num_stages`` and ``aligned`` (tell Triton that K/V rows start 16-element aligned, so that it
     loads them in 16-byte vectors) are tuning knobs for benchmarks/cuda_paged_decode.py."""
     b, h, d = q.shape
     bs, h_kv = k_cache.shape[1], k_cache.shape[2]
@@ -67,30 +69,59 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # thread of 4 warps; LLaMA-7B: 32 keys, 8 KB of K a step) down to 16 keys (G_PAD · D > 256:
     # 16 keys of 8 heads of 128 make 16K elements, which spill; H200-measured shapes did not)
     tokens = tokens or max(16, 4096 // (g_pad * d))
+    # the table's width bounds every context without reading lens back from the device
+    splits = splits or choose_splits(b * h_kv, tables.shape[1] * bs, tokens, q.device)
     out = torch.empty_like(q) if out is None else out
-    _kernel()[(b, h_kv)](q, k_cache, v_cache, tables, lens, out, scale,
-                         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                         tables.stride(0), out.stride(0), out.stride(1),
-                         G=g, G_PAD=g_pad, D=d, BS=bs, TOKENS=tokens, ALIGN=min(d, 16) if aligned else 1,
-                         num_warps=num_warps)
+    # each span's unnormalised output, running max and denominator, (B, H, S, D) then (B, H, S)
+    # twice, in one allocation: a host-bound step pays each allocation and launch a layer
+    part = torch.empty(b * h * splits * (d + 2), device=q.device, dtype=torch.float32) if splits > 1 else out
+    _kernel(_paged_decode_kernel)[(b, h_kv, splits)](
+        q, k_cache, v_cache, tables, lens, out, part, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        tables.stride(0), out.stride(0), out.stride(1),
+        G=g, G_PAD=g_pad, D=d, BS=bs, TOKENS=tokens, S=splits, ALIGN=min(d, 16) if aligned else 1,
+        num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _kernel(_merge_kernel)[(b, h)](part, out, out.stride(0), out.stride(1), H=h, D=d, S=splits,
+                                       S_PAD=1 << (splits - 1).bit_length())
     return out
 
 
+def choose_splits(programs: int, max_keys: int, tokens: int, device: torch.device) -> int:
+    """Spans per decode: none while the (decode, KV head) programs alone fill the GPU's SMs
+    (the merge costs a launch, an allocation and a pass over the partials, and a small decode
+    step is host-bound); else enough for ~2 programs an SM, each span at least 16 steps of keys
+    (shorter contexts read too little K/V for the split to pay its launch), a power of two."""
+    sms = _sm_count(device)
+    if programs >= sms:
+        return 1
+    splits = min(-(-2 * sms // programs), max_keys // (16 * tokens))
+    return 1 << max(splits, 1).bit_length() - 1
+
+
 @functools.cache
-def _kernel() -> object:
+def _sm_count(device: torch.device) -> int:
+    # CPU tensors only reach here in Triton's interpreter (the tests): an H100/H200's 132
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+@functools.cache
+def _kernel(fn: object) -> object:
     """Compiled on first use: ``triton.jit`` reads TRITON_INTERPRET here (the tests set it first)."""
     import triton
-    return triton.jit(_paged_decode_kernel)
+    return triton.jit(fn)
 
 
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, scale,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, scale,
                          stride_qb, stride_qh, stride_kblk, stride_kslot, stride_kh, stride_tb,
                          stride_ob, stride_oh,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                         TOKENS: tl.constexpr, ALIGN: tl.constexpr):
-    """One (decode, KV head): the G heads' online softmax over the decode's keys, TOKENS at a time."""
+                         TOKENS: tl.constexpr, S: tl.constexpr, ALIGN: tl.constexpr):
+    """One (decode, KV head, span): the G heads' online softmax over the span's keys, TOKENS at a
+    time; the output itself where S = 1, else the span's partials for _merge_kernel."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     t = tl.arange(0, TOKENS)
@@ -99,12 +130,15 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, scal
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=has_head[:, None], other=0.0).to(tl.float32) * scale  # (G_PAD, D)
     ctx = tl.load(lens_ptr + seq)
+    span = tl.cdiv(tl.cdiv(ctx, S), TOKENS) * TOKENS  # whole steps: only a decode's last span is ragged
+    lo = split * span
+    hi = tl.minimum(lo + span, ctx)  # lo >= hi: an empty span (a short context), m stays -inf
     m = tl.full((G_PAD,), float("-inf"), tl.float32)  # running max of each head's scores
     den = tl.zeros((G_PAD,), tl.float32)  # running softmax denominator
     acc = tl.zeros((G_PAD, D), tl.float32)
-    for start in range(0, ctx, TOKENS):
+    for start in range(lo, hi, TOKENS):
         pos = start + t
-        real = pos < ctx
+        real = pos < hi
         blk = tl.load(table_ptr + seq * stride_tb + pos // BS, mask=real, other=0)
         row = blk.to(tl.int64) * stride_kblk + (pos % BS) * stride_kslot + kvh * stride_kh  # (TOKENS,)
         row = tl.multiple_of(row, ALIGN)  # every stride is a multiple of D: rows start aligned
@@ -112,13 +146,36 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, scal
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G_PAD, TOKENS)
         s = tl.where(real[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)  # 0 on the first step (m = -inf); ctx >= 1 keeps m_new finite
+        alpha = tl.exp(m - m_new)  # 0 on the first step (m = -inf); a step holds >= 1 key: m_new finite
         p = tl.exp(s - m_new[:, None])
         den = den * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + row[:, None] + d[None, :], mask=real[:, None], other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (G_PAD, D)
         m = m_new
-    o = acc / den[:, None]
-    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=has_head[:, None])
+    if S == 1:
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 (acc / den[:, None]).to(out_ptr.dtype.element_ty), mask=has_head[:, None])
+    else:  # partials of (seq, head, split): acc in (B, H, S, D), then max and den in (B, H, S) each
+        cells = tl.num_programs(0) * tl.num_programs(1) * G * S
+        cell = (seq * (tl.num_programs(1) * G) + heads) * S + split  # (G_PAD,)
+        tl.store(part_ptr + cell[:, None] * D + d[None, :], acc, mask=has_head[:, None])
+        tl.store(part_ptr + cells * D + cell, m, mask=has_head)
+        tl.store(part_ptr + cells * (D + 1) + cell, den, mask=has_head)
 
+
+def _merge_kernel(part_ptr, out_ptr, stride_ob, stride_oh,
+                  H: tl.constexpr, D: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr):
+    """One (decode, head): its spans' partials rescaled to their common max and summed."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D)
+    cells = tl.num_programs(0) * H * S
+    cell = (seq * H + head) * S + s  # (S_PAD,)
+    m = tl.load(part_ptr + cells * D + cell, mask=s < S, other=float("-inf"))
+    top = tl.max(m, axis=0)  # finite: the first span starts at key 0 and every context holds one
+    w = tl.exp(m - top)  # 0 for an empty span or padding
+    den = tl.sum(w * tl.load(part_ptr + cells * (D + 1) + cell, mask=s < S, other=0.0), axis=0)
+    acc = tl.load(part_ptr + cell[:, None] * D + d[None, :], mask=(s < S)[:, None], other=0.0)  # (S_PAD, D)
+    o = tl.sum(w[:, None] * acc, axis=0) / den  # (D,)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, o.to(out_ptr.dtype.element_ty))

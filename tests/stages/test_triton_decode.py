@@ -48,7 +48,10 @@ def reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch
     return out
 
 
-CASES = [(g, d, dtype) for g, d in ((1, 128), (3, 64), (4, 64), (2, 16)) for dtype in ("float32", "bfloat16")]
+# splits: 1, the output written directly; 3, spans merged over a padded split axis, the one-key
+# context's second and third spans empty; 8, most spans of the short contexts empty
+CASES = [(g, d, dtype, splits) for g, d in ((1, 128), (3, 64), (4, 64), (2, 16)) for dtype in ("float32", "bfloat16")
+         for splits in (1, 3, 8)]
 
 
 def interpret_cases() -> None:
@@ -64,16 +67,16 @@ def interpret_cases() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patched
-    for g, d, name in CASES:
+    for g, d, name, splits in CASES:
         dtype = getattr(torch, name)
         q, kc, vc, tables, lens = decodes(g, d, dtype, "cpu")
-        out = triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
+        out = triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5, splits=splits)
         tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
         torch.testing.assert_close(out.float(), reference(q, kc, vc, tables, lens, d ** -0.5), rtol=tol, atol=tol,
-                                   msg=lambda m, c=(g, d, name): f"{c}: {m}")
+                                   msg=lambda m, c=(g, d, name, splits): f"{c}: {m}")
         layer_out = torch.zeros(len(LENS) + 2, q.shape[1], d, dtype=dtype)  # decodes after a prefill's rows
-        triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5, out=layer_out[2:])
-        assert torch.equal(layer_out[2:], out) and not layer_out[:2].any(), (g, d, name)
+        triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5, splits=splits, out=layer_out[2:])
+        assert torch.equal(layer_out[2:], out) and not layer_out[:2].any(), (g, d, name, splits)
     print(f"{len(CASES)} cases match")
 
 
@@ -101,13 +104,24 @@ def test_usable_only_where_the_kernel_is_right() -> None:
     assert triton_decode.shapes_fit(q6, kc, vc) and not triton_decode.shapes_fit(q6[:, :5], kc, vc)
 
 
+def test_choose_splits_fills_the_sms_with_spans_of_whole_steps() -> None:
+    cpu, sms = torch.device("cpu"), 132  # the interpreter's stand-in for an H100/H200
+    assert triton_decode.choose_splits(64 * 32, 512, 32, cpu) == 1  # LLaMA-7B, 64 decodes: 2048 programs
+    assert triton_decode.choose_splits(sms, 1 << 20, 32, cpu) == 1
+    assert triton_decode.choose_splits(4 * 32, 4096, 32, cpu) == 2  # 128 programs: ~2 an SM
+    assert triton_decode.choose_splits(4 * 32, 512, 32, cpu) == 1  # too few keys to pay the merge
+    assert triton_decode.choose_splits(1 * 8, 32768, 32, cpu) == 32  # one decode, 8 KV heads, a long context
+    assert triton_decode.choose_splits(1 * 8, 1024, 32, cpu) == 2  # spans of at least 16 steps
+
+
 @pytest.mark.gpu(1)
+@pytest.mark.parametrize("splits", (1, 3, 0), ids=("whole", "3-spans", "chosen"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
 @pytest.mark.parametrize("g,d", ((1, 128), (3, 64)))
-def test_paged_decode_on_cuda(g: int, d: int, dtype: torch.dtype) -> None:
+def test_paged_decode_on_cuda(g: int, d: int, dtype: torch.dtype, splits: int) -> None:
     q, kc, vc, tables, lens = decodes(g, d, dtype, "cuda")
     assert triton_decode.usable(q, kc, vc)
-    out = triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
+    out = triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5, splits=splits)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float().cpu(), reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), lens.cpu(),
                                                             d ** -0.5), rtol=tol, atol=tol)

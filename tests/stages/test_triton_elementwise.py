@@ -238,8 +238,13 @@ def test_kernels_compile_for_an_h200(dt: str) -> None:
                                              "slot_ptr": "*i64", "stride_k": "i32", "stride_v": "i32", "row": "i32"},
                              {"TOP": 65504.0, "BLOCK": 4096}, 4)
     assert "max.NaN" in ptx and "min.NaN" in ptx
-    compile_for_hopper(triton_decode._kernel(), {
-        "q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "table_ptr": "*i64", "lens_ptr": "*i64",
-        "out_ptr": f"*{dt}", "scale": "fp32", **{s: "i32" for s in (
-            "stride_qb", "stride_qh", "stride_kblk", "stride_kslot", "stride_kh", "stride_tb", "stride_ob", "stride_oh")}},
-        {"G": 1, "G_PAD": 1, "D": 128, "BS": 16, "TOKENS": 32, "ALIGN": 16}, 4)
+    decode_sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "table_ptr": "*i64", "lens_ptr": "*i64",
+                  "out_ptr": f"*{dt}", "part_ptr": "*fp32", "scale": "fp32",
+                  **{s: "i32" for s in ("stride_qb", "stride_qh", "stride_kblk", "stride_kslot", "stride_kh",
+                                        "stride_tb", "stride_ob", "stride_oh")}}
+    for splits in (1, 8):  # the output written directly; partials for the merge
+        compile_for_hopper(triton_decode._kernel(triton_decode._paged_decode_kernel), decode_sig,
+                           {"G": 1, "G_PAD": 1, "D": 128, "BS": 16, "TOKENS": 32, "S": splits, "ALIGN": 16}, 4)
+    compile_for_hopper(triton_decode._kernel(triton_decode._merge_kernel),
+                       {"part_ptr": "*fp32", "out_ptr": f"*{dt}",
+                        "stride_ob": "i32", "stride_oh": "i32"}, {"H": 32, "D": 128, "S": 8, "S_PAD": 8}, 4)
