@@ -21,13 +21,14 @@ import torch
 from pp_runtime.batch import SeqChunk
 from stages.attention import TorchAttention, build_metadata, triton_decode
 
-VARIANTS = {  # name: paged_decode's tuning knobs ("paged": its defaults, spans chosen by choose_splits)
+VARIANTS = {  # name: paged_decode's tuning knobs ("paged": its defaults; spans by choose_splits where unset)
     "paged": {},
     "paged-unaligned": {"aligned": False},
     "paged-tokens16": {"tokens": 16},
     "paged-tokens64": {"tokens": 64},
     "paged-warps1": {"num_warps": 1},
     "paged-warps2": {"num_warps": 2},
+    "paged-warps4": {"num_warps": 4},
     "paged-warps8": {"num_warps": 8},
     "paged-warps2-tokens16": {"num_warps": 2, "tokens": 16},
     "paged-warps2-tokens64": {"num_warps": 2, "tokens": 64},

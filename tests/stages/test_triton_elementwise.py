@@ -244,7 +244,7 @@ def test_kernels_compile_for_an_h200(dt: str) -> None:
                                         "stride_tb", "stride_ob", "stride_oh")}}
     for splits in (1, 8):  # the output written directly; partials for the merge
         compile_for_hopper(triton_decode._kernel(triton_decode._paged_decode_kernel), decode_sig,
-                           {"G": 1, "G_PAD": 1, "D": 128, "BS": 16, "TOKENS": 32, "S": splits, "ALIGN": 16}, 4)
+                           {"G": 1, "G_PAD": 1, "D": 128, "BS": 16, "TOKENS": 32, "S": splits, "ALIGN": 16}, 2)
     compile_for_hopper(triton_decode._kernel(triton_decode._merge_kernel),
                        {"part_ptr": "*fp32", "out_ptr": f"*{dt}",
                         "stride_ob": "i32", "stride_oh": "i32"}, {"H": 32, "D": 128, "S": 8, "S_PAD": 8}, 4)
