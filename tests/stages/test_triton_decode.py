@@ -107,7 +107,8 @@ def test_usable_only_where_the_kernel_is_right() -> None:
 def test_choose_splits_fills_the_sms_with_spans_of_whole_steps() -> None:
     cpu, sms = torch.device("cpu"), 132  # the interpreter's stand-in for an H100/H200
     assert triton_decode.choose_splits(64 * 32, 512, 32, cpu) == 1  # LLaMA-7B, 64 decodes: 2048 programs
-    assert triton_decode.choose_splits(sms, 1 << 20, 32, cpu) == 1
+    assert triton_decode.choose_splits(8 * sms, 1 << 20, 32, cpu) == 1
+    assert triton_decode.choose_splits(16 * 32, 2048, 32, cpu) == 2  # 512 programs
     assert triton_decode.choose_splits(4 * 32, 4096, 32, cpu) == 8  # 128 programs: ~8 an SM
     assert triton_decode.choose_splits(4 * 32, 512, 32, cpu) == 1  # too few keys to pay the merge
     assert triton_decode.choose_splits(1 * 8, 32768, 32, cpu) == 64  # one decode, 8 KV heads, a long context
