@@ -143,6 +143,32 @@ def test_decode_maximal_fused_and_eager_elementwise_on_cuda(hf_models: dict, tmp
     assert [x["elementwise"] for x in r] == ["fused", "eager"] and all(x["chunk_ms"] > 0 for x in r)
 
 
+def launch_ways_interpreted() -> None:
+    """In a child started with TRITON_INTERPRET=1: every way of cuda_launch_overhead.py once, on
+    CPU tensors at small sizes, so each call's arguments are checked where no GPU is."""
+    import torch
+    from benchmarks.cuda_launch_overhead import ways
+    from tests.stages.test_triton_decode import patch_interpreter
+    patch_interpreter()
+    for fn in ways(2, 4, 16, 64, 96, 40, torch.float32, torch.device("cpu")).values():
+        fn()  # raises on a wrong argument, shape or dtype
+    print("ways ran")
+
+
+def test_cuda_launch_overhead_ways_in_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    code = "from tests.test_benchmarks_smoke import launch_ways_interpreted; launch_ways_interpreted()"
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0 and "ways ran" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.gpu(1)
+def test_cuda_launch_overhead_smoke(tmp_path: Path) -> None:
+    r = run(["benchmarks/cuda_launch_overhead.py", "--calls", "20"], tmp_path)
+    assert len(r["issue_us"]) == 12 and all(0 < r["issue_us"][k] <= r["done_us"][k] for k in r["issue_us"])
+
+
 @pytest.mark.gpu(1)
 def test_cuda_paged_decode_smoke(tmp_path: Path) -> None:
     r = run(["benchmarks/cuda_paged_decode.py", "--decodes", "4", "--context", "100", "--reps", "2"], tmp_path)

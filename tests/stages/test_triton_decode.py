@@ -54,11 +54,10 @@ CASES = [(g, d, dtype, splits) for g, d in ((1, 128), (3, 64), (4, 64), (2, 16))
          for splits in (1, 3, 8)]
 
 
-def interpret_cases() -> None:
-    """Runs in a child process started with TRITON_INTERPRET=1 (triton reads it on import, and
-    its own library functions are built then). The interpreter holds a scalar as a (1,) array and
-    makes it an index with int(array), which numpy >= 2.4 refuses, so a loop to a loaded bound
-    fails there and not on a GPU: index through the array's one element instead."""
+def patch_interpreter() -> None:
+    """The interpreter holds a scalar as a (1,) array and makes it an index with int(array), which
+    numpy >= 2.4 refuses, so a loop to a loaded bound fails there and not on a GPU: index through
+    the array's one element instead."""
     from triton.runtime import interpreter
     patch = interpreter._patch_lang_tensor
 
@@ -67,6 +66,12 @@ def interpret_cases() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     interpreter._patch_lang_tensor = patched
+
+
+def interpret_cases() -> None:
+    """Runs in a child process started with TRITON_INTERPRET=1 (triton reads it on import, and
+    its own library functions are built then)."""
+    patch_interpreter()
     for g, d, name, splits in CASES:
         dtype = getattr(torch, name)
         q, kc, vc, tables, lens = decodes(g, d, dtype, "cpu")
