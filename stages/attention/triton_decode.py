@@ -98,7 +98,8 @@ def choose_splits(programs: int, max_keys: int, tokens: int, device: torch.devic
     reach that. On an H200 with LLaMA-7B's heads (2 warps): 64 decodes x 512 keys (2048
     programs) 0.221 ms whole, 0.227 in 2 spans; 16 x 2048 (512) 0.289 -> 0.227 in 2; 4 x 4096
     (128) 0.434 -> 0.128 in 8; SmolLM2's 64 x 512 over 3 KV heads (192) 0.134 -> 0.089 in 2."""
-    splits = min(-(-8 * _sm_count(device) // programs), max_keys // (16 * tokens))
+    # at most 64: the merge holds a (decode, head)'s spans as one (S, D) tile in registers
+    splits = min(-(-8 * _sm_count(device) // programs), max_keys // (16 * tokens), 64)
     return 1 << max(splits, 1).bit_length() - 1
 
 

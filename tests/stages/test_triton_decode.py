@@ -118,6 +118,7 @@ def test_choose_splits_fills_the_sms_with_spans_of_whole_steps() -> None:
     assert triton_decode.choose_splits(4 * 32, 512, 32, cpu) == 1  # too few keys to pay the merge
     assert triton_decode.choose_splits(1 * 8, 32768, 32, cpu) == 64  # one decode, 8 KV heads, a long context
     assert triton_decode.choose_splits(1 * 8, 1024, 32, cpu) == 2  # spans of at least 16 steps
+    assert triton_decode.choose_splits(1, 1 << 20, 16, cpu) == 64  # the merge's tile bounds it
 
 
 @pytest.mark.gpu(1)
