@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--head-size", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-dtype", default="", help="the cache's dtype if not --dtype's: float8_e4m3fn (--kv-cache-dtype fp8)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -73,7 +74,8 @@ def main() -> None:
     chunks = tuple(SeqChunk(i, a.context - 1, (0,), tuple(order[i * nb:(i + 1) * nb]), False, None)
                    for i in range(a.decodes))
     meta = build_metadata(chunks, bs, dev)
-    kc, vc = (torch.randn(a.decodes * nb, bs, a.kv_heads, a.head_size, device=dev, dtype=dtype) for _ in range(2))
+    kv_dtype = getattr(torch, a.kv_dtype) if a.kv_dtype else dtype
+    kc, vc = (torch.randn(a.decodes * nb, bs, a.kv_heads, a.head_size, device=dev).to(kv_dtype) for _ in range(2))
     q = torch.randn(a.decodes, a.heads, a.head_size, device=dev, dtype=dtype)
     k, v = (torch.randn(a.decodes, a.kv_heads, a.head_size, device=dev, dtype=dtype) for _ in range(2))
     lens, scale = torch.tensor(meta.ctx_lens, device=dev), a.head_size ** -0.5

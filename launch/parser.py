@@ -121,10 +121,10 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
                    help="GGUF Q4_0/Q4_1/Q8_0 matrices: keep the stored blocks (CPU fp32 GEMM dequantizes "
                         "on the fly, same weights) or load them as floats")
     p.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
-                   help="auto: the model's dtype; float16: half the KV bytes of an fp32 model on CPU "
+                   help="auto: the model's dtype; float16: half the KV bytes of an fp32 model "
                         "(twice the tokens per budget, faster long-context decode; values rounded once); "
-                        "fp8: float8 e4m3 as vLLM's, a quarter of the fp32 bytes (values clamped to +-448, "
-                        "3 mantissa bits)")
+                        "fp8: float8 e4m3 as vLLM's, a quarter of the fp32 bytes, on CUDA also half a bf16 "
+                        "model's (values clamped to +-448, 3 mantissa bits); on CPU only for float32 models")
     p.add_argument("--matmul-precision", choices=MATMUL_PRECISIONS, default="highest", help=MATMUL_HELP)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")

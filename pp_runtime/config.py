@@ -248,16 +248,24 @@ class SchedulerConfig:
 
 # "fp8" is vLLM's name for the OCP float8 e4m3 format (torch.float8_e4m3fn) without a scale
 KV_DTYPES = ("auto", "float16", "fp8")
+KV_BYTES = {"float16": 2, "fp8": 1}
 
 
 def check_kv_dtype(kv_dtype: str, device: str, dtype: str) -> None:
-    """ValueError unless the KV cache dtype suits the model's: float16 and fp8 are for fp32 models
-    on CPU, whose kernels widen them as they read."""
+    """ValueError unless the KV cache dtype suits the model's. On CPU, float16 and fp8 are for fp32
+    models, whose kernels widen them as they read. On CUDA, either is for a model whose K/V it
+    makes smaller (fp8 halves a bf16 model's, as vLLM's ``--kv-cache-dtype fp8``): the Triton
+    kernels write and read it, SDPA gets it widened."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_cache_dtype must be {' or '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    if kv_dtype != "auto" and (device != "cpu" or dtype != "float32"):
+    if kv_dtype == "auto":
+        return
+    if device != "cuda" and dtype != "float32":
         raise ValueError(f"kv_cache_dtype {kv_dtype} is for float32 models on CPU (got --device {device} --dtype "
                          f"{dtype}: there the cache takes the model's dtype; use auto)")
+    if device == "cuda" and DTYPE_BYTES[dtype] <= KV_BYTES[kv_dtype]:
+        raise ValueError(f"kv_cache_dtype {kv_dtype} is no smaller than a {dtype} model's K/V on CUDA "
+                         f"(use fp8, or auto)")
 
 
 @dataclass(frozen=True)
@@ -267,11 +275,12 @@ class CacheConfig:
     memory_budget_bytes is the paper's M_G per worker: weights (M_S) come out of it and the
     rest holds KV blocks. On CUDA, None means 90% of the device's memory.
 
-    kv_dtype: "auto" stores K/V in the model's dtype; "float16" halves them for an fp32 model on
-    CPU — twice the tokens in the same budget, and half the bytes that decode attention (bound by
-    reading K/V) streams. "fp8" (float8 e4m3, vLLM's name; no scale: values clamped to ±448,
-    3 mantissa bits) halves them again. Values are rounded once when written; attention still
-    computes in fp32.
+    kv_dtype: "auto" stores K/V in the model's dtype; "float16" halves them for an fp32 model
+    (CPU or CUDA) — twice the tokens in the same budget, and half the bytes that decode attention
+    (bound by reading K/V) streams. "fp8" (float8 e4m3, vLLM's name; no scale: values clamped to
+    ±448, 3 mantissa bits) halves them again, and halves a bf16 or fp16 model's on CUDA. Values
+    are rounded once when written; attention still computes in fp32 (the CPU kernels, CUDA's
+    decode kernel) or in the model's dtype (SDPA on CUDA, the cache widened to it).
 
     prefault: on CPU the cache is allocated as zero pages that the OS faults in (and zeroes) when
     a block is first written, so a process's first run pays for that: 2-8% of its throughput on

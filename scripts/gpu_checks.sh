@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Issue 8's GPU checks as one device call (docs/BENCHMARKS.md, "Utilisation of the decode-maximal
 # batch"): the Table-2 ratio and MFU of LLaMA-7B-shaped random weights in bf16 with each attention
-# backend, the decode kernel alone, the host's cost of a launch, then the CUDA tests. Run from the repository root on a CUDA machine:
+# backend and with an fp8 K/V cache, the decode kernel alone, the host's cost of a launch, then the
+# CUDA tests. Run from the repository root on a CUDA machine:
 #
 #   bash scripts/gpu_checks.sh            # figures and logs under $OUT (default /tmp/gpu_checks)
 #
-# xformers may be carried as a wheel in .whl/ (the GPU image has none); each step has its own
-# timeout, so one that fails or hangs leaves the others' figures.
+# At most 8 files come back from a device call: keep it so. xformers may be carried as a wheel in
+# .whl/ (the GPU image has none); each step has its own timeout, so one that fails or hangs leaves
+# the others' figures.
 set -u -o pipefail
 OUT=${OUT:-/tmp/gpu_checks}
 failed=""
@@ -37,8 +39,14 @@ else
 fi
 timeout 120 python3 benchmarks/cuda_paged_decode.py --json "$OUT/paged_decode.json" 2>&1 | tee "$OUT/paged_decode.log" \
     || failed+=" cuda_paged_decode"
+# an fp8 K/V cache (--kv-cache-dtype fp8): the decode kernel reads half the bytes of a bf16 cache
+timeout 150 python3 benchmarks/decode_maximal.py --model llama-7b --device cuda --dtype bfloat16 \
+    --attention torch --kv-cache-dtype fp8 --chunk 512,2048 --decodes 4,16,32,64 --context 512 --rounds 10 \
+    --threads 4 --json "$OUT/dm_7b_fp8.json" 2>&1 | tee "$OUT/dm_7b_fp8.log" || failed+=" decode_maximal(fp8)"
+timeout 60 python3 benchmarks/cuda_paged_decode.py --kv-dtype float8_e4m3fn 2>&1 | sed "s/^/fp8 /" \
+    | tee -a "$OUT/paged_decode.log" || failed+=" cuda_paged_decode(fp8)"
 # the host's cost of one launch, torch op against Triton kernel: what a decode-only step is bound by
-timeout 90 python3 benchmarks/cuda_launch_overhead.py --json "$OUT/launch.json" 2>&1 | tee "$OUT/launch.log" \
+timeout 90 python3 benchmarks/cuda_launch_overhead.py 2>&1 | tee "$OUT/launch.log" \
     || failed+=" cuda_launch_overhead"
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/launch/test_gpu.py tests/stages/test_triton_decode.py \
     tests/stages/test_triton_elementwise.py \

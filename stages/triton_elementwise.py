@@ -46,6 +46,7 @@ except Exception:  # no triton (CPU-only installs): takes() is False and no kern
     tl = None
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CACHE_DTYPES = DTYPES + (torch.float8_e4m3fn,)  # the K/V write also narrows to fp8 (CacheConfig.kv_dtype)
 log = logging.getLogger(__name__)
 # off only for a before/after measurement (benchmarks/decode_maximal.py --cuda-elementwise)
 enabled = True
@@ -120,8 +121,8 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
 
 def kv_fits(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """write_kv_'s layout: k, v (T, H_kv, D) with each (H_kv, D) row contiguous; caches
-    (NB, BS, H_kv, D) contiguous, alike, of a float dtype (an fp8 cache takes the eager write)."""
-    return (k_cache.dtype in DTYPES and k_cache.dtype == v_cache.dtype and k_cache.shape == v_cache.shape
+    (NB, BS, H_kv, D) contiguous, alike, of a float dtype or fp8 e4m3."""
+    return (k_cache.dtype in CACHE_DTYPES and k_cache.dtype == v_cache.dtype and k_cache.shape == v_cache.shape
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and heads_contiguous(k) and heads_contiguous(v))
 
@@ -129,12 +130,14 @@ def kv_fits(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 def write_kv_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slots: torch.Tensor) -> None:
     """Row t of k and v into slot ``slots[t]`` (flat: block · BS + offset) of the caches, in the
-    cache's dtype; into fp16 clamped to ±65504 first, as the eager write (an inf key would make
-    every score of its row NaN)."""
+    cache's dtype; into fp16 or fp8 clamped to its finite range first (±65504, ±448), as the eager
+    write (an inf key would make every score of its row NaN; e4m3 has no inf, and torch's cast
+    makes an out-of-range value NaN)."""
     t, row = k.shape[0], k.shape[1] * k.shape[2]
     if t == 0:
         return
-    top = torch.finfo(torch.float16).max if k_cache.dtype == torch.float16 and k.dtype != torch.float16 else 0.0
+    narrower = k_cache.dtype == torch.float8_e4m3fn or (k_cache.dtype == torch.float16 and k.dtype != torch.float16)
+    top = torch.finfo(k_cache.dtype).max if narrower else 0.0
     _kernels()["write_kv"][(t, 2)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), row,
                                    TOP=top, BLOCK=_pow2(row), num_warps=4)
 
@@ -270,7 +273,7 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v,
     else:
         x = tl.load(v_ptr + t * stride_v + i, mask=real, other=0.0).to(tl.float32)
         dst = vc_ptr + slot * row + i
-    if TOP > 0:  # a wider dtype into fp16: clamped to its finite range
+    if TOP > 0:  # a wider dtype into fp16, or any into fp8: clamped to its finite range
         # NaN kept, as torch's clamp: PTX max/min would return the other operand
         x = tl.minimum(tl.maximum(x, -TOP, propagate_nan=tl.PropagateNan.ALL), TOP, propagate_nan=tl.PropagateNan.ALL)
     tl.store(dst, x.to(kc_ptr.dtype.element_ty), mask=real)

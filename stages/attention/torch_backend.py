@@ -32,7 +32,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     h, d = k.shape[1:]
     for x, cache in ((k, k_cache), (v, v_cache)):
-        _raw(cache).view(-1, h, d).index_copy_(0, meta.slot_mapping, _raw(_narrow(x, cache.dtype)))
+        byte_view(cache).view(-1, h, d).index_copy_(0, meta.slot_mapping, byte_view(_narrow(x, cache.dtype)))
 
 
 def _narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -47,14 +47,14 @@ def _narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _raw(cache: torch.Tensor) -> torch.Tensor:
+def byte_view(cache: torch.Tensor) -> torch.Tensor:
     """An fp8 cache as its bytes: torch's index_copy_ / index_select take no float8 tensors."""
     return cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """The cache's blocks ``blocks`` (n,) as (n, BS, H_kv, D), in the cache's dtype."""
-    return _raw(cache).index_select(0, blocks).view(cache.dtype)
+    return byte_view(cache).index_select(0, blocks).view(cache.dtype)
 
 
 def causal_offset_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:

@@ -23,6 +23,7 @@ except Exception:  # no triton (CPU-only installs): usable() is False and the ke
     tl = None
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CACHE_DTYPES = DTYPES + (torch.float8_e4m3fn,)  # K/V widened to fp32 as they are loaded
 
 
 @functools.cache
@@ -42,11 +43,11 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> boo
 
 
 def shapes_fit(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """q (B, H, D) with contiguous head rows; K and V caches alike, (NB, BS, H_kv, D) contiguous
-    (the kernel reads V at K's offsets), of a float dtype; H a multiple of H_kv; D a power of two
-    (Triton's aranges)."""
+    """q (B, H, D) of a float dtype with contiguous head rows; K and V caches alike, (NB, BS, H_kv,
+    D) contiguous (the kernel reads V at K's offsets), of a float dtype or fp8 e4m3; H a multiple
+    of H_kv; D a power of two (Triton's aranges)."""
     d, h, h_kv = q.shape[-1], q.shape[-2], k_cache.shape[2]
-    return (k_cache.dtype in DTYPES and k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype
+    return (q.dtype in DTYPES and k_cache.dtype in CACHE_DTYPES and k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype
             and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[3] == d
             and d & (d - 1) == 0 and h % h_kv == 0 and q.stride(-1) == 1)
 

@@ -12,7 +12,7 @@ import functools
 import torch
 
 from stages.attention.metadata import AttentionMetadata
-from stages.attention.torch_backend import write_kv
+from stages.attention.torch_backend import byte_view, write_kv
 
 
 @functools.cache
@@ -67,8 +67,9 @@ class XFormersAttention:
         t, h, d = q.shape
         g = k.shape[1]
         slots = meta.all_kv_slots()
-        kk = k_cache.view(-1, g, d)[slots].unsqueeze(2).expand(-1, g, h // g, d)
-        vv = v_cache.view(-1, g, d)[slots].unsqueeze(2).expand(-1, g, h // g, d)
+        # a narrower cache (CacheConfig.kv_dtype) widened to q's dtype: xformers takes one dtype
+        kk, vv = (byte_view(c).view(-1, g, d)[slots].view(c.dtype).to(q.dtype).unsqueeze(2).expand(-1, g, h // g, d)
+                  for c in (k_cache, v_cache))
         return q.view(1, t, g, h // g, d), kk.unsqueeze(0), vv.unsqueeze(0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -26,6 +26,21 @@ def test_cuda_matches_hf(hf_models: dict, scheduler: str, attention: str) -> Non
         assert [o.token_ids for o in llm.generate(prompts, PARAMS)] == expected
 
 
+@pytest.mark.gpu(1)
+def test_cuda_fp8_kv_cache(hf_models: dict) -> None:
+    """--kv-cache-dtype fp8 on CUDA: twice the blocks of a bf16 cache in the same budget, every
+    request to its end (the kernels' numerics: tests/stages/test_triton_*.py)."""
+    prompts, blocks = mixed_prompts(), {}
+    for kv in ("auto", "fp8"):
+        with LLM(model=str(hf_models["llama"]), device="cuda", dtype="bfloat16", attention="torch",
+                 kv_cache_dtype=kv, chunk_size=7, memory_budget_gb=2.0) as llm:
+            assert llm.workers_info()[0]["kv_dtype"] == ("bfloat16" if kv == "auto" else "float8_e4m3fn")
+            outs = llm.generate(prompts, PARAMS)
+            assert all(len(o.token_ids) == 10 and o.error is None for o in outs)
+            blocks[kv] = llm.memory.num_blocks
+    assert blocks["fp8"] >= 2 * blocks["auto"] - 1
+
+
 @pytest.mark.gpu(2)
 @pytest.mark.parametrize("pp,tp", ((2, 1), (1, 2)))
 def test_nccl_ray_matches_single_gpu(hf_models: dict, pp: int, tp: int) -> None:

@@ -1,9 +1,9 @@
-"""pp_runtime/config.py: CacheConfig's checks name the field."""
+"""pp_runtime/config.py: CacheConfig's checks name the field; which K/V dtypes suit which model."""
 from __future__ import annotations
 
 import pytest
 
-from pp_runtime.config import CacheConfig
+from pp_runtime.config import CacheConfig, check_kv_dtype
 
 
 def test_cache_config_prefault() -> None:
@@ -19,3 +19,23 @@ def test_cache_config_prefix_caching() -> None:
     assert CacheConfig(enable_prefix_caching=True).enable_prefix_caching is True
     with pytest.raises(ValueError, match="CacheConfig.enable_prefix_caching must be true or false, got 1"):
         CacheConfig(enable_prefix_caching=1)
+
+
+@pytest.mark.parametrize("kv,device,dtype,error", (
+    ("auto", "cuda", "bfloat16", None),
+    ("fp8", "cpu", "float32", None),
+    ("float16", "cpu", "float32", None),
+    ("fp8", "cpu", "bfloat16", "kv_cache_dtype fp8 is for float32 models on CPU"),
+    ("fp8", "cuda", "bfloat16", None),  # vLLM's --kv-cache-dtype fp8 on a GPU: half a bf16 model's K/V
+    ("fp8", "cuda", "float16", None),
+    ("fp8", "cuda", "float32", None),
+    ("float16", "cuda", "float32", None),
+    ("float16", "cuda", "bfloat16", "kv_cache_dtype float16 is no smaller than a bfloat16 model's K/V on CUDA"),
+    ("float16", "cuda", "float16", "kv_cache_dtype float16 is no smaller than a float16 model's K/V on CUDA"),
+    ("int8", "cuda", "bfloat16", "kv_cache_dtype must be auto or float16 or fp8, got 'int8'")))
+def test_kv_dtype_suits_the_model(kv: str, device: str, dtype: str, error: str | None) -> None:
+    if error is None:
+        check_kv_dtype(kv, device, dtype)
+    else:
+        with pytest.raises(ValueError, match=error):
+            check_kv_dtype(kv, device, dtype)

@@ -296,12 +296,16 @@ def test_paged_decode_bf16_needs_the_instructions(isa: str) -> None:
         cpu_kernels.paged_decode(q, kc, kc, tables, lens, 0.125, bf16=True)
 
 
-def test_xformers_packing_and_mask_match_torch_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("kv_dtype", (torch.float32, torch.float16, torch.float8_e4m3fn), ids=("auto", "fp16", "fp8"))
+def test_xformers_packing_and_mask_match_torch_backend(monkeypatch: pytest.MonkeyPatch, kv_dtype: torch.dtype) -> None:
+    """A narrower cache (CacheConfig.kv_dtype) reaches xformers widened to q's dtype."""
     pytest.importorskip("xformers.ops.fmha.attn_bias")  # imported before CUDA is faked below
     chunks, q, k, v, kc, vc = mixed_batch(1)
+    kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
     meta = build_metadata(chunks, BS, torch.device("cpu"))
     backend = XFormersAttention(D ** -0.5)
     q5, k5, v5 = backend.packed_inputs(q, k, v, kc.clone(), vc.clone(), meta)
+    assert k5.dtype == v5.dtype == q.dtype
     # where CUDA is there, xformers' default device for a bias is "cuda", whatever the step's is
     with monkeypatch.context() as m:
         m.setattr(torch.cuda, "is_available", lambda: True)

@@ -18,9 +18,10 @@ BS, HKV, NB = 16, 2, 64
 LENS = (1, 15, 16, 17, 64, 150)  # one key; a block less one; a block; a block and one; whole steps (16, 32, 64 keys); ten blocks, partial
 
 
-def decodes(g: int, d: int, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
-    """q (B, H, D) and (NB, BS, HKV, D) caches; each decode's blocks scattered over the cache,
-    its table row padded with its first block (as build_metadata pads)."""
+def decodes(g: int, d: int, dtype: torch.dtype, device: str, seed: int = 0, kv_dtype: torch.dtype | None = None) -> tuple:
+    """q (B, H, D) and (NB, BS, HKV, D) caches (in ``kv_dtype``, default q's); each decode's
+    blocks scattered over the cache, its table row padded with its first block (as build_metadata
+    pads)."""
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(NB, generator=gen).tolist()
     nbs = [-(-n // BS) for n in LENS]
@@ -31,7 +32,8 @@ def decodes(g: int, d: int, dtype: torch.dtype, device: str, seed: int = 0) -> t
     q = torch.randn(len(LENS), g * HKV, d, generator=gen)
     kc, vc = (torch.randn(NB, BS, HKV, d, generator=gen) for _ in range(2))
     tables, lens = torch.tensor(rows), torch.tensor(LENS)
-    return tuple(x.to(device, dtype) if x.is_floating_point() else x.to(device) for x in (q, kc, vc, tables, lens))
+    kc, vc = (c.to(device, kv_dtype or dtype) for c in (kc, vc))
+    return (q.to(device, dtype), kc, vc, tables.to(device), lens.to(device))
 
 
 def reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
@@ -50,8 +52,10 @@ def reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch
 
 # splits: 1, the output written directly; 3, spans merged over a padded split axis, the one-key
 # context's second and third spans empty; 8, most spans of the short contexts empty
-CASES = [(g, d, dtype, splits) for g, d in ((1, 128), (3, 64), (4, 64), (2, 16)) for dtype in ("float32", "bfloat16")
-         for splits in (1, 3, 8)]
+CASES = [(g, d, dtype, splits, dtype) for g, d in ((1, 128), (3, 64), (4, 64), (2, 16))
+         for dtype in ("float32", "bfloat16") for splits in (1, 3, 8)]
+# an fp8 cache (CacheConfig.kv_dtype) under bf16 and fp32 queries, whole and in spans
+CASES += [(1, 128, "bfloat16", 1, "float8_e4m3fn"), (3, 64, "float32", 3, "float8_e4m3fn")]
 
 
 def patch_interpreter() -> None:
@@ -72,16 +76,16 @@ def interpret_cases() -> None:
     """Runs in a child process started with TRITON_INTERPRET=1 (triton reads it on import, and
     its own library functions are built then)."""
     patch_interpreter()
-    for g, d, name, splits in CASES:
+    for g, d, name, splits, kv_name in CASES:
         dtype = getattr(torch, name)
-        q, kc, vc, tables, lens = decodes(g, d, dtype, "cpu")
+        q, kc, vc, tables, lens = decodes(g, d, dtype, "cpu", kv_dtype=getattr(torch, kv_name))
         out = triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5, splits=splits)
         tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
         torch.testing.assert_close(out.float(), reference(q, kc, vc, tables, lens, d ** -0.5), rtol=tol, atol=tol,
-                                   msg=lambda m, c=(g, d, name, splits): f"{c}: {m}")
+                                   msg=lambda m, c=(g, d, name, splits, kv_name): f"{c}: {m}")
         layer_out = torch.zeros(len(LENS) + 2, q.shape[1], d, dtype=dtype)  # decodes after a prefill's rows
         triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5, splits=splits, out=layer_out[2:])
-        assert torch.equal(layer_out[2:], out) and not layer_out[:2].any(), (g, d, name, splits)
+        assert torch.equal(layer_out[2:], out) and not layer_out[:2].any(), (g, d, name, splits, kv_name)
     print(f"{len(CASES)} cases match")
 
 
@@ -104,7 +108,8 @@ def test_usable_only_where_the_kernel_is_right() -> None:
     wide = torch.zeros(NB, BS, HKV, 128)
     assert not triton_decode.shapes_fit(q, kc, wide[..., :64])  # V read at K's offsets: must be laid out alike
     assert not triton_decode.shapes_fit(q, kc, vc.half())
-    assert not triton_decode.shapes_fit(q, kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn))
+    assert triton_decode.shapes_fit(q, kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn))  # widened as loaded
+    assert not triton_decode.shapes_fit(q.to(torch.float8_e4m3fn), kc, vc)
     q6 = decodes(3, 64, torch.float32, "cpu")[0]  # 6 query heads over 2 KV heads
     assert triton_decode.shapes_fit(q6, kc, vc) and not triton_decode.shapes_fit(q6[:, :5], kc, vc)
 
@@ -135,10 +140,13 @@ def test_paged_decode_on_cuda(g: int, d: int, dtype: torch.dtype, splits: int) -
 
 
 @pytest.mark.gpu(1)
-def test_torch_backend_decodes_through_the_kernel_on_cuda() -> None:
-    """The mixed batch of test_attention, on CUDA: the kernel's decodes equal the gather path's."""
+@pytest.mark.parametrize("kv_dtype", (torch.float32, torch.float8_e4m3fn), ids=("auto", "fp8"))
+def test_torch_backend_decodes_through_the_kernel_on_cuda(kv_dtype: torch.dtype) -> None:
+    """The mixed batch of test_attention, on CUDA: the kernel's decodes equal the gather path's,
+    the Triton K/V write's too (into an fp8 cache: the same rounding as the eager write)."""
     from tests.stages.test_attention import mixed_batch
     chunks, q, k, v, kc, vc = (x.cuda() if isinstance(x, torch.Tensor) else x for x in mixed_batch(3))
+    kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
     meta = build_metadata(chunks, 4, torch.device("cuda"))
     backend = TorchAttention(q.shape[-1] ** -0.5)
     assert triton_decode.usable(q, kc, vc)  # else this compares the gather path with itself

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from stages import triton_elementwise as te
-from stages.attention.torch_backend import _narrow
+from stages.attention.torch_backend import _narrow, byte_view
 from tests.conftest import mixed_prompts
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -25,6 +25,10 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     ≥ 99% of elements (the kernels round where the eager ops round; only the order of fp32 sums
     differs, which moves a result across a rounding boundary rarely)."""
     assert got.dtype == want.dtype and got.shape == want.shape, what
+    if got.dtype == torch.float8_e4m3fn:  # one rounding of the same fp32 value: bit for bit
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0, equal_nan=True,
+                                   msg=lambda m: f"{what}: {m}")
+        return
     if got.dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True, msg=lambda m: f"{what}: {m}")
         return
@@ -63,8 +67,9 @@ def cases(name: str, device: str) -> list[tuple[str, torch.Tensor, torch.Tensor]
     for t, i in ((6, 1536), (3, 100), (2, 11008)):
         gu = rand(t, 2 * i)
         out.append((f"silu_mul {t}x{i}", te.silu_mul(gu), te.eager_silu_mul(gu)))
-    for t, hkv, d, cache in ((5, 3, 64, name), (4, 2, 16, "float16"), (2, 1, 128, name)):
-        qkv = rand(t, (2 + 2 * hkv) * d) * (1e5 if cache == "float16" and name != "float16" else 1)  # past fp16's range
+    for t, hkv, d, cache in ((5, 3, 64, name), (4, 2, 16, "float16"), (2, 1, 128, name), (6, 2, 32, "float8_e4m3fn")):
+        # past fp16's range (from a wider dtype), past e4m3's ±448 (from any)
+        qkv = rand(t, (2 + 2 * hkv) * d) * {"float16": 1e5 if name != "float16" else 1, "float8_e4m3fn": 300}.get(cache, 1)
         qkv[0, 2 * d] = float("nan")  # kept as NaN, as torch's clamp keeps it
         k, v = (qkv[:, a * d:(a + hkv) * d].view(t, hkv, d) for a in (2, 2 + hkv))
         kc, vc = (torch.full((4, 4, hkv, d), 7.0, dtype=getattr(torch, cache), device=device) for _ in range(2))
@@ -73,7 +78,7 @@ def cases(name: str, device: str) -> list[tuple[str, torch.Tensor, torch.Tensor]
         assert te.kv_fits(k, v, kc, vc)
         te.write_kv_(k, v, kc, vc, slots)
         for ref, x in ((ref_k, k), (ref_v, v)):  # the eager write (stages/attention/torch_backend.py)
-            ref.view(-1, hkv, d).index_copy_(0, slots, _narrow(x, ref.dtype))
+            byte_view(ref).view(-1, hkv, d).index_copy_(0, slots, byte_view(_narrow(x, ref.dtype)))
         out += [(f"write_kv_ k {t}x{hkv}x{d} into {cache}", kc, ref_k), (f"write_kv_ v {t}x{hkv}x{d} into {cache}", vc, ref_v)]
     return out
 
@@ -81,19 +86,36 @@ def cases(name: str, device: str) -> list[tuple[str, torch.Tensor, torch.Tensor]
 def round_bf16_to_nearest() -> None:
     """The interpreter narrows fp32 to bf16 by cutting the low 16 bits (its own converter, numpy
     having no bf16), where a GPU rounds to nearest even; half of all casts then differ by an ulp.
-    Cast as torch does (to nearest even), the GPU's rounding, so that the comparison is exact."""
+    Its fp32 -> fp8 e4m3 drops a rounding's carry into the exponent (126.96 -> 64, not 128) and
+    makes NaN 384, where a GPU's cvt.rn.satfinite rounds to nearest even and keeps NaN. Cast both
+    as torch does, the GPU's rounding, so that the comparison is exact."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
     cast = interpreter.InterpreterBuilder.cast_impl
+    narrow = {tl.bfloat16: (torch.bfloat16, torch.int16, np.uint16), tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8,
+                                                                                     np.uint8)}
+
+    to_fp = interpreter.InterpreterBuilder.create_fp_to_fp  # fp8's casts come this way, bf16's by cast_impl
+
+    def torch_cast(src: interpreter.TensorHandle, dst_type: object) -> interpreter.TensorHandle:
+        dtype, bits, np_bits = narrow[dst_type.scalar]
+        out = torch.from_numpy(np.ascontiguousarray(src.data)).to(dtype).view(bits)
+        return interpreter.TensorHandle(out.numpy().view(np_bits), dst_type.scalar)
 
     def rounded(self: object, src: interpreter.TensorHandle, dst_type: object) -> interpreter.TensorHandle:
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16)
-            return interpreter.TensorHandle(bits.numpy().view(np.uint16), tl.bfloat16)
+        if src.dtype.scalar == tl.float32 and dst_type.scalar in narrow:
+            return torch_cast(src, dst_type)
         return cast(self, src, dst_type)
 
+    def rounded_fp(self: object, src: interpreter.TensorHandle, dst_type: object,
+                   rounding_mode: object) -> interpreter.TensorHandle:
+        if src.dtype.scalar == tl.float32 and dst_type.scalar in narrow:
+            return torch_cast(src, dst_type)
+        return to_fp(self, src, dst_type, rounding_mode)
+
     interpreter.InterpreterBuilder.cast_impl = rounded
+    interpreter.InterpreterBuilder.create_fp_to_fp = rounded_fp
 
 
 def interpret_cases() -> None:
@@ -145,7 +167,7 @@ def test_takes_only_cuda_activations(monkeypatch: pytest.MonkeyPatch) -> None:
     k, cache = torch.zeros(3, 2, 16), torch.zeros(4, 4, 2, 16)
     assert te.kv_fits(k, k, cache, cache)
     assert not te.kv_fits(k, k, cache, cache.half())  # the two caches alike
-    assert not te.kv_fits(k, k, cache.to(torch.float8_e4m3fn), cache.to(torch.float8_e4m3fn))  # fp8: eager
+    assert te.kv_fits(k, k, cache.to(torch.float8_e4m3fn), cache.to(torch.float8_e4m3fn))  # narrowed as it is written
     assert not te.kv_fits(torch.zeros(3, 16, 2).transpose(1, 2), k, cache, cache)
 
 
@@ -238,6 +260,10 @@ def test_kernels_compile_for_an_h200(dt: str) -> None:
                                              "slot_ptr": "*i64", "stride_k": "i32", "stride_v": "i32", "row": "i32"},
                              {"TOP": 65504.0, "BLOCK": 4096}, 4)
     assert "max.NaN" in ptx and "min.NaN" in ptx
+    ptx = compile_for_hopper(k["write_kv"], {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "kc_ptr": "*fp8e4nv",
+                                             "vc_ptr": "*fp8e4nv", "slot_ptr": "*i64", "stride_k": "i32",
+                                             "stride_v": "i32", "row": "i32"}, {"TOP": 448.0, "BLOCK": 4096}, 4)
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # round to nearest even, as torch's cast
     decode_sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "table_ptr": "*i64", "lens_ptr": "*i64",
                   "out_ptr": f"*{dt}", "part_ptr": "*fp32", "scale": "fp32",
                   **{s: "i32" for s in ("stride_qb", "stride_qh", "stride_kblk", "stride_kslot", "stride_kh",
@@ -245,6 +271,9 @@ def test_kernels_compile_for_an_h200(dt: str) -> None:
     for splits in (1, 8):  # the output written directly; partials for the merge
         compile_for_hopper(triton_decode._kernel(triton_decode._paged_decode_kernel), decode_sig,
                            {"G": 1, "G_PAD": 1, "D": 128, "BS": 16, "TOKENS": 32, "S": splits, "ALIGN": 16}, 2)
+    compile_for_hopper(triton_decode._kernel(triton_decode._paged_decode_kernel),  # an fp8 cache
+                       {**decode_sig, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"},
+                       {"G": 1, "G_PAD": 1, "D": 128, "BS": 16, "TOKENS": 32, "S": 1, "ALIGN": 16}, 2)
     compile_for_hopper(triton_decode._kernel(triton_decode._merge_kernel),
                        {"part_ptr": "*fp32", "out_ptr": f"*{dt}",
                         "stride_ob": "i32", "stride_oh": "i32"}, {"H": 32, "D": 128, "S": 8, "S_PAD": 8}, 4)
