@@ -111,6 +111,9 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
                         "prompt, few-shot examples): only the rest is prefilled (vLLM's automatic prefix caching)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="on CUDA, replay decode-only steps as captured CUDA graphs, padded to a few batch sizes "
+                        "(vLLM's default; the host issues a step's kernels once per shape, not per step)")
     p.add_argument("--attention", choices=("torch", "xformers", "auto"), default="auto")
     p.add_argument("--memory-budget-gb", type=_positive_float, default=None,
                    help="M_G per worker (CPU default 4)")
@@ -205,7 +208,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, pp=a.pp, tp=a.tp, launcher=a.launcher, scheduler=a.scheduler,
                 chunk_size=a.chunk_size, max_batch_size=a.max_batch_size, tile_align=a.tile_align,
                 chunk_budget=a.chunk_budget, admission=a.admission, step_costs=a.step_costs,
-                enable_prefix_caching=a.enable_prefix_caching,
+                enable_prefix_caching=a.enable_prefix_caching, cuda_graphs=a.cuda_graphs,
                 dtype=a.dtype, device=a.device, attention=a.attention, seed=a.seed, block_size=a.block_size,
                 memory_budget_gb=a.memory_budget_gb, max_model_len=a.max_model_len, partition=partition,
                 threads=a.threads, gguf_weights=a.gguf_weights, kv_cache_dtype=a.kv_cache_dtype,

@@ -258,6 +258,8 @@ def check_kv_dtype(kv_dtype: str, device: str, dtype: str) -> None:
     kernels write and read it, SDPA gets it widened."""
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_cache_dtype must be {' or '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if kv_dtype == "auto":
         return
     if device != "cuda" and dtype != "float32":
@@ -335,6 +337,9 @@ class DeviceConfig:
     # int8 codes with one scale each, exact int32 sums; ~2x the fp32 GEMM at every row count on a
     # core with AVX512-VNNI); elsewhere both compute as "highest"
     matmul_precision: str = "highest"
+    # CUDA only: decode-only steps padded to a few batch sizes and replayed as captured CUDA
+    # graphs (stages/cuda_graphs.py), vLLM's default; off unless asked, until measured on a GPU
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -353,6 +358,10 @@ class DeviceConfig:
         if self.matmul_precision != "highest" and (self.device, self.dtype) != ("cpu", "float32"):
             raise ValueError(f"DeviceConfig.matmul_precision {self.matmul_precision} is for float32 models on CPU (got device "
                              f"{self.device}, dtype {self.dtype})")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"DeviceConfig.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        if self.cuda_graphs and self.device != "cuda":
+            raise ValueError(f"DeviceConfig.cuda_graphs needs device cuda, got {self.device!r}")
 
 
 @dataclass(frozen=True)

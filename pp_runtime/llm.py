@@ -63,7 +63,7 @@ class LLM:
                  gguf_weights: str = "native", kv_cache_dtype: str = "auto",
                  matmul_precision: str = "highest", chunk_budget: str = "flops", prefault_kv: bool = False,
                  admission: str = "fcfs", step_costs: Sequence[float] | str = (),
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, cuda_graphs: bool = False) -> None:
         fit = isinstance(step_costs, str) and step_costs == "fit"  # other strings: build_engine_config names them
         self.config, self.source = build_engine_config(
             model, pp, tp, scheduler, chunk_size, max_batch_size, tile_align, dtype, device, attention, seed,
@@ -71,7 +71,7 @@ class LLM:
             matmul_precision, chunk_budget,
             # a calibration run on a cold cache would charge the OS's first touch of each KV page to
             # the first (shallow) prompt chunks and price a key too low (~0.37e-3 against ~0.52e-3)
-            prefault_kv or fit, admission, step_costs, enable_prefix_caching)
+            prefault_kv or fit, admission, step_costs, enable_prefix_caching, cuda_graphs)
         parallel, max_len = self.config.parallel, self.config.scheduler.max_model_len
         self.launcher = launcher or ("local" if parallel.world_size == 1 else "ray")
         with keep_sigterm_handler():

@@ -28,7 +28,7 @@ from pp_runtime.workload_config import WorkloadConfig
 ENGINE_KEYS = ("model", "pp", "tp", "chunk_size", "max_batch_size", "tile_align", "memory_budget_gb",
                "max_model_len", "threads", "seed", "launcher", "dtype", "device", "attention",
                "block_size", "partition", "gguf_weights", "kv_cache_dtype", "matmul_precision", "chunk_budget",
-               "admission", "step_costs", "enable_prefix_caching")
+               "admission", "step_costs", "enable_prefix_caching", "cuda_graphs")
 RUN_KEYS = ENGINE_KEYS + ("schedulers", "workload")
 
 
@@ -46,7 +46,7 @@ def _check_engine(engine: Mapping[str, Any]) -> None:
             check_int(key, value, 1)
         elif key in ("threads", "seed"):
             check_int(key, value, 0)
-        elif key in ("tile_align", "enable_prefix_caching"):
+        elif key in ("tile_align", "enable_prefix_caching", "cuda_graphs"):
             if not isinstance(value, bool):
                 raise ValueError(f"{key} must be true or false, got {value!r}")
         elif key == "memory_budget_gb":

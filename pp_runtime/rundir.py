@@ -38,7 +38,7 @@ def run_settings(llm: object, run: object) -> dict:
             "dtype": c.device.dtype,
             "device": c.device.device, "launcher": llm.launcher, "paper_B": llm.memory.max_batch_b,
             "kv_blocks": llm.memory.num_blocks, "kv_cache_dtype": c.cache.kv_dtype,
-            "enable_prefix_caching": c.cache.enable_prefix_caching,
+            "enable_prefix_caching": c.cache.enable_prefix_caching, "cuda_graphs": c.device.cuda_graphs,
             "matmul_precision": c.device.matmul_precision,
             "partition": list(c.parallel.partition) if c.parallel.partition else None}
 

@@ -119,10 +119,22 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def fp8_native(cache: torch.Tensor) -> bool:
+    """Whether Triton can load and store ``cache``'s dtype on its device: any but fp8 e4m3, which
+    it compiles for sm_89 and later only (an A100 takes the eager write and gather, whose torch
+    casts run anywhere); CPU tensors reach the kernels only in Triton's interpreter (the tests)."""
+    return cache.dtype != torch.float8_e4m3fn or not cache.is_cuda or _sm89(cache.device.index)
+
+
+@functools.cache
+def _sm89(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
 def kv_fits(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """write_kv_'s layout: k, v (T, H_kv, D) with each (H_kv, D) row contiguous; caches
-    (NB, BS, H_kv, D) contiguous, alike, of a float dtype or fp8 e4m3."""
-    return (k_cache.dtype in CACHE_DTYPES and k_cache.dtype == v_cache.dtype and k_cache.shape == v_cache.shape
+    (NB, BS, H_kv, D) contiguous, alike, of a float dtype or fp8 e4m3 (``fp8_native``)."""
+    return (k_cache.dtype in CACHE_DTYPES and fp8_native(k_cache) and k_cache.dtype == v_cache.dtype and k_cache.shape == v_cache.shape
             and k_cache.is_contiguous() and v_cache.is_contiguous()
             and heads_contiguous(k) and heads_contiguous(v))
 

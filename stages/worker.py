@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -20,12 +21,16 @@ from pp_runtime.batch import MicroBatch
 from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
 from stages import cpu_kernels, triton_elementwise
 from stages.attention import build_metadata
+from stages.attention.metadata import AttentionMetadata
+from stages.cuda_graphs import DecodeGraphs
 from stages.layers import TPContext, pack_linears, set_matmul_precision
 from stages.model import StageModel
 from stages.model_source import ModelSource
 from stages.op_timing import OpTimer, instrument
 from stages.sampler import sample_hidden
 from stages.weights import load_weights
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_TORCH_DTYPES = {"float16": torch.float16, "fp8": torch.float8_e4m3fn}  # "auto": the model's dtype
@@ -113,6 +118,7 @@ class StageWorker:
         # inside the first request
         self.fused_elementwise = triton_elementwise.takes(torch.empty(0, device=self.device, dtype=self.dtype))
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: DecodeGraphs | None = None  # allocate_cache, where DeviceConfig.cuda_graphs
         self.block_size = spec.cache.block_size
         self.timings: list[tuple[int, float, float, float]] = []  # (mb, t_ready, t_start, t_end)
         # Per-op timing of ``time_ops`` micro-batches (an in-deployment profile): hooks exist only
@@ -151,11 +157,15 @@ class StageWorker:
         Zero-filled, because attention reads whole blocks and masks the unused tail: a masked
         key must still be finite (NaN × 0 weight is NaN). See cache_zeros for CPU pages."""
         cfg = self.spec.source.config
-        shape = (num_blocks, self.block_size, cfg.num_kv_heads // self.tp.size, cfg.head_size)
+        # CUDA graphs: one block more, the padding rows' scratch (no sequence is ever given it)
+        graphs = self.spec.device.cuda_graphs and self.model.backend.name == "torch"
+        shape = (num_blocks + graphs, self.block_size, cfg.num_kv_heads // self.tp.size, cfg.head_size)
         prefault = self.spec.cache.prefault
         self.kv_caches = [(cache_zeros(shape, self.kv_dtype, self.device, prefault),
                            cache_zeros(shape, self.kv_dtype, self.device, prefault))
                           for _ in range(self.model.num_attention_layers)]
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, num_blocks, None if self.is_first else cfg.hidden_size,
+                                   self.dtype, capture=True) if graphs else None
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
     # ---- one step ----------------------------------------------------------------------------
@@ -174,7 +184,9 @@ class StageWorker:
         if mb.time_ops:
             self._op_timer.reset()
         # (T, H); the last stage's: (S, H), the sampled rows only (StageModel.forward: keep)
-        h = self.model(x, meta, self.kv_caches, keep=meta.sample_idx if self.is_last else None)
+        h = self._graph_step(x, meta) if self.graphs is not None and not mb.time_ops else None
+        if h is None:
+            h = self.model(x, meta, self.kv_caches, keep=meta.sample_idx if self.is_last else None)
         tokens = None
         if not self.is_last:
             self.link.send_forward(h)
@@ -187,6 +199,20 @@ class StageWorker:
         if mb.time_ops:
             self.op_times.append((mb.mb_id, dict(self._op_timer.acc)))
         return tokens if self.tp.rank == 0 else None
+
+    def _graph_step(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """A decode-only step's (B, H) output from its CUDA graph; None for a step it does not take
+        (then it runs eagerly). A capture that fails (an op that cannot be captured) turns the
+        graphs off for this worker with a warning naming the reason; the step runs eagerly."""
+        if self.graphs.shape(meta) is None or (self.is_last and meta.sample_idx.numel() != meta.num_decodes):
+            return None
+        try:
+            return self.graphs.run(x, meta)
+        except Exception as e:  # noqa: BLE001 - any capture failure: eager steps still work
+            log.warning("stage %d: CUDA graphs off, decode-only steps run eagerly (%s: %s)", self.spec.stage,
+                        type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else "")
+            self.graphs = None
+            return None
 
     def drain_timings(self) -> list[tuple[int, float, float, float]]:
         return _drain(self.timings)

@@ -17,6 +17,8 @@ import functools
 
 import torch
 
+from stages import triton_elementwise
+
 try:  # the kernel's body names triton.language at module level: Triton's JIT reads the module's globals
     import triton.language as tl
 except Exception:  # no triton (CPU-only installs): usable() is False and the kernel is never built
@@ -37,9 +39,10 @@ def triton_missing() -> str | None:
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether this kernel takes these decodes: CUDA tensors, triton importable, and shapes it
-    handles (``shapes_fit``)."""
-    return q.is_cuda and shapes_fit(q, k_cache, v_cache) and triton_missing() is None
+    """Whether this kernel takes these decodes: CUDA tensors, triton importable, shapes it handles
+    (``shapes_fit``) and a cache dtype Triton compiles for this GPU (fp8: sm_89 and later)."""
+    return (q.is_cuda and shapes_fit(q, k_cache, v_cache) and triton_missing() is None
+            and triton_elementwise.fp8_native(k_cache))
 
 
 def shapes_fit(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:

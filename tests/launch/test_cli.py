@@ -140,7 +140,7 @@ def test_prefix_caching_flag_shares_a_system_prompt(hf_models: dict, tmp_path: P
         assert rc == 0, err
         out[flag] = [json.loads(x)["token_ids"] for x in text.splitlines()]
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["enable_prefix_caching"] == bool(flag)
+        assert summary["enable_prefix_caching"] == bool(flag) and summary["cuda_graphs"] is False
         assert summary["prefix_cache_hit_tokens"] == (2 * 32 if flag else 0)
     assert out[()] == out[("--enable-prefix-caching",)]
 
@@ -234,6 +234,7 @@ BAD_CONFIGS = {  # name: (extra arguments, message); {llama} {gguf} {dir} {missi
     "partition_half_sum": (["--model", "{llama}", "--pp", "2", "--partition", "2.5,2"],
                            "partition [2.5, 2] sums to 4.5, model has 4 layers"),
     "kv_dtype": (["--model", "{llama}", "--kv-cache-dtype", "int8"], "argument --kv-cache-dtype: invalid choice"),
+    "cuda_graphs_on_cpu": (["--model", "{llama}", "--cuda-graphs"], "DeviceConfig.cuda_graphs needs device cuda, got 'cpu'"),
     "kv_fp16_on_bf16": (["--model", "{llama}", "--dtype", "bfloat16", "--kv-cache-dtype", "float16"],
                         "kv_cache_dtype float16 is for float32 models on CPU"),
     "kv_fp8_on_bf16": (["--model", "{llama}", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8"],

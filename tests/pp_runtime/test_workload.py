@@ -286,6 +286,8 @@ def test_trace_path_relative_to_config(tmp_path: Path) -> None:
     ("admission: 1\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}", "admission"),
     ("enable_prefix_caching: yes please\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}",
      "enable_prefix_caching must be true or false"),
+    ("cuda_graphs: 1\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}",
+     "cuda_graphs must be true or false"),
     ("step_costs: measure\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}",
      "step_costs must be 'fit' or a list of 3 numbers"),
     ("step_costs: [0.1, -0.5, 0]\nworkload: {kind: fixed, num_requests: 1, prompt_len: 2, decode_len: 1}",

@@ -142,8 +142,8 @@ def test_paged_decode_on_cuda(g: int, d: int, dtype: torch.dtype, splits: int) -
 @pytest.mark.gpu(1)
 @pytest.mark.parametrize("kv_dtype", (torch.float32, torch.float8_e4m3fn), ids=("auto", "fp8"))
 def test_torch_backend_decodes_through_the_kernel_on_cuda(kv_dtype: torch.dtype) -> None:
-    """The mixed batch of test_attention, on CUDA: the kernel's decodes equal the gather path's,
-    the Triton K/V write's too (into an fp8 cache: the same rounding as the eager write)."""
+    """The mixed batch of test_attention, on CUDA: the kernel's decodes and the Triton K/V write
+    (into an fp8 cache: the same rounding) against the gather path and the eager write."""
     from tests.stages.test_attention import mixed_batch
     chunks, q, k, v, kc, vc = (x.cuda() if isinstance(x, torch.Tensor) else x for x in mixed_batch(3))
     kc, vc = kc.to(kv_dtype), vc.to(kv_dtype)
@@ -152,5 +152,33 @@ def test_torch_backend_decodes_through_the_kernel_on_cuda(kv_dtype: torch.dtype)
     assert triton_decode.usable(q, kc, vc)  # else this compares the gather path with itself
     ours = backend.forward(q, k, v, kc.clone(), vc.clone(), meta)
     backend.paged_cuda = False
-    ref = backend.forward(q, k, v, kc.clone(), vc.clone(), build_metadata(chunks, 4, torch.device("cuda")))
+    from stages import triton_elementwise
+    triton_elementwise.enabled = False  # the eager K/V write for the reference
+    try:
+        ref = backend.forward(q, k, v, kc.clone(), vc.clone(), build_metadata(chunks, 4, torch.device("cuda")))
+    finally:
+        triton_elementwise.enabled = True
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("kv_dtype", (torch.bfloat16, torch.float8_e4m3fn), ids=("bf16", "fp8"))
+@pytest.mark.parametrize("g", (1, 3))
+def test_long_contexts_split_into_spans_on_cuda(g: int, kv_dtype: torch.dtype) -> None:
+    """4 decodes of 4096 keys over 8 KV heads: 32 programs, so choose_splits cuts each decode's
+    keys into spans (the merge runs); against a dense softmax over the gathered keys in fp32."""
+    b, hkv, d, bs, ctx = 4, 8, 128, 16, (4096, 4000, 3333, 17)
+    nb = -(-max(ctx) // bs)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(b, g * hkv, d, generator=gen).cuda().bfloat16()
+    kc, vc = (torch.randn(b * nb, bs, hkv, d, generator=gen).cuda().to(kv_dtype) for _ in range(2))
+    tables = torch.randperm(b * nb, generator=gen).view(b, nb).cuda()
+    lens = torch.tensor(ctx).cuda()
+    assert triton_decode.choose_splits(b * hkv, nb * bs, 32, q.device) >= 8
+    out = triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5)
+    kf, vf = kc.float(), vc.float()  # torch indexes no fp8 tensor
+    for i, n in enumerate(ctx):
+        keys = kf[tables[i]].flatten(0, 1)[:n].repeat_interleave(g, dim=1)  # (n, H, D)
+        vals = vf[tables[i]].flatten(0, 1)[:n].repeat_interleave(g, dim=1)
+        p = torch.einsum("hd,nhd->hn", q[i].float(), keys).mul(d ** -0.5).softmax(-1)
+        torch.testing.assert_close(out[i].float(), torch.einsum("hn,nhd->hd", p, vals), rtol=1e-2, atol=1e-2)

@@ -158,6 +158,17 @@ def test_kernels_interpreted(tmp_path: Path) -> None:
     assert "cases match" in r.stdout
 
 
+def test_fp8_caches_only_where_triton_compiles_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton has no e4m3 before sm_89 (an A100 is sm_80): there the eager write and gather run."""
+    from types import SimpleNamespace
+    cache = SimpleNamespace(dtype=torch.float8_e4m3fn, is_cuda=True, device=torch.device("cuda", 0))
+    for sm89 in (False, True):
+        monkeypatch.setattr(te, "_sm89", lambda index, ok=sm89: ok)
+        assert te.fp8_native(cache) is sm89
+        assert te.fp8_native(SimpleNamespace(dtype=torch.bfloat16, is_cuda=True, device=cache.device))
+    assert te.fp8_native(torch.zeros(1, dtype=torch.float8_e4m3fn))  # CPU: the interpreter's
+
+
 def test_takes_only_cuda_activations(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not te.takes(torch.zeros(2, 8))  # the CPU kernels' job
     monkeypatch.setattr(te, "enabled", False)

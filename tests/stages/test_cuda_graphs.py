@@ -1,0 +1,98 @@
+"""stages/cuda_graphs.py: a decode-only step padded to a captured batch size computes what the
+eager step computes, for its real rows and in every block a sequence owns. Here the padded step
+runs eagerly over the graph's buffers (``capture=False``: no GPU); the capture and replay
+themselves run on CUDA only (marked gpu)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pp_runtime import LLM, SamplingParams
+from pp_runtime.batch import SeqChunk
+from pp_runtime.config import DeviceConfig
+from stages.attention import build_metadata
+from stages.cuda_graphs import BATCH_SIZES, DecodeGraphs, padded
+from tests.conftest import hf_greedy, mixed_prompts
+from tests.stages.test_model import BLOCK, make_worker
+
+NB = 64  # the caches' blocks a sequence may own; block NB is the scratch block
+
+
+def test_padded_sizes() -> None:
+    assert [padded(n) for n in (1, 2, 3, 5, 17, 33, 256)] == [1, 2, 4, 8, 24, 48, 256]
+    assert padded(257) is None and BATCH_SIZES == tuple(sorted(BATCH_SIZES))
+
+
+def test_device_config_cuda_graphs() -> None:
+    assert DeviceConfig("cuda", "bfloat16", cuda_graphs=True).cuda_graphs
+    with pytest.raises(ValueError, match="DeviceConfig.cuda_graphs needs device cuda, got 'cpu'"):
+        DeviceConfig("cpu", cuda_graphs=True)
+    with pytest.raises(ValueError, match="DeviceConfig.cuda_graphs must be true or false, got 1"):
+        DeviceConfig("cuda", cuda_graphs=1)
+
+
+def decode_step(rng: random.Random, contexts: list[int], vocab: int) -> tuple[SeqChunk, ...]:
+    """Decodes at these contexts, each over its own blocks of the first NB, scattered."""
+    blocks = rng.sample(range(NB), NB)
+    chunks, used = [], 0
+    for i, ctx in enumerate(contexts):
+        n = -(-(ctx + 1) // BLOCK)
+        chunks.append(SeqChunk(i, ctx, (rng.randrange(vocab),), tuple(blocks[used:used + n]), False, None))
+        used += n
+    return tuple(chunks)
+
+
+@pytest.mark.parametrize("stage", (0, 1), ids=("token-ids-in", "hidden-in"))
+def test_padded_step_matches_the_eager_step(hf_models: dict, stage: int) -> None:
+    """Steps of 3, 5, 7 and again 5 decodes (padded to 4, 8, 8, 8; the last reuses the third's
+    buffers with fewer rows and narrower tables), on the first stage of one and the second of two."""
+    w = make_worker(str(hf_models["llama"]), pp=1 + stage, stage=stage)
+    w.allocate_cache(NB + 1)
+    gen = torch.Generator().manual_seed(0)
+    eager_caches = [(k.clone(), v.clone()) for k, v in w.kv_caches]
+    cfg = w.spec.source.config
+    graphs = DecodeGraphs(w.model, w.kv_caches, NB, cfg.hidden_size if stage else None, w.dtype, capture=False)
+    rng = random.Random(1)
+    for contexts in ([5, 17, 2], [30, 1, 9, 12, 4], [3, 3, 40, 7, 22, 16, 11], [8, 45, 6, 13, 2]):
+        for (k, v), (ek, ev) in zip(w.kv_caches, eager_caches):  # new K/V in every block, as if others
+            for c, ec in ((k, ek), (v, ev)):                        # held them since: stale rows would show
+                c.copy_(torch.randn(c.shape, generator=gen))
+                ec.copy_(c)
+        chunks = decode_step(rng, contexts, cfg.vocab_size)
+        meta = build_metadata(chunks, BLOCK, w.device)
+        x = torch.tensor([c.token_ids[0] for c in chunks]) if stage == 0 else \
+            torch.randn(len(chunks), cfg.hidden_size, generator=gen)
+        with torch.inference_mode():
+            want = w.model(x, build_metadata(chunks, BLOCK, w.device), eager_caches)
+            got = graphs.run(x, meta)
+        assert graphs.shape(meta) == (padded(len(chunks)), 1 << (meta.decode_tables.shape[1] - 1).bit_length())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for (k, v), (ek, ev) in zip(w.kv_caches, eager_caches):  # the blocks sequences own: alike
+            torch.testing.assert_close(k[:NB], ek[:NB], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(v[:NB], ev[:NB], rtol=1e-6, atol=1e-6)
+    assert set(graphs.steps) == {(4, 8), (8, 8), (8, 16)}
+
+
+def test_steps_with_a_prefill_are_not_taken(hf_models: dict) -> None:
+    w = make_worker(str(hf_models["llama"]))
+    graphs = DecodeGraphs(w.model, w.kv_caches, NB - 1, None, w.dtype, capture=False)
+    chunks = (SeqChunk(0, 0, (1, 2, 3), (0,), True, None), SeqChunk(1, 4, (5,), (1, 2), False, None))
+    assert graphs.shape(build_metadata(chunks, BLOCK, w.device)) is None
+    many = tuple(SeqChunk(i, 0, (1,), (i % NB,), False, None) for i in range(BATCH_SIZES[-1] + 1))
+    assert graphs.shape(build_metadata(many, BLOCK, w.device)) is None  # past the largest size
+
+
+@pytest.mark.gpu(1)
+def test_cuda_graphs_give_the_eager_tokens(hf_models: dict) -> None:
+    """The engine on CUDA with decode-only steps replayed: the tokens of transformers' greedy
+    generate (fp32, as the eager CUDA test), and the graphs were captured, not abandoned."""
+    prompts = mixed_prompts()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = hf_greedy(hf_models["llama"], prompts, 12)
+    with LLM(model=str(hf_models["llama"]), device="cuda", attention="torch", chunk_size=7, memory_budget_gb=2.0,
+             cuda_graphs=True) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        worker = llm.executor.workers[0]
+        assert worker.graphs is not None and any(s.graph is not None for s in worker.graphs.steps.values())
