@@ -6,7 +6,8 @@
 #
 #   bash scripts/gpu_checks.sh            # figures and logs under $OUT (default /tmp/gpu_checks)
 #
-# At most 8 files come back from a device call: keep it so. xformers may be carried as a wheel in
+# ~8 minutes on a warm H200 (three 7B models drawn on the host, ~45 s each): give the device call
+# timeout_s 600. At most 8 files come back from a device call: keep it so. xformers may be carried as a wheel in
 # .whl/ (the GPU image has none); each step has its own timeout, so one that fails or hangs leaves
 # the others' figures.
 set -u -o pipefail
@@ -21,13 +22,14 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 python3 -c "import xformers, xformers.ops; print('xformers', xformers.__version__)" 2>&1 | tail -1
-# norms, RoPE, SiLU·mul and the K/V write as one Triton kernel each, then as torch's eager ops, on one worker
-# (decodes' K/V read in place; paged against gathered was the eighth session's pair: CUDA_DECODE);
+# norms, RoPE, SiLU·mul and the K/V write as one Triton kernel each (fused against torch's eager ops
+# was the twentieth session's pair: ELEMENTWISE=fused,eager), decodes' K/V read in place (paged
+# against gathered was the eighth session's: CUDA_DECODE=paged,gathered);
 # xformers, where it imports, fails in a second if its wheel has no operator for this torch (it
 # says so, and the script exits 1), else runs the same
 timeout 300 python3 benchmarks/decode_maximal.py --model llama-7b --device cuda --dtype bfloat16 \
     --attention torch --chunk "${CHUNKS:-512,1024,2048}" --cuda-decode "${CUDA_DECODE:-paged}" \
-    --cuda-elementwise fused,eager --decodes 4,16,32,64 \
+    --cuda-elementwise "${ELEMENTWISE:-fused}" --decodes 4,16,32,64 \
     --context 512 --rounds 10 --threads 4 --profile 3 --json "$OUT/dm_7b_torch.json" 2>&1 | tee "$OUT/dm_7b_torch.log" \
     || failed+=" decode_maximal(torch)"
 if python3 -c "import xformers.ops" 2>/dev/null; then  # the image has none: carry a wheel built for its torch
@@ -45,10 +47,12 @@ timeout 150 python3 benchmarks/decode_maximal.py --model llama-7b --device cuda 
     --threads 4 --json "$OUT/dm_7b_fp8.json" 2>&1 | tee "$OUT/dm_7b_fp8.log" || failed+=" decode_maximal(fp8)"
 timeout 60 python3 benchmarks/cuda_paged_decode.py --kv-dtype float8_e4m3fn 2>&1 | sed "s/^/fp8 /" \
     | tee -a "$OUT/paged_decode.log" || failed+=" cuda_paged_decode(fp8)"
-# the host's cost of one launch, torch op against Triton kernel: what a decode-only step is bound by
-timeout 90 python3 benchmarks/cuda_launch_overhead.py 2>&1 | tee "$OUT/launch.log" \
+# what a decode-only step is bound by: the host's cost of one launch, torch op against Triton
+# kernel; then decode-only steps eager against replayed CUDA graphs (--cuda-graphs)
+timeout 90 python3 benchmarks/cuda_launch_overhead.py 2>&1 | tee "$OUT/host.log" \
     || failed+=" cuda_launch_overhead"
-timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/launch/test_gpu.py tests/stages/test_triton_decode.py \
+timeout 150 python3 benchmarks/cuda_graphs.py 2>&1 | tee -a "$OUT/host.log" || failed+=" cuda_graphs"
+timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/launch/test_gpu.py tests/stages/test_triton_decode.py tests/stages/test_cuda_graphs.py \
     tests/stages/test_triton_elementwise.py \
     tests/stages/test_attention.py tests/test_benchmarks_smoke.py 2>&1 | tee "$OUT/pytest_gpu.log" || failed+=" pytest"
 if [ -n "$failed" ]; then echo "gpu_checks: failed:$failed"; exit 1; fi

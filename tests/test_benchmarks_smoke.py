@@ -164,6 +164,14 @@ def test_cuda_launch_overhead_ways_in_the_interpreter() -> None:
 
 
 @pytest.mark.gpu(1)
+def test_cuda_graphs_benchmark_smoke(tmp_path: Path) -> None:
+    r = run(["benchmarks/cuda_graphs.py", "--model", "llama-tiny", "--decodes", "1,3", "--context", "20",
+             "--rounds", "2"], tmp_path)
+    assert set(r["by_batch"]) == {"1", "3"}
+    assert all(row["graph_ms"] > 0 and row["max_diff"] < 0.05 for row in r["by_batch"].values())
+
+
+@pytest.mark.gpu(1)
 def test_cuda_launch_overhead_smoke(tmp_path: Path) -> None:
     r = run(["benchmarks/cuda_launch_overhead.py", "--calls", "20"], tmp_path)
     assert len(r["issue_us"]) == 12 and all(0 < r["issue_us"][k] <= r["done_us"][k] for k in r["issue_us"])

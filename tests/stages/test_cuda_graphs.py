@@ -84,6 +84,29 @@ def test_steps_with_a_prefill_are_not_taken(hf_models: dict) -> None:
     assert graphs.shape(build_metadata(many, BLOCK, w.device)) is None  # past the largest size
 
 
+@pytest.mark.parametrize("pp", (1, 2))
+def test_engine_through_padded_steps_gives_transformers_tokens(hf_models: dict, pp: int,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's wiring (allocate_cache's scratch block, execute's decode-only steps through
+    DecodeGraphs, the last stage's sampled rows) in a whole engine on CPU, the padded steps run
+    eagerly: transformers' greedy tokens, and the decode-only steps went through the graphs."""
+    from stages.worker import StageWorker
+    allocate = StageWorker.allocate_cache
+
+    def with_graphs(self: StageWorker, num_blocks: int) -> int:
+        n = allocate(self, num_blocks + 1)
+        hidden = None if self.is_first else self.spec.source.config.hidden_size
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, num_blocks, hidden, self.dtype, capture=False)
+        return n
+
+    monkeypatch.setattr(StageWorker, "allocate_cache", with_graphs)
+    prompts = mixed_prompts()
+    expected = hf_greedy(hf_models["llama"], prompts, 12)
+    with LLM(model=str(hf_models["llama"]), pp=pp, launcher="local", chunk_size=7, memory_budget_gb=0.5) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))] == expected
+        assert all(w.graphs.steps for w in llm.executor.workers)
+
+
 @pytest.mark.gpu(1)
 def test_cuda_graphs_give_the_eager_tokens(hf_models: dict) -> None:
     """The engine on CUDA with decode-only steps replayed: the tokens of transformers' greedy
