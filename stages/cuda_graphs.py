@@ -118,11 +118,17 @@ class DecodeGraphs:
         return self.model(step.x, step.meta, self.kv_caches)
 
     def _capture(self, step: StaticStep) -> None:
-        # the warm-up compiles every Triton specialisation first: a module load cannot be captured
-        self._forward(step)
+        # the warm-up compiles every Triton specialisation first (a module load cannot be
+        # captured), on the stream the capture then uses: cuBLAS and others set up per-stream
+        # state (workspaces) lazily, which must not happen inside the capture (torch's advice)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(step)
+        torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=side):
             step.out = self._forward(step)
         step.graph = graph
         log.info("captured a decode-only step of %d rows, tables %d blocks wide", *step.x.shape[:1],
