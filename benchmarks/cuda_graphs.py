@@ -56,7 +56,7 @@ def main() -> None:
     nb = -(-(a.context + 1) // BS)
     w.allocate_cache(max(sizes) * nb + 1)  # the last block: the padding rows' scratch
     fill_cache(w)
-    graphs = DecodeGraphs(w.model, w.kv_caches, max(sizes) * nb, None, w.dtype, capture=True)
+    graphs = DecodeGraphs(w.model, w.kv_caches, max(sizes) * nb, BS, None, w.dtype, capture=True)
     rng, vocab = random.Random(0), w.spec.source.config.vocab_size
     out = {"device": torch.cuda.get_device_name(), **vars(a), "by_batch": {}}
     with torch.inference_mode():

@@ -362,6 +362,9 @@ class DeviceConfig:
             raise ValueError(f"DeviceConfig.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError(f"DeviceConfig.cuda_graphs needs device cuda, got {self.device!r}")
+        if self.cuda_graphs and self.attention == "xformers":
+            raise ValueError("DeviceConfig.cuda_graphs needs attention torch or auto (xformers builds its mask on the "
+                             "host each step), got 'xformers'")
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ the host then issues a handful of copies into the graph's input buffers and one 
 
 Padded rows are decodes of one key in a scratch block that no sequence owns (the worker's cache
 holds one block more than the block manager hands out): they write their K/V there and attend
-to it, so the real rows' results and cache are those of the eager step. Steps with a prefill
-chunk keep running eagerly (their token counts vary from step to step).
+to it, so the real rows and the sequences' blocks get what the eager step computes, to rounding
+(on a GPU the padded row count can change a product's summation order, and the decode kernel's
+spans). Steps with a prefill chunk keep running eagerly (their token counts vary step to step).
 
 Without ``capture`` (CPU tensors: the tests) the padded step runs eagerly over the same buffers:
 what a replay computes, checked where no GPU is.
@@ -41,6 +42,7 @@ class StaticStep:
     x: torch.Tensor  # (B_pad,) token ids on the first stage, else (B_pad, H) hidden states
     meta: AttentionMetadata
     lens: torch.Tensor  # (B_pad,) context lengths, the decode kernel's
+    keys: torch.Tensor  # (width · BS,) key positions, for the gathered path's padding mask
     out: torch.Tensor | None = None  # (B_pad, H): the captured forward's output
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
     cache: dict = field(default_factory=dict)  # meta.backend_cache's entries that hold buffers
@@ -50,11 +52,14 @@ class DecodeGraphs:
     """Decode-only forwards of one stage, padded to ``BATCH_SIZES`` and replayed per shape."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 scratch_block: int, hidden: int | None, dtype: torch.dtype, capture: bool) -> None:
-        self.model, self.kv_caches, self.scratch = model, kv_caches, scratch_block
+                 scratch_block: int, block_size: int, hidden: int | None, dtype: torch.dtype, capture: bool) -> None:
+        self.model, self.kv_caches, self.scratch, self.bs = model, kv_caches, scratch_block, block_size
         self.hidden, self.dtype, self.capture = hidden, dtype, capture  # hidden None: token ids in
         self.steps: dict[tuple[int, int], StaticStep] = {}
-        self.pool = torch.cuda.graph_pool_handle() if capture else None  # one memory pool for all shapes
+        # one memory pool and one stream for every capture: the allocator reuses a pool's blocks
+        # only on the stream that freed them, so shapes captured on one stream share their memory
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.stream = torch.cuda.Stream() if capture else None
 
     def shape(self, meta: AttentionMetadata) -> tuple[int, int] | None:
         """(B_pad, table width) of a decode-only step this takes, else None."""
@@ -71,8 +76,10 @@ class DecodeGraphs:
         self._fill(step, x, meta)
         if step.graph is not None:
             step.graph.replay()
-        else:
+        elif step.out is None:
             step.out = self._forward(step)
+        else:  # as a replay does: the same output buffer every step
+            step.out.copy_(self._forward(step))
         # a copy: the next replay overwrites the graph's output, which a send or the local
         # launcher's outbox may still hold
         return step.out[:meta.num_decodes].clone()
@@ -85,7 +92,7 @@ class DecodeGraphs:
         sm.slot_mapping[:b].copy_(meta.slot_mapping)
         sm.decode_tables[:b, :nb].copy_(meta.decode_tables)  # columns past a row's context: never read
         step.lens[:b].copy_(decode_lens(meta, x.device))
-        sm.ctx_lens[:b] = meta.ctx_lens  # read only by an eager run (the CPU kernels' lens)
+        sm.ctx_lens[:b] = meta.ctx_lens  # Python values: no replay reads them, an eager run's checks may
         if b < step.lens.shape[0]:  # the padding rows as built: one key each, in the scratch block
             sm.ctx_lens[b:] = [1] * (step.lens.shape[0] - b)
             step.x[b:].zero_()
@@ -93,19 +100,23 @@ class DecodeGraphs:
             sm.slot_mapping[b:].fill_(self.scratch * sm.block_size)
             sm.decode_tables[b:].fill_(self.scratch)
             step.lens[b:].fill_(1)
+        # the padding mask of the gathered path (a decode the Triton kernel does not take)
+        torch.lt(step.keys, step.lens[:, None], out=sm.decode_mask)
 
     def _build(self, b: int, width: int, device: torch.device) -> StaticStep:
         """Buffers of the padding rows' values, then (``capture``) a warm-up and the capture."""
-        long = dict(dtype=torch.long, device=device)
+        long, bs = dict(dtype=torch.long, device=device), self.bs
         x = torch.zeros(b, **long) if self.hidden is None else torch.zeros(b, self.hidden, dtype=self.dtype, device=device)
+        keys = torch.arange(width * bs, device=device)
         meta = AttentionMetadata(
-            block_size=self.kv_caches[0][0].shape[1], positions=torch.zeros(b, **long),
-            slot_mapping=torch.full((b,), self.scratch * self.kv_caches[0][0].shape[1], **long),
+            block_size=bs, positions=torch.zeros(b, **long), slot_mapping=torch.full((b,), self.scratch * bs, **long),
             q_lens=[1] * b, ctx_lens=[1] * b, num_prefills=0, prefill_tables=[],
             decode_tables=torch.full((b, width), self.scratch, **long),
-            decode_mask=None, sample_idx=torch.arange(b, device=device), fresh_prefill=[])
-        step = StaticStep(x, meta, torch.ones(b, **long))
-        step.cache = {f"decode_lens:{device}": step.lens}
+            decode_mask=(keys < 1).expand(b, -1).clone(), sample_idx=torch.arange(b, device=device), fresh_prefill=[])
+        step = StaticStep(x, meta, torch.ones(b, **long), keys)
+        # the buffer under the keys a layer asks decode_lens for: q's device (the decode kernel),
+        # None (the CPU kernels, which these buffers feed where there is no GPU: the tests)
+        step.cache = {f"decode_lens:{device}": step.lens, "decode_lens:None": step.lens}
         if self.capture:
             self._capture(step)
         self.steps[(b, width)] = step
@@ -121,7 +132,7 @@ class DecodeGraphs:
         # the warm-up compiles every Triton specialisation first (a module load cannot be
         # captured), on the stream the capture then uses: cuBLAS and others set up per-stream
         # state (workspaces) lazily, which must not happen inside the capture (torch's advice)
-        side = torch.cuda.Stream()
+        side = self.stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._forward(step)

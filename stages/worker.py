@@ -135,7 +135,7 @@ class StageWorker:
                 "attention": self.model.backend.name, "kv_dtype": str(self.kv_dtype).removeprefix("torch."),
                 "bf16_linears": self.reduced_linears["bf16"], "int8_linears": self.reduced_linears["int8"],
                 "bf16_attention": getattr(self.model.backend, "bf16", False),
-                "fused_elementwise": self.fused_elementwise}
+                "fused_elementwise": self.fused_elementwise, "cuda_graphs": self.graphs is not None}
 
     def _layer_bytes(self) -> int:
         """Resident bytes of the decoder layers alone (embedding and LM head excluded)."""
@@ -157,15 +157,22 @@ class StageWorker:
         Zero-filled, because attention reads whole blocks and masks the unused tail: a masked
         key must still be finite (NaN × 0 weight is NaN). See cache_zeros for CPU pages."""
         cfg = self.spec.source.config
-        # CUDA graphs: one block more, the padding rows' scratch (no sequence is ever given it)
+        self.graphs = None  # they hold the old caches: let them go before the new ones are made
+        # CUDA graphs: one block more, the padding rows' scratch (no sequence is ever given it);
+        # with the torch backend only (xformers builds its mask from the step's lengths on the host)
         graphs = self.spec.device.cuda_graphs and self.model.backend.name == "torch"
+        if self.spec.device.cuda_graphs and not graphs:
+            log.warning("stage %d: --cuda-graphs needs --attention torch (xformers was chosen): steps run eagerly",
+                        self.spec.stage)
         shape = (num_blocks + graphs, self.block_size, cfg.num_kv_heads // self.tp.size, cfg.head_size)
         prefault = self.spec.cache.prefault
         self.kv_caches = [(cache_zeros(shape, self.kv_dtype, self.device, prefault),
                            cache_zeros(shape, self.kv_dtype, self.device, prefault))
                           for _ in range(self.model.num_attention_layers)]
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, num_blocks, None if self.is_first else cfg.hidden_size,
-                                   self.dtype, capture=True) if graphs else None
+        # captured on CUDA; elsewhere (tests only: DeviceConfig refuses cuda_graphs off CUDA) run eagerly
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, num_blocks, self.block_size,
+                                   None if self.is_first else cfg.hidden_size, self.dtype,
+                                   capture=self.device.type == "cuda") if graphs else None
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
     # ---- one step ----------------------------------------------------------------------------

@@ -4,7 +4,11 @@ runs eagerly over the graph's buffers (``capture=False``: no GPU); the capture a
 themselves run on CUDA only (marked gpu)."""
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +31,8 @@ def test_padded_sizes() -> None:
 
 def test_device_config_cuda_graphs() -> None:
     assert DeviceConfig("cuda", "bfloat16", cuda_graphs=True).cuda_graphs
+    with pytest.raises(ValueError, match="DeviceConfig.cuda_graphs needs attention torch or auto"):
+        DeviceConfig("cuda", "bfloat16", "xformers", cuda_graphs=True)
     with pytest.raises(ValueError, match="DeviceConfig.cuda_graphs needs device cuda, got 'cpu'"):
         DeviceConfig("cpu", cuda_graphs=True)
     with pytest.raises(ValueError, match="DeviceConfig.cuda_graphs must be true or false, got 1"):
@@ -44,20 +50,28 @@ def decode_step(rng: random.Random, contexts: list[int], vocab: int) -> tuple[Se
     return tuple(chunks)
 
 
-@pytest.mark.parametrize("stage", (0, 1), ids=("token-ids-in", "hidden-in"))
-def test_padded_step_matches_the_eager_step(hf_models: dict, stage: int) -> None:
+def padded_vs_eager(folder: str, stage: int, attention: str = "cpu") -> None:
     """Steps of 3, 5, 7 and again 5 decodes (padded to 4, 8, 8, 8; the last reuses the third's
-    buffers with fewer rows and narrower tables), on the first stage of one and the second of two."""
-    w = make_worker(str(hf_models["llama"]), pp=1 + stage, stage=stage)
+    buffers with fewer rows and narrower tables) on the first stage of one or the second of two,
+    each after new K/V in every block (as if other sequences held them since: a stale padding row
+    shows). ``attention``: "cpu", the CPU kernels (the layers as one C++ call); "triton" and
+    "gathered", CUDA's Python layers with the decodes through the Triton kernel (in Triton's
+    interpreter) or gathered for SDPA under the padding mask."""
+    w = make_worker(folder, pp=1 + stage, stage=stage)
     w.allocate_cache(NB + 1)
+    if attention != "cpu":
+        from stages.attention import TorchAttention, triton_decode
+        w.model.layer_loop = None
+        TorchAttention._use_paged_kernel = staticmethod(lambda q: False)
+        triton_decode.usable = lambda q, k, v: attention == "triton"
     gen = torch.Generator().manual_seed(0)
     eager_caches = [(k.clone(), v.clone()) for k, v in w.kv_caches]
     cfg = w.spec.source.config
-    graphs = DecodeGraphs(w.model, w.kv_caches, NB, cfg.hidden_size if stage else None, w.dtype, capture=False)
+    graphs = DecodeGraphs(w.model, w.kv_caches, NB, BLOCK, cfg.hidden_size if stage else None, w.dtype, capture=False)
     rng = random.Random(1)
     for contexts in ([5, 17, 2], [30, 1, 9, 12, 4], [3, 3, 40, 7, 22, 16, 11], [8, 45, 6, 13, 2]):
-        for (k, v), (ek, ev) in zip(w.kv_caches, eager_caches):  # new K/V in every block, as if others
-            for c, ec in ((k, ek), (v, ev)):                        # held them since: stale rows would show
+        for (k, v), (ek, ev) in zip(w.kv_caches, eager_caches):
+            for c, ec in ((k, ek), (v, ev)):
                 c.copy_(torch.randn(c.shape, generator=gen))
                 ec.copy_(c)
         chunks = decode_step(rng, contexts, cfg.vocab_size)
@@ -75,9 +89,47 @@ def test_padded_step_matches_the_eager_step(hf_models: dict, stage: int) -> None
     assert set(graphs.steps) == {(4, 8), (8, 8), (8, 16)}
 
 
+@pytest.mark.parametrize("stage", (0, 1), ids=("token-ids-in", "hidden-in"))
+def test_padded_step_matches_the_eager_step(hf_models: dict, stage: int) -> None:
+    padded_vs_eager(str(hf_models["llama"]), stage)
+
+
+def interpreted(folder: str) -> None:
+    """In a child started with TRITON_INTERPRET=1: CUDA's attention path over the padded buffers."""
+    from tests.stages.test_triton_decode import patch_interpreter
+    patch_interpreter()
+    for attention in ("triton", "gathered"):
+        for stage in (0, 1):
+            padded_vs_eager(folder, stage, attention)
+    print("padded steps match")
+
+
+def test_padded_step_on_cudas_attention_path(hf_models: dict) -> None:
+    """The decode kernel reads the lengths buffer, the gathered path the padding mask: both refilled."""
+    pytest.importorskip("triton")
+    code = f"from tests.stages.test_cuda_graphs import interpreted; interpreted({str(hf_models['llama'])!r})"
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0 and "padded steps match" in r.stdout, r.stderr[-3000:]
+
+
+def test_a_steps_output_outlives_the_next_step(hf_models: dict) -> None:
+    """A send in flight or the local launcher's outbox may still hold a step's output when the
+    same shape runs again, which overwrites the graph's output buffer: run returns a copy."""
+    w = make_worker(str(hf_models["llama"]))
+    w.allocate_cache(NB + 1)
+    graphs = DecodeGraphs(w.model, w.kv_caches, NB, BLOCK, None, w.dtype, capture=False)
+    rng = random.Random(2)
+    with torch.inference_mode():
+        first = graphs.run(torch.tensor([3, 4, 5]), build_metadata(decode_step(rng, [4, 9, 2], 100), BLOCK, w.device))
+        kept = first.clone()
+        graphs.run(torch.tensor([7, 8, 9]), build_metadata(decode_step(rng, [8, 1, 3], 100), BLOCK, w.device))
+    assert torch.equal(first, kept) and len(graphs.steps) == 1  # one shape, its buffers reused
+
+
 def test_steps_with_a_prefill_are_not_taken(hf_models: dict) -> None:
     w = make_worker(str(hf_models["llama"]))
-    graphs = DecodeGraphs(w.model, w.kv_caches, NB - 1, None, w.dtype, capture=False)
+    graphs = DecodeGraphs(w.model, w.kv_caches, NB - 1, BLOCK, None, w.dtype, capture=False)
     chunks = (SeqChunk(0, 0, (1, 2, 3), (0,), True, None), SeqChunk(1, 4, (5,), (1, 2), False, None))
     assert graphs.shape(build_metadata(chunks, BLOCK, w.device)) is None
     many = tuple(SeqChunk(i, 0, (1,), (i % NB,), False, None) for i in range(BATCH_SIZES[-1] + 1))
@@ -87,24 +139,18 @@ def test_steps_with_a_prefill_are_not_taken(hf_models: dict) -> None:
 @pytest.mark.parametrize("pp", (1, 2))
 def test_engine_through_padded_steps_gives_transformers_tokens(hf_models: dict, pp: int,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """The worker's wiring (allocate_cache's scratch block, execute's decode-only steps through
-    DecodeGraphs, the last stage's sampled rows) in a whole engine on CPU, the padded steps run
-    eagerly: transformers' greedy tokens, and the decode-only steps went through the graphs."""
-    from stages.worker import StageWorker
-    allocate = StageWorker.allocate_cache
-
-    def with_graphs(self: StageWorker, num_blocks: int) -> int:
-        n = allocate(self, num_blocks + 1)
-        hidden = None if self.is_first else self.spec.source.config.hidden_size
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, num_blocks, hidden, self.dtype, capture=False)
-        return n
-
-    monkeypatch.setattr(StageWorker, "allocate_cache", with_graphs)
+    """The worker's own wiring (allocate_cache's scratch block, execute's decode-only steps through
+    DecodeGraphs, the last stage's sampled rows) in a whole engine on CPU, where the padded steps
+    run eagerly (DeviceConfig's CUDA-only check lifted): transformers' greedy tokens, and the
+    decode-only steps went through the graphs' buffers."""
+    monkeypatch.setattr(DeviceConfig, "__post_init__", lambda self: None)
     prompts = mixed_prompts()
     expected = hf_greedy(hf_models["llama"], prompts, 12)
-    with LLM(model=str(hf_models["llama"]), pp=pp, launcher="local", chunk_size=7, memory_budget_gb=0.5) as llm:
+    with LLM(model=str(hf_models["llama"]), pp=pp, launcher="local", chunk_size=7, memory_budget_gb=0.5,
+             cuda_graphs=True) as llm:
         assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))] == expected
-        assert all(w.graphs.steps for w in llm.executor.workers)
+        assert all(w.graphs.steps and w.info()["cuda_graphs"] for w in llm.executor.workers)
+        assert all(w.kv_caches[0][0].shape[0] == llm.memory.num_blocks + 1 for w in llm.executor.workers)
 
 
 @pytest.mark.gpu(1)
