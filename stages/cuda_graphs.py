@@ -106,7 +106,8 @@ class DecodeGraphs:
     def _build(self, b: int, width: int, device: torch.device) -> StaticStep:
         """Buffers of the padding rows' values, then (``capture``) a warm-up and the capture."""
         long, bs = dict(dtype=torch.long, device=device), self.bs
-        x = torch.zeros(b, **long) if self.hidden is None else torch.zeros(b, self.hidden, dtype=self.dtype, device=device)
+        x = torch.zeros(b, **long) if self.hidden is None else \
+            torch.zeros(b, self.hidden, dtype=self.dtype, device=device)
         keys = torch.arange(width * bs, device=device)
         meta = AttentionMetadata(
             block_size=bs, positions=torch.zeros(b, **long), slot_mapping=torch.full((b,), self.scratch * bs, **long),

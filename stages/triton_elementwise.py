@@ -134,8 +134,8 @@ def _sm89(index: int | None) -> bool:
 def kv_fits(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """write_kv_'s layout: k, v (T, H_kv, D) with each (H_kv, D) row contiguous; caches
     (NB, BS, H_kv, D) contiguous, alike, of a float dtype or fp8 e4m3 (``fp8_native``)."""
-    return (k_cache.dtype in CACHE_DTYPES and fp8_native(k_cache) and k_cache.dtype == v_cache.dtype and k_cache.shape == v_cache.shape
-            and k_cache.is_contiguous() and v_cache.is_contiguous()
+    return (k_cache.dtype in CACHE_DTYPES and fp8_native(k_cache) and k_cache.dtype == v_cache.dtype
+            and k_cache.shape == v_cache.shape and k_cache.is_contiguous() and v_cache.is_contiguous()
             and heads_contiguous(k) and heads_contiguous(v))
 
 

@@ -50,8 +50,8 @@ def shapes_fit(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
     D) contiguous (the kernel reads V at K's offsets), of a float dtype or fp8 e4m3; H a multiple
     of H_kv; D a power of two (Triton's aranges)."""
     d, h, h_kv = q.shape[-1], q.shape[-2], k_cache.shape[2]
-    return (q.dtype in DTYPES and k_cache.dtype in CACHE_DTYPES and k_cache.shape == v_cache.shape and k_cache.dtype == v_cache.dtype
-            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[3] == d
+    return (q.dtype in DTYPES and k_cache.dtype in CACHE_DTYPES and k_cache.shape == v_cache.shape
+            and k_cache.dtype == v_cache.dtype and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[3] == d
             and d & (d - 1) == 0 and h % h_kv == 0 and q.stride(-1) == 1)
 
 
