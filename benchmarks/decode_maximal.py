@@ -107,7 +107,7 @@ def measure(model: str | None, chunks: list[int], decodes: list[int], context: i
         for c in chunks:
             for way in ways:
                 for ew in elementwise:
-                    if hasattr(w.model.backend, "paged_cuda"):
+                    if hasattr(w.model.backend, "paged_cuda") and w.device.type == "cuda":  # CPU: way "cpu"
                         w.model.backend.paged_cuda = way != "gathered"
                         w.model.backend.decode_tuning = decode_tuning(way)
                     triton_elementwise.enabled = ew != "eager"
