@@ -152,7 +152,8 @@ class StageWorker:
         return MemoryProfile(budget, self.weight_bytes, per_token)
 
     def allocate_cache(self, num_blocks: int) -> int:
-        """One (K, V) pair of (num_blocks, block_size, H_kv/tp, D) per layer with attention; returns bytes.
+        """One (K, V) pair of (num_blocks, block_size, H_kv/tp, D) per layer with attention (one
+        block more with CUDA graphs: their padding rows' scratch); returns bytes.
 
         Zero-filled, because attention reads whole blocks and masks the unused tail: a masked
         key must still be finite (NaN × 0 weight is NaN). See cache_zeros for CPU pages."""

@@ -63,8 +63,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ``out`` where given (any strides with contiguous head rows: a slice of the layer's output).
     ``splits`` > 1 cuts each decode's keys into that many spans, one program each, merged by a
     second kernel (flash-decoding); 0 picks it (``choose_splits``). ``tokens``, ``num_warps`` (0:
-    2 for a step's product of up to 4K elements, else 4), ``num_stages`` and ``aligned`` (tell Triton that K/V rows start 16-element aligned, so that it
-    loads them in 16-byte vectors) are tuning knobs for benchmarks/cuda_paged_decode.py."""
+    2 for a step's product of up to 4K elements, else 4), ``num_stages`` and ``aligned`` (tell
+    Triton that K/V rows start 16-element aligned, so that it loads them in 16-byte vectors) are
+    tuning knobs for benchmarks/cuda_paged_decode.py."""
     b, h, d = q.shape
     bs, h_kv = k_cache.shape[1], k_cache.shape[2]
     g = h // h_kv
