@@ -3,6 +3,8 @@ oracle is transformers itself), prompts of assorted lengths, and GPU gating."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,17 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # measure threading set their own).
 torch.set_num_threads(1)
 ARCHS = ("llama", "mistral", "qwen2")
+
+
+def run_interpreted(code: str, *args: str, timeout: int = 600) -> str:
+    """stdout of ``code`` run in a child Python started with TRITON_INTERPRET=1 (Triton reads it on
+    import, so not in this process), from the repository root, with ``args`` as its argv; a child
+    that fails fails the test with the end of its stderr. Callers skip first where no triton is."""
+    r = subprocess.run([sys.executable, "-c", code, *args], cwd=Path(__file__).parents[1], capture_output=True,
+                       text=True, timeout=timeout,
+                       env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
 
 
 def tiny_hf_config(arch: str) -> object:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_interpreted
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -157,10 +159,9 @@ def launch_ways_interpreted() -> None:
 
 def test_cuda_launch_overhead_ways_in_the_interpreter() -> None:
     pytest.importorskip("triton")
-    code = "from tests.test_benchmarks_smoke import launch_ways_interpreted; launch_ways_interpreted()"
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env={**__import__("os").environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)})
-    assert r.returncode == 0 and "ways ran" in r.stdout, r.stderr[-3000:]
+    out = run_interpreted("from tests.test_benchmarks_smoke import launch_ways_interpreted; launch_ways_interpreted()",
+                          timeout=300)
+    assert "ways ran" in out
 
 
 @pytest.mark.gpu(1)

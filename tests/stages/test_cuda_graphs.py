@@ -4,11 +4,7 @@ runs eagerly over the graph's buffers (``capture=False``: no GPU); the capture a
 themselves run on CUDA only (marked gpu)."""
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +14,7 @@ from pp_runtime.batch import SeqChunk
 from pp_runtime.config import DeviceConfig
 from stages.attention import build_metadata
 from stages.cuda_graphs import BATCH_SIZES, DecodeGraphs, padded
-from tests.conftest import hf_greedy, mixed_prompts
+from tests.conftest import hf_greedy, mixed_prompts, run_interpreted
 from tests.stages.test_model import BLOCK, make_worker
 
 NB = 64  # the caches' blocks a sequence may own; block NB is the scratch block
@@ -107,10 +103,8 @@ def interpreted(folder: str) -> None:
 def test_padded_step_on_cudas_attention_path(hf_models: dict) -> None:
     """The decode kernel reads the lengths buffer, the gathered path the padding mask: both refilled."""
     pytest.importorskip("triton")
-    code = f"from tests.stages.test_cuda_graphs import interpreted; interpreted({str(hf_models['llama'])!r})"
-    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert r.returncode == 0 and "padded steps match" in r.stdout, r.stderr[-3000:]
+    out = run_interpreted(f"from tests.stages.test_cuda_graphs import interpreted; interpreted({str(hf_models['llama'])!r})")
+    assert "padded steps match" in out
 
 
 def test_a_steps_output_outlives_the_next_step(hf_models: dict) -> None:

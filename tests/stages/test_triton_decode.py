@@ -3,16 +3,12 @@ in Triton's interpreter on CPU tensors where triton is installed (the GPU image 
 venv does not), and on a GPU, wired into the torch backend, against its gather path."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from stages.attention import TorchAttention, build_metadata
 from stages.attention import triton_decode
+from tests.conftest import run_interpreted
 
 BS, HKV, NB = 16, 2, 64
 LENS = (1, 15, 16, 17, 64, 150)  # one key; a block less one; a block; a block and one; whole steps (16, 32, 64 keys); ten blocks, partial
@@ -91,12 +87,8 @@ def interpret_cases() -> None:
 
 def test_paged_decode_interpreted() -> None:
     pytest.importorskip("triton")
-    code = "from tests.stages.test_triton_decode import interpret_cases; interpret_cases()"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                       cwd=Path(__file__).parents[2])
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert f"{len(CASES)} cases match" in r.stdout
+    out = run_interpreted("from tests.stages.test_triton_decode import interpret_cases; interpret_cases()")
+    assert f"{len(CASES)} cases match" in out
 
 
 def test_usable_only_where_the_kernel_is_right() -> None:

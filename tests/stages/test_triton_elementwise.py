@@ -5,8 +5,6 @@ the paged decode kernel) also goes through Triton's real compiler for an H200 (s
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import torch
 
 from stages import triton_elementwise as te
 from stages.attention.torch_backend import _narrow, byte_view
-from tests.conftest import mixed_prompts
+from tests.conftest import mixed_prompts, run_interpreted
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -150,12 +148,9 @@ def model_with_and_without(folder: Path) -> None:
 
 def test_kernels_interpreted(tmp_path: Path) -> None:
     pytest.importorskip("triton")
-    code = "from tests.stages.test_triton_elementwise import interpret_cases; interpret_cases()"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600,
-                       cwd=Path(__file__).parents[2])
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "cases match" in r.stdout
+    out = run_interpreted("from tests.stages.test_triton_elementwise import interpret_cases; interpret_cases()",
+                          str(tmp_path))
+    assert "cases match" in out
 
 
 def test_fp8_caches_only_where_triton_compiles_them(monkeypatch: pytest.MonkeyPatch) -> None:
