@@ -5,19 +5,20 @@
 
 Each B: a decode-only step of B decodes at ``--context`` keys, as the worker runs it (its metadata
 built, then the layers), eagerly and through DecodeGraphs (captured at the first step of its
-shape, outside the timing); wall time to the GPU's end, median of ``--rounds``, and the largest
-difference of the two outputs. A decode-only step of LLaMA-7B took 12.6-13.1 ms eagerly on an H200
-at every B from 4 to 64, ~3 ms of it the weights' stream (docs/BENCHMARKS.md, "The second GPU run").
+shape, outside the timing); CUDA events around each call (a host-bound step's events are as far
+apart as its wall time), median of ``--rounds``; and the largest difference of the two outputs.
+A decode-only step of LLaMA-7B took 12.6-13.1 ms eagerly on an H200 at every B from 4 to 64,
+~3 ms of it the weights' stream (docs/BENCHMARKS.md, "The second GPU run").
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
-import statistics
-import time
 
 import torch
+
+from benchmarks.cuda_paged_decode import timed
 
 from pp_runtime.batch import SeqChunk
 from stages.attention import build_metadata
@@ -25,19 +26,6 @@ from stages.cuda_graphs import DecodeGraphs
 from stages.profile import build_worker, fill_cache
 
 BS = 16
-
-
-def timed(fn: callable, rounds: int) -> float:
-    """Median ms of ``fn`` to the GPU's end, after a warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:

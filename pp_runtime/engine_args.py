@@ -57,8 +57,8 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
         scheduler=SchedulerConfig(scheduler, chunk_size, 1 if max_batch_size is None else max_batch_size, tile_align,
                                   max_len, chunk_budget=chunk_budget, admission=admission,
                                   step_costs=() if isinstance(step_costs, str) else step_costs),
-        cache=CacheConfig(block_size, budget, kv_cache_dtype, prefault_kv, enable_prefix_caching), device=DeviceConfig(device, dtype, attention, threads, gguf_weights, matmul_precision,
-                                                                                     cuda_graphs),
+        cache=CacheConfig(block_size, budget, kv_cache_dtype, prefault_kv, enable_prefix_caching),
+        device=DeviceConfig(device, dtype, attention, threads, gguf_weights, matmul_precision, cuda_graphs),
         seed=seed)
     if max_len > mcfg.max_position_embeddings:
         raise ValueError(f"max_model_len={max_len} exceeds the model's {mcfg.max_position_embeddings} "
