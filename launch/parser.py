@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pp_runtime.config import (ADMISSIONS, CHUNK_BUDGETS, DTYPES, GGUF_WEIGHTS, KV_DTYPES, MATMUL_PRECISIONS,
-                               SCHEDULER_POLICIES, are_step_costs)
+from pp_runtime.config import (ADMISSIONS, CHUNK_BUDGETS, DTYPES, GGUF_WEIGHTS, KV_ADMISSIONS, KV_DTYPES,
+                               MATMUL_PRECISIONS, SCHEDULER_POLICIES, are_step_costs)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,7 +90,8 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler", choices=SCHEDULER_POLICIES, default="sarathi")
     p.add_argument("--chunk-size", type=_positive_int, default=256)
     p.add_argument("--max-batch-size", type=_positive_int, default=None,
-                   help="sequences per micro-batch (default: the paper's B / pp, capped at 64); pp× as many may run at once")
+                   help="sequences per micro-batch (default 64; with --kv-admission optimistic the paper's B / pp, "
+                        "capped at 64); pp× as many may run at once")
     p.add_argument("--tile-align", action="store_true", help="chunk = C − decodes: every batch is C tokens")
     p.add_argument("--chunk-budget", choices=CHUNK_BUDGETS, default="flops",
                    help="what sarathi's --chunk-size counts: flops (default: attention included, so a chunk deep "
@@ -106,6 +107,11 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
                    help="the order waiting requests start in: fcfs (default, arrival order) or longest_first "
                         "(most max_tokens first: the longest decodes start early and finish beside later "
                         "prompts' chunks, a shorter batch end to end)")
+    p.add_argument("--kv-admission", choices=KV_ADMISSIONS, default="reserve",
+                   help="when a waiting request may start: reserve (default: once every running request's "
+                        "prompt + max_tokens fits the KV cache beside its own; never a preemption) or "
+                        "optimistic (vLLM's: once its prompt fits now, preempting the newest when blocks "
+                        "run out; the running count then capped at the paper's B)")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="share the K/V of whole blocks of prompt that an earlier request computed (a system "
                         "prompt, few-shot examples): only the rest is prefilled (vLLM's automatic prefix caching)")
@@ -207,7 +213,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
     partition = parse_partition(a.partition)
     return dict(model=a.model, pp=a.pp, tp=a.tp, launcher=a.launcher, scheduler=a.scheduler,
                 chunk_size=a.chunk_size, max_batch_size=a.max_batch_size, tile_align=a.tile_align,
-                chunk_budget=a.chunk_budget, admission=a.admission, step_costs=a.step_costs,
+                chunk_budget=a.chunk_budget, admission=a.admission, kv_admission=a.kv_admission,
+                step_costs=a.step_costs,
                 enable_prefix_caching=a.enable_prefix_caching, cuda_graphs=a.cuda_graphs,
                 dtype=a.dtype, device=a.device, attention=a.attention, seed=a.seed, block_size=a.block_size,
                 memory_budget_gb=a.memory_budget_gb, max_model_len=a.max_model_len, partition=partition,

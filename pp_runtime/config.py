@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 SCHEDULER_POLICIES = ("sarathi", "orca", "prefill_first", "request_level")
 CHUNK_BUDGETS = ("flops", "tokens")
 ADMISSIONS = ("fcfs", "longest_first")
+KV_ADMISSIONS = ("reserve", "optimistic")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -208,6 +209,13 @@ class SchedulerConfig:
       their attention reading K/V far below the FLOP rate) and prices a prompt key at 0.6 of its
       measured time (int8 + fp8 K/V; docs/BENCHMARKS.md, target 4). One micro-batch in flight
       waits on nobody: unchanged there.
+    kv_admission: when a waiting request may take KV blocks. "optimistic" (vLLM's): when its
+      prompt fits the free blocks now; a running request that later finds no block for its next
+      token preempts the newest idle one, which is recomputed later. "reserve": only while every
+      running request's whole length (prompt + max_tokens) still fits the cache beside its own,
+      so nothing is ever preempted and the running count follows the requests' own lengths, not
+      max_model_len's (the LLM's default: 32 requests of ≤ 192 tokens all run together where
+      the paper's B, 21 requests of 2048, would split them; docs/BENCHMARKS.md, target 1).
     """
 
     policy: str = "sarathi"
@@ -219,6 +227,7 @@ class SchedulerConfig:
     chunk_budget: str = "flops"
     admission: str = "fcfs"
     step_costs: tuple[float, ...] = ()
+    kv_admission: str = "optimistic"
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULER_POLICIES:
@@ -230,6 +239,9 @@ class SchedulerConfig:
         if self.admission not in ADMISSIONS:
             raise ValueError(f"SchedulerConfig.admission must be one of {', '.join(ADMISSIONS)}, "
                              f"got {self.admission!r}")
+        if self.kv_admission not in KV_ADMISSIONS:
+            raise ValueError(f"SchedulerConfig.kv_admission must be one of {', '.join(KV_ADMISSIONS)}, "
+                             f"got {self.kv_admission!r}")
         _positive(self, "chunk_size", "max_batch_size", "max_model_len")
         if self.max_running < 0:
             raise ValueError(f"SchedulerConfig.max_running must be ≥ 0 (0: max_batch_size), got {self.max_running}")

@@ -30,7 +30,8 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
                         kv_cache_dtype: str = "auto", matmul_precision: str = "highest",
                         chunk_budget: str = "flops", prefault_kv: bool = False,
                         admission: str = "fcfs", step_costs: Sequence[float] | str = (),
-                        enable_prefix_caching: bool = False, cuda_graphs: bool = False) -> tuple[EngineConfig, object]:
+                        enable_prefix_caching: bool = False, cuda_graphs: bool = False,
+                        kv_admission: str = "reserve") -> tuple[EngineConfig, object]:
     """Resolve the model and validate every setting; raises ValueError naming the bad one.
     max_batch_size None is kept as 1 here and replaced once the memory plan gives B; step_costs
     "fit" is kept empty here and fitted once the workers run (pp_runtime.calibration)."""
@@ -56,7 +57,8 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
         model_path=source.path, parallel=parallel,
         scheduler=SchedulerConfig(scheduler, chunk_size, 1 if max_batch_size is None else max_batch_size, tile_align,
                                   max_len, chunk_budget=chunk_budget, admission=admission,
-                                  step_costs=() if isinstance(step_costs, str) else step_costs),
+                                  step_costs=() if isinstance(step_costs, str) else step_costs,
+                                  kv_admission=kv_admission),
         cache=CacheConfig(block_size, budget, kv_cache_dtype, prefault_kv, enable_prefix_caching),
         device=DeviceConfig(device, dtype, attention, threads, gguf_weights, matmul_precision, cuda_graphs),
         seed=seed)

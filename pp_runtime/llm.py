@@ -63,7 +63,8 @@ class LLM:
                  gguf_weights: str = "native", kv_cache_dtype: str = "auto",
                  matmul_precision: str = "highest", chunk_budget: str = "flops", prefault_kv: bool = False,
                  admission: str = "fcfs", step_costs: Sequence[float] | str = (),
-                 enable_prefix_caching: bool = False, cuda_graphs: bool = False) -> None:
+                 enable_prefix_caching: bool = False, cuda_graphs: bool = False,
+                 kv_admission: str = "reserve") -> None:
         fit = isinstance(step_costs, str) and step_costs == "fit"  # other strings: build_engine_config names them
         self.config, self.source = build_engine_config(
             model, pp, tp, scheduler, chunk_size, max_batch_size, tile_align, dtype, device, attention, seed,
@@ -71,7 +72,7 @@ class LLM:
             matmul_precision, chunk_budget,
             # a calibration run on a cold cache would charge the OS's first touch of each KV page to
             # the first (shallow) prompt chunks and price a key too low (~0.37e-3 against ~0.52e-3)
-            prefault_kv or fit, admission, step_costs, enable_prefix_caching, cuda_graphs)
+            prefault_kv or fit, admission, step_costs, enable_prefix_caching, cuda_graphs, kv_admission)
         parallel, max_len = self.config.parallel, self.config.scheduler.max_model_len
         self.launcher = launcher or ("local" if parallel.world_size == 1 else "ray")
         with keep_sigterm_handler():
@@ -82,10 +83,12 @@ class LLM:
                 raise ValueError(f"memory budget too small: {self.memory.num_blocks} KV blocks hold "
                                  f"{self.memory.num_blocks * block_size} tokens, one request of max length "
                                  f"{max_len} needs {max_len}")
-            # B requests fit in memory at full length; with pp micro-batches in flight each one
-            # carries B/pp of them (the paper's TP-PP: 219 running, 27 per micro-batch).
+            # "reserve" admits by each request's own whole length, so memory needs no count cap;
+            # "optimistic" is capped as the paper sizes it: B requests fit in memory at full length,
+            # and with pp micro-batches in flight each carries B/pp (TP-PP: 219 running, 27 a batch).
             pp = self.config.parallel.pp
-            mbs = max_batch_size or max(1, min(self.memory.max_batch_b // pp, DEFAULT_MAX_BATCH))
+            mbs = max_batch_size or (DEFAULT_MAX_BATCH if self.config.scheduler.kv_admission == "reserve"
+                                     else max(1, min(self.memory.max_batch_b // pp, DEFAULT_MAX_BATCH)))
             self.sched_config = replace(self.config.scheduler, max_batch_size=mbs, max_running=mbs * pp)
             self.config = replace(self.config, scheduler=self.sched_config)
             self.executor.allocate_cache(self.memory.num_blocks)

@@ -28,7 +28,7 @@ from pp_runtime.workload_config import WorkloadConfig
 ENGINE_KEYS = ("model", "pp", "tp", "chunk_size", "max_batch_size", "tile_align", "memory_budget_gb",
                "max_model_len", "threads", "seed", "launcher", "dtype", "device", "attention",
                "block_size", "partition", "gguf_weights", "kv_cache_dtype", "matmul_precision", "chunk_budget",
-               "admission", "step_costs", "enable_prefix_caching", "cuda_graphs")
+               "admission", "step_costs", "enable_prefix_caching", "cuda_graphs", "kv_admission")
 RUN_KEYS = ENGINE_KEYS + ("schedulers", "workload")
 
 
@@ -39,7 +39,7 @@ def _check_engine(engine: Mapping[str, Any]) -> None:
         if key not in ENGINE_KEYS:
             raise ValueError(f"unknown engine key {key!r} (known: {', '.join(ENGINE_KEYS)})")
         if key in ("model", "launcher", "dtype", "device", "attention", "gguf_weights", "kv_cache_dtype",
-                   "matmul_precision", "chunk_budget", "admission"):
+                   "matmul_precision", "chunk_budget", "admission", "kv_admission"):
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"{key} must be a string, got {value!r}")
         elif key in ("pp", "tp", "chunk_size", "max_batch_size", "max_model_len", "block_size"):

@@ -12,7 +12,9 @@ Policies (SchedulerConfig.policy):
   request_level  static batches: admit a batch, run it to completion, then admit the next.
 
 Admission (SchedulerConfig.admission), for every policy: waiting requests start in arrival
-order (fcfs) or most max_tokens first (longest_first).
+order (fcfs) or most max_tokens first (longest_first), when their prompt fits the free KV blocks
+(kv_admission "optimistic") or when every running request's whole length fits beside theirs
+("reserve": never a preemption).
 
 Invariants the property tests check: a decoding request is in at most one in-flight
 micro-batch (its next input is the token the previous one samples); consecutive prefill
@@ -188,7 +190,7 @@ class Scheduler:
                 return  # whole prompts only: the next one does not fit this batch
             if req.phase is Phase.WAITING:
                 # Admit only what fits in free blocks now: a newcomer never preempts older work.
-                if not self.blocks.can_admit(req.num_tokens, hit):
+                if not self.blocks.can_admit(req.num_tokens, hit) or not self._reservable(req):
                     return
                 self.waiting.remove(req)
                 req.admit(self.blocks.take_prefix(req.seq_id, hit, req.num_tokens))
@@ -210,6 +212,17 @@ class Scheduler:
         # An aborted prompt gets no further chunks: it finishes once those in flight return.
         running = [(r, True) for r in self.running if r.is_prefilling and r.seq_id not in self._aborted]
         return running + [(r, False) for r in self.waiting if admit(r)]
+
+    def _reservable(self, req: Request) -> bool:
+        """kv_admission "reserve": the whole lengths of the running requests and of ``req`` fit the
+        cache together, so no block a running request will ask for is ever missing (shared prefix
+        blocks are counted once per holder: a little conservative, never short)."""
+        if self.cfg.kv_admission != "reserve":
+            return True
+        return sum(map(self._whole_blocks, self.running)) + self._whole_blocks(req) <= self.blocks.num_blocks
+
+    def _whole_blocks(self, req: Request) -> int:
+        return blocks_for(len(req.prompt_token_ids) + req.params.max_tokens, self.blocks.block_size)
 
     def _reserve(self, req: Request, n: int, plan: list[tuple[Request, int]]) -> bool:
         """Blocks for ``n`` more tokens of ``req``, preempting newer idle requests if needed."""
@@ -235,7 +248,7 @@ class Scheduler:
         # Leave one slot for a prefill chunk, but only when one could use it: with every running
         # request decoding and no room to admit, a reserved slot would just halve the decode rate.
         prefill_possible = any(r.is_prefilling for r in self.running) or (
-            self.waiting and len(self.running) < self.cfg.running_cap)
+            self.waiting and len(self.running) < self.cfg.running_cap and self._reservable(self.waiting[0]))
         limit = self.cfg.max_batch_size - 1 if prefill_possible else self.cfg.max_batch_size
         self._take_decodes(plan, min(max(1, limit), self._decode_share()))
         budget = self.cfg.chunk_size - (len(plan) if self.cfg.tile_align else 0)

@@ -275,16 +275,41 @@ def test_reconfigure_checks_max_batch_size_before_using_it(llm: LLM) -> None:
 
 @pytest.mark.parametrize("budget_gb, max_model_len", [(0.002, 128), (0.05, 128)])
 def test_default_max_batch_size_is_b_over_pp_capped_at_64(budget_gb: float, max_model_len: int) -> None:
-    """Without --max-batch-size a micro-batch holds ⌊B/pp⌋ sequences (B: full-length requests the
-    KV budget holds), at most 64, and pp × that many may run (every micro-batch in flight full)."""
-    with LLM(model="llama-tiny", pp=2, launcher="local", memory_budget_gb=budget_gb,
-             max_model_len=max_model_len) as m:
+    """Under kv_admission "optimistic", without --max-batch-size a micro-batch holds ⌊B/pp⌋ sequences
+    (B: full-length requests the KV budget holds), at most 64, and pp × that many may run (every
+    micro-batch in flight full). Under "reserve" (the default) memory caps admission request by
+    request, and the count cap is 64 a micro-batch."""
+    kw = dict(model="llama-tiny", pp=2, launcher="local", memory_budget_gb=budget_gb, max_model_len=max_model_len)
+    with LLM(**kw, kv_admission="optimistic") as m:
         b = m.memory.max_batch_b
         assert b == m.memory.num_blocks * 16 // max_model_len
         assert m.sched_config.max_batch_size == max(1, min(b // 2, 64))
         assert m.sched_config.max_running == 2 * m.sched_config.max_batch_size
     # the two budgets land on either side of the cap
     assert (b // 2 > 64) == (budget_gb == 0.05)
+    with LLM(**kw) as m:
+        assert m.sched_config.kv_admission == "reserve"
+        assert (m.sched_config.max_batch_size, m.sched_config.max_running) == (64, 128)
+
+
+def test_reserve_admission_runs_more_short_requests_than_b_at_once() -> None:
+    """The KV budget holds B = 2 requests of max_model_len 256, but 12 of ≤ 24 tokens fit whole:
+    under "reserve" all start together (one micro-batch of 12 decodes), under "optimistic" at most
+    2 × B run, and both give the same tokens."""
+    kw = dict(model="llama-tiny", launcher="local", chunk_size=64, block_size=8, max_model_len=256)
+    plan = LLM(**kw, memory_budget_gb=0.05)
+    budget = (plan.memory.weight_bytes + 2 * 256 * plan.memory.kv_bytes_per_token) / (1 << 30)
+    plan.shutdown()
+    ps = [[5 + (i * 13 + k) % 300 for k in range(8 + i % 9)] for i in range(12)]
+    out = {}
+    for kv in ("reserve", "optimistic"):
+        with LLM(**kw, memory_budget_gb=budget, kv_admission=kv) as llm:
+            assert llm.memory.max_batch_b == 2
+            out[kv] = [o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=8, ignore_eos=True))]
+            widest = max(m.decode_tokens for m in llm.last_run.engine.history)
+            assert widest == (12 if kv == "reserve" else 2)
+            assert sum(r.num_preemptions for r in llm.last_run.requests) == 0
+    assert out["reserve"] == out["optimistic"]
 
 
 # ---- memory pressure ----------------------------------------------------------------------------
@@ -298,7 +323,7 @@ def test_kv_cache_far_below_demand_preempts_without_changing_outputs(scheduler: 
     # Just one max-length request's worth of blocks (16), against demand of ~10 times that.
     plan = big.memory
     budget = (plan.weight_bytes + (max_len // block) * block * plan.kv_bytes_per_token) / (1 << 30)
-    small = LLM(**kw, memory_budget_gb=budget, max_batch_size=8)
+    small = LLM(**kw, memory_budget_gb=budget, max_batch_size=8, kv_admission="optimistic")
     assert small.memory.num_blocks == max_len // block < big.memory.num_blocks // 100
     ps = [[3 + (i * 31 + k) % 500 for k in range(10 + 7 * i % 40)] for i in range(12)]
     params = [SamplingParams(max_tokens=60 - len(p) % 20, ignore_eos=True, **(

@@ -73,7 +73,8 @@ def test_same_seed_under_preemption(hf_models: dict, alone: list[int], prefix_ca
     # recomputed request samples what it would have sampled anyway (with prefix caching it may
     # find its own blocks still cached and recompute less).
     prompts, plist = crowd(7)
-    with LLM(model=str(hf_models["llama"]), memory_budget_gb=0.05, chunk_size=16, max_batch_size=6) as llm:
+    with LLM(model=str(hf_models["llama"]), memory_budget_gb=0.05, chunk_size=16, max_batch_size=6,
+             kv_admission="optimistic") as llm:
         llm.blocks = BlockManager(8, 16, prefix_caching)  # 128 tokens of KV for 216 tokens of requests
         reqs = [llm.make_request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
         outs = llm.run(reqs)

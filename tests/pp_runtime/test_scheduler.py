@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pp_runtime.batch import MicroBatch, SeqChunk
-from pp_runtime.config import ADMISSIONS, SchedulerConfig
+from pp_runtime.config import ADMISSIONS, KV_ADMISSIONS, SchedulerConfig
 from pp_runtime.kv_cache import BlockManager, blocks_for
 from pp_runtime.request import Request, SamplingParams
 from pp_runtime.chunk_budget import chunk_cost, fits
@@ -277,6 +277,9 @@ class FakePipeline:
             else:
                 assert bm.block_table(r.seq_id) == [], f"{r.request_id} holds blocks while not running"
         assert len(self.sched.running) <= self.cfg.max_batch_size
+        if self.cfg.kv_admission == "reserve":  # every running request's whole length fits: none preempted
+            whole = sum(blocks_for(len(r.prompt_token_ids) + r.params.max_tokens, bm.block_size) for r in self.sched.running)
+            assert whole <= bm.num_blocks and not any(r.num_preemptions for r in self.reqs.values())
         # Whatever is in flight is still running: preemption only takes requests not in flight.
         running = {r.seq_id for r in self.sched.running}
         assert all(c.seq_id in running for m in self.in_flight for c in m.chunks), "an in-flight request was preempted"
@@ -333,10 +336,11 @@ def make_requests(lengths: list[int], max_tokens: int | list[int], seed: int = 0
 def make_scheduler(policy: str, chunk: int, mbs: int, num_blocks: int = HUGE_KV, block_size: int = 4,
                    tile_align: bool = False, max_model_len: int = 4096, depth: int = 1,
                    key_cost: float | tuple[float, ...] = 0.0, admission: str = "fcfs",
-                   prefix_caching: bool = False) -> Scheduler:
+                   prefix_caching: bool = False, kv_admission: str = "optimistic") -> Scheduler:
     """key_cost: the model's, or a tuple: measured step_costs (beside the model's KEY_COST)."""
     costs = key_cost if isinstance(key_cost, tuple) else ()
-    cfg = SchedulerConfig(policy, chunk, mbs, tile_align, max_model_len, admission=admission, step_costs=costs)
+    cfg = SchedulerConfig(policy, chunk, mbs, tile_align, max_model_len, admission=admission, step_costs=costs,
+                          kv_admission=kv_admission)
     return Scheduler(cfg, BlockManager(num_blocks, block_size, prefix_caching), eos_token_ids=(EOS,), depth=depth,
                      key_cost=KEY_COST if costs else key_cost)
 
@@ -426,6 +430,49 @@ def test_preemption_under_tiny_kv_changes_no_output(policy: str, pp: int, chunk:
     if case_mbs(chunk, tile) > 1:
         assert any(r.num_preemptions > 0 for r in small.reqs.values()), "the tiny budget should force preemption"
     assert all(r.num_preemptions == 0 for r in big.reqs.values())
+
+
+@pytest.mark.parametrize("policy, pp, chunk, tile, kc", CASES)
+def test_reserve_admission_under_tiny_kv_never_preempts(policy: str, pp: int, chunk: int, tile: bool,
+                                                         kc: float | tuple[float, ...]) -> None:
+    # The workload and 7 blocks that force preemption above; reserving each request's whole
+    # length admits fewer at once and never preempts (checked on every plan), same outputs.
+    lengths, max_tokens = [9, 14, 3, 20, 6, 11], [12, 8, 16, 5, 10, 9]
+    pipe = run_workload(policy, pp, chunk, make_requests(lengths, max_tokens), mbs=case_mbs(chunk, tile),
+                        tile_align=tile, num_blocks=7, key_cost=kc, kv_admission="reserve")
+    assert_matches_oracle(pipe)
+    assert all(r.num_preemptions == 0 and r.finish_reason == "length" for r in pipe.reqs.values())
+
+
+@pytest.mark.parametrize("kv_admission, together", [("reserve", 5), ("optimistic", 6)])
+def test_reserve_admission_runs_as_many_as_their_own_lengths_fit(kv_admission: str, together: int) -> None:
+    # 16 blocks of 4: one request of max_model_len 64 fills them (the paper's B = 1), but five of
+    # 8 + 4 tokens (3 blocks each, 15 in all) fit whole and start together, the sixth waits
+    # (optimistic starts all six: their prompts, 2 blocks each, fit now).
+    pipe = FakePipeline(make_scheduler("sarathi", 256, 8, num_blocks=16, max_model_len=64,
+                                       kv_admission=kv_admission), 1)
+    pipe.add(make_requests([8] * 6, 4))
+    pipe.fill()
+    assert len(pipe.sched.running) == together and len(pipe.sched.waiting) == 6 - together
+    pipe.run()
+    assert_matches_oracle(pipe)
+
+
+def test_reserve_admission_waits_where_optimistic_admits_and_preempts() -> None:
+    # Two requests of 4 + 12 tokens (4 blocks each) in 6 blocks: optimistic starts both (their
+    # prompts fit) and preempts one as they grow; reserve runs them one after the other.
+    runs = {kv: run_workload("sarathi", 1, 64, make_requests([4, 4], 12), num_blocks=6, kv_admission=kv)
+            for kv in KV_ADMISSIONS}
+    assert max(len(m.chunks) for m in runs["optimistic"].history) == 2
+    assert sum(r.num_preemptions for r in runs["optimistic"].reqs.values()) > 0
+    assert max(len(m.chunks) for m in runs["reserve"].history) == 1
+    assert [r.output_token_ids for r in runs["reserve"].reqs.values()] == \
+        [r.output_token_ids for r in runs["optimistic"].reqs.values()]
+
+
+def test_bad_kv_admission_is_named() -> None:
+    with pytest.raises(ValueError, match="SchedulerConfig.kv_admission must be one of reserve, optimistic, got 'eager'"):
+        SchedulerConfig(kv_admission="eager")
 
 
 # ---- pipelining: what may and may not be in flight together -----------------------------------
@@ -610,7 +657,7 @@ def workloads(draw: st.DrawFn) -> dict:
     num_blocks = draw(st.one_of(st.integers(1, need + 4), st.integers(need, need + 4),
                                 st.integers(need, 4 * need), st.just(HUGE_KV)))
     return dict(policy=policy, pp=draw(st.integers(1, 3)), chunk=chunk, tile=tile, mbs=mbs,
-                admission=draw(st.sampled_from(ADMISSIONS)),
+                admission=draw(st.sampled_from(ADMISSIONS)), kv_admission=draw(st.sampled_from(KV_ADMISSIONS)),
                 block_size=block_size, num_blocks=num_blocks, lengths=lengths, max_tokens=max_tokens,
                 max_model_len=draw(st.one_of(st.just(4096), st.integers(8, 56))),
                 ignore_eos=draw(st.booleans()), stop=tuple(draw(st.lists(st.integers(0, VOCAB - 1), max_size=2))),
@@ -625,7 +672,7 @@ def test_random_workloads_complete_with_unconstrained_outputs(w: dict) -> None:
     reference = run_workload("sarathi", 1, 4096, reqs(), mbs=64)
     pipe = FakePipeline(make_scheduler(w["policy"], w["chunk"], w["mbs"], w["num_blocks"], w["block_size"],
                                        w["tile"], w["max_model_len"], admission=w["admission"],
-                                       prefix_caching=w["prefix_caching"]), w["pp"],
+                                       prefix_caching=w["prefix_caching"], kv_admission=w["kv_admission"]), w["pp"],
                         ample_kv=w["num_blocks"] == HUGE_KV)
     pipe.add(reqs())
     pipe.run()

@@ -70,7 +70,7 @@ def test_soak_every_request_comes_back_once() -> None:
     # 64 blocks (1024 tokens) per stage against ~900 requests of up to 110 tokens: preemptions
     budget = (plan.weight_bytes + 64 * BLOCK * plan.kv_bytes_per_token) / (1 << 30)
     try:
-        with LLM(**ENGINE, launcher="ray", memory_budget_gb=budget) as llm:
+        with LLM(**ENGINE, launcher="ray", memory_budget_gb=budget, kv_admission="optimistic") as llm:
             assert llm.memory.num_blocks == 64
             reqs = [llm.make_request(p.request_id, p.prompt, p.params, p.error) for p in parsed]
             outs = llm.run(reqs)
