@@ -11,7 +11,7 @@ the ratio of the two medians: a slow stretch of the box then moves both sides of
 """
 from __future__ import annotations
 
-from typing import Iterator, Sequence, TypeVar
+from typing import Iterator, Mapping, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -29,3 +29,37 @@ def ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
     if len(num) != len(den) or not num:
         raise ValueError(f"paired rounds need equal, non-empty lists (got {len(num)} and {len(den)})")
     return [n / d for n, d in zip(num, den)]
+
+
+def compare_sides(rounds: Mapping[str, Sequence[dict]], base: str, new: str) -> tuple[float, float, float, dict]:
+    """Two setups' paired rounds (dicts with tok_s, ttft_p50_s and each request's tokens): the least
+    share of requests with base's first-round tokens in any run, the medians of new / base per round
+    for tokens/s and TTFT p50, and the rounds without their tokens (for JSON)."""
+    import statistics
+    ref = rounds[base][0]["tokens"]
+    same = min(sum(x == y for x, y in zip(r["tokens"], ref)) / len(ref) for side in rounds for r in rounds[side])
+    speedup, ttft = (statistics.median(ratios([r[key] for r in rounds[new]], [r[key] for r in rounds[base]]))
+                     for key in ("tok_s", "ttft_p50_s"))
+    bare = {side: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for side, rs in rounds.items()}
+    return same, speedup, ttft, bare
+
+
+def plot_sides(rounds: Mapping[str, Sequence[dict]], sides: Sequence[str], labels: Sequence[str], title: str,
+               path: str) -> None:
+    """Two panels, total tokens/s and TTFT p50: a bar per side at its median, its rounds as dots."""
+    import statistics
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, key, ylabel in ((axes[0], "tok_s", "total tokens/s"), (axes[1], "ttft_p50_s", "TTFT p50 (s)")):
+        for i, side in enumerate(sides):
+            ys = [r[key] for r in rounds[side]]
+            ax.bar(i, statistics.median(ys), color=("tab:gray", "tab:blue")[i])
+            ax.plot([i] * len(ys), ys, "k.", ms=4)
+        ax.set_xticks(range(len(sides)), labels)
+        ax.set_ylabel(ylabel)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

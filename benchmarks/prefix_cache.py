@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
 import torch
-from pairing import alternating, ratios  # same directory: run as a script
+from pairing import alternating, compare_sides, plot_sides  # same directory: run as a script
 
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.timing import percentile
@@ -98,14 +97,10 @@ def main() -> None:
     finally:
         for llm in llms.values():
             llm.shutdown()
-    ref = rounds["off"][0]["tokens"]
-    same = min(sum(a == b for a, b in zip(r["tokens"], ref)) / len(ref) for side in SIDES for r in rounds[side])
+    same, speedup, ttft, bare = compare_sides(rounds, "off", "on")
     if a.matmul_precision == "highest":
         assert same == 1.0, "prefix caching changed a token"
-    speedup = statistics.median(ratios([r["tok_s"] for r in rounds["on"]], [r["tok_s"] for r in rounds["off"]]))
-    ttft = statistics.median(ratios([r["ttft_p50_s"] for r in rounds["on"]], [r["ttft_p50_s"] for r in rounds["off"]]))
-    result = {"settings": {k: v for k, v in vars(a).items() if k not in ("json", "plot")},
-              "rounds": {s: [{k: v for k, v in r.items() if k != "tokens"} for r in rounds[s]] for s in SIDES},
+    result = {"settings": {k: v for k, v in vars(a).items() if k not in ("json", "plot")}, "rounds": bare,
               "tok_s_ratio_on_off": speedup, "ttft_p50_ratio_on_off": ttft, "same_tokens_share": same}
     print(f"prefix caching: tokens/s ×{speedup:.2f}, TTFT p50 ×{ttft:.3f} (median of {a.rounds} paired rounds); "
           f"{same:.0%} of requests the same tokens in every run")
@@ -117,22 +112,10 @@ def main() -> None:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
-    for ax, key, label in ((axes[0], "tok_s", "total tokens/s"), (axes[1], "ttft_p50_s", "TTFT p50 (s)")):
-        for i, side in enumerate(SIDES):
-            ys = [r[key] for r in result["rounds"][side]]
-            ax.bar(i, statistics.median(ys), color=("tab:gray", "tab:blue")[i])
-            ax.plot([i] * len(ys), ys, "k.", ms=4)
-        ax.set_xticks(range(len(SIDES)), [f"prefix caching {s}" for s in SIDES])
-        ax.set_ylabel(label)
     s = result["settings"]
-    fig.suptitle(f"{s['num']} prompts: {s['shared']} shared + {s['min_tail']}-{s['max_tail']} own tokens, "
-                 f"{s['new_tokens']} new", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_sides(result["rounds"], SIDES, [f"prefix caching {side}" for side in SIDES],
+               f"{s['num']} prompts: {s['shared']} shared + {s['min_tail']}-{s['max_tail']} own tokens, "
+               f"{s['new_tokens']} new", path)
 
 
 if __name__ == "__main__":

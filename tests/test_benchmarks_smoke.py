@@ -360,3 +360,11 @@ def _load(name: str) -> object:
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     return mod
+
+
+def test_kv_admission_smoke(hf_models: dict, tmp_path: Path) -> None:
+    png = tmp_path / "kv_admission.png"
+    r = run(["benchmarks/kv_admission.py", "--smoke", "--model", str(hf_models["llama"]), "--plot", str(png)], tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert r["same_tokens_share"] == 1.0 and r["tok_s_ratio_reserve_optimistic"] > 0
+    assert all(r["rounds"][s][0]["preemptions"] == 0 for s in ("reserve", "optimistic"))
