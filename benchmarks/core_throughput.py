@@ -37,6 +37,7 @@ def ours(model: str | None, prompts: list[list[int]], max_tokens: int, **engine:
     from pp_runtime import LLM, SamplingParams
     # the embedded model: 2048 of its 8192 positions (the memory plan's B); another model: its own limit
     with LLM(model=model, memory_budget_gb=2.0, max_model_len=2048 if model is None else None, prefault_kv=True,
+             enable_prefix_caching=False,  # measured on compute: a fresh engine either way
              **engine) as llm:
         llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
         t = time.perf_counter()

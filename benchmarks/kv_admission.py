@@ -73,7 +73,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     kw = dict(model=a.model, chunk_size=a.chunk, threads=a.threads, memory_budget_gb=a.memory_budget_gb,
               max_model_len=a.max_model_len, prefault_kv=not a.smoke, matmul_precision=a.matmul_precision,
-              kv_cache_dtype=a.kv_cache_dtype)
+              kv_cache_dtype=a.kv_cache_dtype, enable_prefix_caching=False)  # every round: the same prompts
     llms = {side: LLM(**kw, kv_admission=side) for side in SIDES}
     try:
         paper_b = llms["optimistic"].memory.max_batch_b

@@ -52,9 +52,11 @@ def main() -> None:
     a = ap.parse_args()
     model = "llama-tiny" if a.smoke and a.model is None else a.model
     plen = 200 if a.smoke else a.prompt_len
-    # prefault_kv: the KV pages written at start-up, so no measured prompt pays for faulting them in
+    # prefault_kv: the KV pages written at start-up, so no measured prompt pays for faulting them in;
+    # no prefix caching: each TTFT rep runs the same prompt again
     common = dict(model=model, chunk_size=a.chunk, memory_budget_gb=1.0, prefault_kv=True,
-                  max_model_len=2048 if model is None else None)  # another model: its own limit
+                  max_model_len=2048 if model is None else None,  # another model: its own limit
+                  enable_prefix_caching=False)
     g = torch.Generator().manual_seed(0)
     with LLM(**common) as probe:
         vocab = probe.source.config.vocab_size

@@ -91,7 +91,7 @@ def deployments(stack: contextlib.ExitStack, model: str | None, chunk: int, max_
     thread per stage, the same batch size and 2 GB budget (closed with the stack)."""
     common = dict(model=model, chunk_size=chunk, max_batch_size=max_batch_size, memory_budget_gb=2.0,
                   max_model_len=2048 if model is None else None, threads=1, kv_cache_dtype=kv_cache_dtype,
-                  matmul_precision=matmul_precision)
+                  matmul_precision=matmul_precision, enable_prefix_caching=False)  # every round: the same prompts
     own = {1: dict(launcher="local"), 2: dict(launcher="ray", partition=pp2_partition)}
     return {pp: stack.enter_context(LLM(pp=pp, **own[pp], **common)) for pp in (1, 2)}
 

@@ -112,9 +112,10 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
                         "prompt + max_tokens fits the KV cache beside its own; never a preemption) or "
                         "optimistic (vLLM's: once its prompt fits now, preempting the newest when blocks "
                         "run out; the running count then capped at the paper's B)")
-    p.add_argument("--enable-prefix-caching", action="store_true",
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the K/V of whole blocks of prompt that an earlier request computed (a system "
-                        "prompt, few-shot examples): only the rest is prefilled (vLLM's automatic prefix caching)")
+                        "prompt, few-shot examples): only the rest is prefilled (vLLM's automatic prefix caching; "
+                        "on by default, as in vLLM; --no-enable-prefix-caching turns it off)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--cuda-graphs", action="store_true",

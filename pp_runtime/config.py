@@ -304,14 +304,17 @@ class CacheConfig:
     enable_prefix_caching: vLLM's automatic prefix caching (pp_runtime/kv_cache.py): a prompt
     that starts with whole blocks some earlier request computed (a system prompt, few-shot
     examples, a conversation's history) shares their K/V and prefills only the rest; the blocks
-    stay cached across runs of one LLM until their room is needed.
+    stay cached across runs of one LLM until their room is needed. On by default, as in vLLM:
+    without shared prefixes it costs the driver a hash a block (0.99 of the throughput without
+    it, 6 paired rounds; docs/BENCHMARKS.md). A benchmark that runs the same prompts again on one
+    LLM turns it off (or resets it): its second run would find every prompt cached.
     """
 
     block_size: int = 16
     memory_budget_bytes: int | None = 4 << 30
     kv_dtype: str = "auto"
     prefault: bool = False
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "block_size")

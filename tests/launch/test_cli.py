@@ -132,17 +132,18 @@ def test_prefix_caching_flag_shares_a_system_prompt(hf_models: dict, tmp_path: P
     inp.write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": system + [50 + i] * (i + 1),
                                        "max_tokens": 4}) + "\n" for i in range(3)))
     out = {}
-    for flag in ((), ("--enable-prefix-caching",)):
-        run_dir = tmp_path / f"run{len(flag)}"
+    for flag in (("--no-enable-prefix-caching",), (), ("--enable-prefix-caching",)):  # on by default
+        run_dir = tmp_path / f"run{flag[0] if flag else ''}"
         # one request a micro-batch: the second prompt starts after the first one's blocks are in
         rc, text, err = run_main(["generate", "--model", str(hf_models["llama"]), "--input", str(inp), "--run-dir",
                                   str(run_dir), "--quiet", "--max-batch-size", "1", *flag, *FAST], capsys)
         assert rc == 0, err
         out[flag] = [json.loads(x)["token_ids"] for x in text.splitlines()]
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["enable_prefix_caching"] == bool(flag) and summary["cuda_graphs"] is False
-        assert summary["prefix_cache_hit_tokens"] == (2 * 32 if flag else 0)
-    assert out[()] == out[("--enable-prefix-caching",)]
+        on = flag != ("--no-enable-prefix-caching",)
+        assert summary["enable_prefix_caching"] == on and summary["cuda_graphs"] is False
+        assert summary["prefix_cache_hit_tokens"] == (2 * 32 if on else 0)
+    assert out[()] == out[("--enable-prefix-caching",)] == out[("--no-enable-prefix-caching",)]
 
 
 def test_verbose_run_prints_memory_plan(hf_models: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

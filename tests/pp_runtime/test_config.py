@@ -15,8 +15,8 @@ def test_cache_config_prefault() -> None:
 
 
 def test_cache_config_prefix_caching() -> None:
-    assert CacheConfig().enable_prefix_caching is False
-    assert CacheConfig(enable_prefix_caching=True).enable_prefix_caching is True
+    assert CacheConfig().enable_prefix_caching is True  # as in vLLM
+    assert CacheConfig(enable_prefix_caching=False).enable_prefix_caching is False
     with pytest.raises(ValueError, match="CacheConfig.enable_prefix_caching must be true or false, got 1"):
         CacheConfig(enable_prefix_caching=1)
 

@@ -62,13 +62,14 @@ def test_a_second_run_finds_every_whole_block(hf_models: dict, reference: tuple)
     assert cold[0].num_cached_tokens == 0 and cold[0].token_ids == expected[0]
 
 
-def test_off_by_default(hf_models: dict, reference: tuple) -> None:
+@pytest.mark.parametrize("kw, on", [({}, True), ({"enable_prefix_caching": False}, False)])
+def test_on_by_default_off_when_asked(hf_models: dict, reference: tuple, kw: dict, on: bool) -> None:
     prompts, expected = reference
-    with LLM(model=str(hf_models["llama"]), chunk_size=32, memory_budget_gb=0.05) as llm:
+    with LLM(model=str(hf_models["llama"]), chunk_size=32, memory_budget_gb=0.05, **kw) as llm:
         llm.generate(prompts, PARAMS)
         again = llm.generate(prompts, PARAMS)
     assert [o.token_ids for o in again] == expected
-    assert all(o.num_cached_tokens == 0 for o in again)
+    assert all((o.num_cached_tokens > 0) == on for o in again)
 
 
 def test_eviction_under_a_small_cache_changes_no_token(hf_models: dict) -> None:
