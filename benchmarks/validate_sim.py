@@ -82,7 +82,9 @@ def sim_config(run_path: str, stage_csvs: list[list[str]], dispatch_us: float, o
     scen = [{"name": s, "scheduler": s, "pp": pp, "chunk_size": e.get("chunk_size", 256), "max_batch_size": mbs,
              "max_running": mbs * pp, "tile_align": bool(e.get("tile_align", False)),
              "chunk_budget": e.get("chunk_budget") or "flops", "admission": e.get("admission") or "fcfs",
-             "dispatch_us": dispatch_us,
+             # the runtime's defaults, where the run's YAML leaves them (the scenario's are the paper's)
+             "kv_admission": e.get("kv_admission") or "reserve",
+             "enable_prefix_caching": e.get("enable_prefix_caching", True), "dispatch_us": dispatch_us,
              "return_us": round(overheads["return"], 1), "prep_us": [round(x, 1) for x in overheads["prep"]]}
             for s in cfg.schedulers]
     if e.get("partition"):  # the profiled layer cut: per-stage cost models hold only for it

@@ -73,7 +73,8 @@ def plan_deployment(cfg: SimConfig, sc: Scenario, cost_model: object | None = No
     # Every request whose full-length K/V fits may run (B); one micro-batch carries up to mbs.
     sched = SchedulerConfig(sc.scheduler, sc.chunk_size, mbs, sc.tile_align, cfg.max_model_len,
                             max_running=sc.max_running or max(mbs, mem.max_batch_b), chunk_budget=sc.chunk_budget,
-                            admission=sc.admission, step_costs=() if sc.step_costs == "fit" else sc.step_costs)
+                            admission=sc.admission, step_costs=() if sc.step_costs == "fit" else sc.step_costs,
+                            kv_admission=sc.kv_admission)
     cost_model = cost_model or make_cost_model(cfg)
     layers = stage_layers(m.num_layers, sc.pp, sc.partition)
     weights = weight_bytes_per_gpu(m, layers, sc.tp, cfg.dtype_bytes)

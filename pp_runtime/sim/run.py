@@ -53,9 +53,15 @@ def workload_items(cfg: WorkloadConfig, vocab_size: int) -> list[tuple[str, obje
             for i, a in enumerate(_arrivals(cfg, n, arr_rng))]
 
 
-def make_requests(items: list[tuple[str, object, int, float]]) -> tuple[list[Request], list[float]]:
-    reqs = [Request(rid, i, DummyTokens(p, DUMMY_TOKEN) if isinstance(p, int) else list(p),
-                    SamplingParams(max_tokens=m, ignore_eos=True))
+def make_requests(items: list[tuple[str, object, int, float]],
+                  shared_prefix: int | None = None) -> tuple[list[Request], list[float]]:
+    """Requests of ``items``; a synthetic prompt (a length) becomes DummyTokens, with ids of its own
+    past ``shared_prefix`` (the workload's) when that is given: prefix caching keys blocks by ids."""
+    def prompt(i: int, p: object) -> object:
+        if not isinstance(p, int):
+            return list(p)
+        return DummyTokens(p, DUMMY_TOKEN) if shared_prefix is None else DummyTokens(p, DUMMY_TOKEN, i, shared_prefix)
+    reqs = [Request(rid, i, prompt(i, p), SamplingParams(max_tokens=m, ignore_eos=True))
             for i, (rid, p, m, _) in enumerate(items)]
     return reqs, [a for *_, a in items]
 
@@ -87,7 +93,7 @@ def run_scenario(cfg: SimConfig, sc: Scenario, out_dir: str | Path, progress: bo
     """Simulate one scenario and write its run directory; returns its summary."""
     dep = plan_deployment(cfg, sc, cost_model)
     items = items if items is not None else workload_items(cfg.workload, cfg.model.vocab_size)
-    reqs, arrivals = make_requests(items)
+    reqs, arrivals = make_requests(items, (cfg.workload.shared_prefix or 0) if sc.enable_prefix_caching else None)
     if progress:
         print(f"simulate {sc.name}: {sc.scheduler}, tp={sc.tp} pp={sc.pp} × {sc.replicas} replica(s), "
               f"max_batch_size={dep.sched_cfg.max_batch_size}; {dep.memory.describe()}", file=sys.stderr)
@@ -100,11 +106,13 @@ def run_scenario(cfg: SimConfig, sc: Scenario, out_dir: str | Path, progress: bo
     t0 = time.perf_counter()
     res = simulate(reqs, arrivals, dep.sched_cfg, dep.memory.num_blocks, cfg.block_size, dep.costs, sc.pp, sc.tp,
                    replicas=sc.replicas, router=sc.router, progress=progress, desc=sc.name,
-                   workers=lambda r: dep.workers[r], **timing_kwargs(cfg, dep))
+                   workers=lambda r: dep.workers[r], prefix_caching=sc.enable_prefix_caching,
+                   **timing_kwargs(cfg, dep))
     sim_s = time.perf_counter() - t0
     settings = {"scheduler": sc.scheduler, "pp": sc.pp, "tp": sc.tp, "chunk_size": sc.chunk_size,
                 "max_batch_size": dep.sched_cfg.max_batch_size, "tile_align": sc.tile_align,
-                "chunk_budget": sc.chunk_budget, "admission": sc.admission,
+                "chunk_budget": sc.chunk_budget, "admission": sc.admission, "kv_admission": sc.kv_admission,
+                "enable_prefix_caching": sc.enable_prefix_caching,
                 "step_costs": list(dep.sched_cfg.step_costs), "model": cfg.model.name,
                 "dtype": cfg.dtype, "device": f"sim:{cfg.hardware.name}", "launcher": "sim",
                 "paper_B": dep.memory.max_batch_b, "paper_B_per_microbatch": dep.memory.per_microbatch_b,

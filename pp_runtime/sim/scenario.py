@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from pp_runtime.config import ADMISSIONS, CHUNK_BUDGETS, DTYPE_BYTES, SCHEDULER_POLICIES, are_step_costs
+from pp_runtime.config import (ADMISSIONS, CHUNK_BUDGETS, DTYPE_BYTES, KV_ADMISSIONS, SCHEDULER_POLICIES,
+                               are_step_costs)
 from pp_runtime.sim.presets import Hardware, SimModel
 from pp_runtime.sim.simulator import ROUTERS
 from pp_runtime.workload_config import WorkloadConfig
@@ -53,6 +54,10 @@ class Scenario:
     # SchedulerConfig.step_costs: 3 numbers, or "fit" (fitted to a calibration run of this deployment's
     # own simulated step times, as the runtime's --step-costs fit does on real ones)
     step_costs: tuple[float, ...] | str = ()
+    # as SchedulerConfig.kv_admission and CacheConfig.enable_prefix_caching; the defaults are the
+    # paper's setup (B full-length requests, no prefix caching), not the runtime's
+    kv_admission: str = "optimistic"
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         where = f"scenario {self.name!r}"
@@ -74,6 +79,11 @@ class Scenario:
             raise ValueError(f"{where}: chunk_budget must be one of {', '.join(CHUNK_BUDGETS)}, got {self.chunk_budget!r}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"{where}: admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
+        if self.kv_admission not in KV_ADMISSIONS:
+            raise ValueError(f"{where}: kv_admission must be one of {', '.join(KV_ADMISSIONS)}, "
+                             f"got {self.kv_admission!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"{where}: enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.step_costs != "fit":
             if not are_step_costs(self.step_costs):
                 raise ValueError(f"{where}: step_costs must be 'fit' or 3 numbers ≥ 0 (prompt key, decode row, "

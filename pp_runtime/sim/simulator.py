@@ -46,29 +46,37 @@ ROUTERS = ("round_robin", "least_loaded")
 
 
 class DummyTokens(Sequence):
-    """``n`` copies of one token id, without storing them: prompts of a simulated workload (the
-    scheduler only slices and counts prompt tokens). Slicing returns a plain list."""
+    """The ``n`` token ids of a simulated prompt, without storing them (the scheduler only slices
+    and counts prompt tokens; slicing returns a plain list). Without ``seq`` every id is ``token``.
+    With ``seq`` (for prefix caching, which keys a block by its ids) the first ``shared`` positions
+    hold ids every such prompt shares (a system prompt's) and the rest ids of prompt ``seq`` alone."""
 
-    __slots__ = ("n", "token")
+    __slots__ = ("n", "token", "seq", "shared")
 
-    def __init__(self, n: int, token: int = 3) -> None:
-        self.n, self.token = int(n), int(token)
+    def __init__(self, n: int, token: int = 3, seq: int | None = None, shared: int = 0) -> None:
+        self.n, self.token, self.seq, self.shared = int(n), int(token), seq, int(shared)
 
     def __len__(self) -> int:
         return self.n
 
+    def _at(self, i: int) -> int:
+        # own ids start past 2^32 so that they never equal a shared one (a position)
+        return self.token if self.seq is None else i if i < self.shared else ((self.seq + 1) << 32) + i
+
     def __getitem__(self, i: int | slice) -> int | list[int]:  # type: ignore[override]
         if isinstance(i, slice):
-            return [self.token] * len(range(*i.indices(self.n)))
+            r = range(*i.indices(self.n))
+            return [self.token] * len(r) if self.seq is None else [self._at(k) for k in r]
         if -self.n <= i < self.n:
-            return self.token
+            return self._at(i % self.n)
         raise IndexError(i)
 
     def __iter__(self) -> Iterator[int]:
-        return itertools.repeat(self.token, self.n)
+        return itertools.repeat(self.token, self.n) if self.seq is None else map(self._at, range(self.n))
 
     def __repr__(self) -> str:
-        return f"DummyTokens({self.n}, token={self.token})"
+        own = "" if self.seq is None else f", seq={self.seq}, shared={self.shared}"
+        return f"DummyTokens({self.n}, token={self.token}{own})"
 
 
 class SimReplica:
@@ -78,11 +86,13 @@ class SimReplica:
                  pp: int, tp: int = 1, *, eos_token_ids: tuple[int, ...] = (), seed: int = 0,
                  window: int | None = None, keep_history: bool = False, workers: list[dict] | None = None,
                  dispatch_s: float = 0.0, return_s: float = 0.0, prep_s: float | Sequence[float] = 0.0,
-                 jitter: float | Sequence[float] = 0.0, token_id: int = 3, key_cost: float = 0.0) -> None:
+                 jitter: float | Sequence[float] = 0.0, token_id: int = 3, key_cost: float = 0.0,
+                 prefix_caching: bool = False) -> None:
         self.index, self.pp, self.tp = index, pp, tp
         self.clock = VirtualClock()
-        self.scheduler = Scheduler(sched_cfg, BlockManager(num_blocks, block_size), eos_token_ids, seed, depth=pp,
-                                   key_cost=key_cost)
+        # prefix caching is the block manager's and the scheduler's alone: simulated as it runs
+        self.scheduler = Scheduler(sched_cfg, BlockManager(num_blocks, block_size, prefix_caching), eos_token_ids,
+                                   seed, depth=pp, key_cost=key_cost)
         self.executor = SimExecutor(cost, pp, tp, self.clock, dispatch_s=dispatch_s, return_s=return_s,
                                     prep_s=prep_s, jitter=jitter, seed=f"{seed}/{index}", token_id=token_id,
                                     workers=workers)
@@ -184,12 +194,15 @@ def simulate(requests: list[Request], arrivals: Sequence[float] | None, sched_cf
              workers: Callable[[int], list[dict]] | None = None, dispatch_s: float = 0.0, return_s: float = 0.0,
              prep_s: float | Sequence[float] = 0.0, jitter: float | Sequence[float] = 0.0,
              window: int | None = None, token_id: int = 3,
-             on_finish: Callable[[Request], None] | None = None, key_cost: float = 0.0) -> SimResult:
+             on_finish: Callable[[Request], None] | None = None, key_cost: float = 0.0,
+             prefix_caching: bool = False) -> SimResult:
     """Run ``requests`` (arriving at ``arrivals``, seconds; None: all at 0) on ``replicas`` simulated
     pipelines of ``pp`` stages × ``tp`` ranks, each with its own Scheduler(sched_cfg) over
     ``num_blocks`` KV blocks; ``cost``: one StageCost for all replicas or one per replica.
     Requests already finished (errors) are passed through untouched. key_cost: the model's
-    (``HeadSizes.key_cost``), for sarathi's "flops" chunk budget (0: it counts tokens)."""
+    (``HeadSizes.key_cost``), for sarathi's "flops" chunk budget (0: it counts tokens).
+    prefix_caching: each replica's block manager keeps prefixes (prompts then need distinct ids:
+    ``DummyTokens`` with ``seq``)."""
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
     if replicas < 1:
@@ -203,7 +216,7 @@ def simulate(requests: list[Request], arrivals: Sequence[float] | None, sched_cf
     reps = [SimReplica(i, sched_cfg, num_blocks, block_size, costs[i], pp, tp, eos_token_ids=eos_token_ids, seed=seed,
                        window=window, keep_history=keep_history, workers=workers(i) if workers else None,
                        dispatch_s=dispatch_s, return_s=return_s, prep_s=prep_s, jitter=jitter, token_id=token_id,
-                       key_cost=key_cost)
+                       key_cost=key_cost, prefix_caching=prefix_caching)
                for i in range(replicas)]
     pending = sorted(((offsets[i], i, r) for i, r in enumerate(requests) if not r.finished), key=lambda x: x[:2])
     from tqdm import tqdm

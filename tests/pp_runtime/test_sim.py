@@ -174,16 +174,20 @@ def _plan_key(mb: MicroBatch) -> list[tuple]:
     return [(c.seq_id, c.start, c.num_tokens, c.is_prefill, c.block_table, c.sample is not None) for c in mb.chunks]
 
 
-@pytest.mark.parametrize("kv_admission", ("optimistic", "reserve"))
+@pytest.mark.parametrize("kv_admission, prefix_caching", [("optimistic", False), ("reserve", False),
+                                                           ("optimistic", True), ("reserve", True)])
 @pytest.mark.parametrize("policy", ("sarathi", "orca"))
-def test_same_microbatches_as_real_engine(policy: str, kv_admission: str) -> None:
+def test_same_microbatches_as_real_engine(policy: str, kv_admission: str, prefix_caching: bool) -> None:
     """A real in-process run (llama-tiny, pp=2, local executor: every micro-batch completes in issue
     order) and the simulator with constant costs issue the same plans, preemptions included
-    (optimistic admission; reserve has none); more requests than the simulator's hand-over window,
-    so the window is exercised too."""
+    (optimistic admission; reserve has none) and prefix hits included (the prompts then share a
+    32-token system prompt); more requests than the simulator's hand-over window, so the window is
+    exercised too."""
     from pp_runtime import LLM
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(5, 120))] for _ in range(20)]
+    if prefix_caching:
+        prompts = [prompts[0][:32] + p for p in prompts]
     max_tokens = [rng.randrange(1, 20) for _ in prompts]
     # 23 KV blocks of 16: preemption happens. The last stage's exact greedy LM head, where the
     # kernels have bf16 products, keeps 4 bytes a vocab row and 2 a weight beside it.
@@ -191,7 +195,7 @@ def test_same_microbatches_as_real_engine(policy: str, kv_admission: str) -> Non
     kept = cfg.vocab_size * (4 + 2 * cfg.hidden_size) / 2 ** 30 if cpu_kernels.bf16_products() else 0.0
     with LLM(model="llama-tiny", pp=2, launcher="local", scheduler=policy, chunk_size=32, max_batch_size=6,
              memory_budget_gb=0.00058 + kept, max_model_len=256, threads=1, kv_admission=kv_admission,
-             enable_prefix_caching=False) as llm:  # the simulator's block manager keeps no prefixes
+             enable_prefix_caching=prefix_caching) as llm:
         reqs = [llm.make_request(str(i), p, SamplingParams(max_tokens=m, ignore_eos=True))
                 for i, (p, m) in enumerate(zip(prompts, max_tokens))]
         llm.run(reqs)
@@ -200,11 +204,13 @@ def test_same_microbatches_as_real_engine(policy: str, kv_admission: str) -> Non
         sreqs = [Request(str(i), i, list(p), SamplingParams(max_tokens=m, ignore_eos=True))
                  for i, (p, m) in enumerate(zip(prompts, max_tokens))]
         res = simulate(sreqs, None, llm.sched_config, llm.memory.num_blocks, 16, ConstantCost(1.0, pp=2), pp=2,
-                       keep_history=True, window=1, key_cost=llm.source.config.key_cost)
+                       keep_history=True, window=1, key_cost=llm.source.config.key_cost, prefix_caching=prefix_caching)
+        hits = sum(r.num_cached_tokens for r in reqs)
     assert llm.sched_config.chunk_budget == "flops"  # the sim's scheduler cuts chunks by FLOPs as well
     assert (preempted > 0) == (kv_admission == "optimistic") and sum(r.num_preemptions for r in sreqs) == preempted
     assert [_plan_key(mb) for mb in res.history] == real
     assert [len(r.output_token_ids) for r in sreqs] == max_tokens
+    assert (hits > 0) == prefix_caching and sum(r.num_cached_tokens for r in sreqs) == hits
 
 
 # ---- cost models ------------------------------------------------------------------------------
@@ -422,6 +428,31 @@ def test_scenario_step_costs_given_or_fitted_on_its_own_simulated_steps(tmp_path
     assert fit_step_costs_simulated(cfg, plan_deployment(cfg, orca)) is not None
 
 
+def test_scenario_prefix_caching_shares_the_workloads_system_prompt(tmp_path: Path) -> None:
+    """smoke.yaml's 64 requests under one 200-token system prompt: with the scenario's
+    enable_prefix_caching its 12 whole blocks are computed once (the real block manager keeps
+    them; the prompts' own ids past the prefix never match), and the simulated run is shorter;
+    kv_admission reaches the scheduler; bad values are named."""
+    from pp_runtime.sim.deployment import plan_deployment
+    from pp_runtime.sim.run import run_scenario
+    cfg = load_sim_config(REPO / "configs/sim/smoke.yaml")
+    cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, shared_prefix=200))
+    out = {}
+    for on in (False, True):
+        sc = dataclasses.replace(cfg.scenarios[0], name=f"pc{on}", enable_prefix_caching=on)
+        out[on] = run_scenario(cfg, sc, tmp_path, progress=False)
+        assert out[on]["enable_prefix_caching"] is on and out[on]["num_errors"] == 0
+    assert out[False]["prefix_cache_hit_tokens"] == 0
+    assert out[True]["prefix_cache_hit_tokens"] >= 63 * 192  # every prompt after the first (some may be in flight together)
+    assert out[True]["wall_s"] < out[False]["wall_s"]
+    sc = dataclasses.replace(cfg.scenarios[0], kv_admission="reserve")
+    assert plan_deployment(cfg, sc).sched_cfg.kv_admission == "reserve" and cfg.scenarios[0].kv_admission == "optimistic"
+    with pytest.raises(ValueError, match="kv_admission must be one of reserve, optimistic, got 'eager'"):
+        dataclasses.replace(sc, kv_admission="eager")
+    with pytest.raises(ValueError, match="enable_prefix_caching must be true or false, got 'yes'"):
+        dataclasses.replace(sc, enable_prefix_caching="yes")
+
+
 def test_validate_sim_copies_the_runs_admission(tmp_path: Path) -> None:
     run = tmp_path / "run.yaml"
     run.write_text("max_batch_size: 4\nmax_model_len: 64\nadmission: longest_first\nschedulers: [sarathi, orca]\n"
@@ -433,6 +464,11 @@ def test_validate_sim_copies_the_runs_admission(tmp_path: Path) -> None:
         sys.path.remove(str(REPO / "benchmarks"))
     cfg = sim_config(str(run), [["stage0.csv"]], 10.0, {"return": 5.0, "prep": [3.0], "jitter": [0.0]})
     assert [sc["admission"] for sc in cfg["scenarios"]] == ["longest_first", "longest_first"]
+    # the runtime's defaults where the run leaves them, the run's own otherwise
+    assert all(sc["kv_admission"] == "reserve" and sc["enable_prefix_caching"] for sc in cfg["scenarios"])
+    run.write_text(run.read_text() + "kv_admission: optimistic\nenable_prefix_caching: false\n")
+    cfg = sim_config(str(run), [["stage0.csv"]], 10.0, {"return": 5.0, "prep": [3.0], "jitter": [0.0]})
+    assert all(sc["kv_admission"] == "optimistic" and not sc["enable_prefix_caching"] for sc in cfg["scenarios"])
 
 
 def test_sim_config_workload_takes_file_seed_and_trace_beside_it(tmp_path: Path) -> None:
@@ -460,6 +496,10 @@ def test_workload_lengths_match_generate_workload(wl: dict) -> None:
     assert [(i, p, m, a) for i, p, m, a in items] == [(r.request_id, r.prompt_len, r.max_tokens, r.arrival_s) for r in ref]
     t = DummyTokens(5)
     assert len(t) == 5 and t[1:4] == [3, 3, 3] and list(t) == [3] * 5 and t[-1] == 3
+    # with a seq: the shared positions' ids are every such prompt's, the rest this prompt's alone
+    a, b = DummyTokens(6, 3, seq=0, shared=4), DummyTokens(6, 3, seq=1, shared=4)
+    assert a[:4] == b[:4] == list(a)[:4] and a[4] != b[4] and a[-1] == list(a)[5] == a[4:][1]
+    assert len(set(a) | set(b)) == 8 and a[0:6:2] == [a[0], a[2], a[4]]
 
 
 def _fig12_small(tmp_path: Path, n: int, scenarios: list[str] | None = None, **changes: object) -> Path:
