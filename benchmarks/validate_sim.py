@@ -72,8 +72,22 @@ def profile(out: Path, engine: dict, grids: list[str]) -> tuple[list[list[str]],
     return stages, mean
 
 
-def sim_config(run_path: str, stage_csvs: list[list[str]], dispatch_us: float, overheads: dict) -> dict:
-    """The simulation of exactly what ``pp-runtime bench --config run_path`` runs."""
+def ran_with(bench: Path | None, scheduler: str, engine: dict) -> dict:
+    """The KV admission and prefix caching a bench run ran under: its summary.json's (a run from
+    before they were recorded: optimistic, no caching, as the runtime then ran), else the run
+    YAML's, else the runtime's defaults."""
+    summary = bench / scheduler / "summary.json" if bench else None
+    if summary is not None and summary.is_file():
+        s = json.loads(summary.read_text())
+        return {"kv_admission": s.get("kv_admission", "optimistic"),
+                "enable_prefix_caching": s.get("enable_prefix_caching", False)}
+    return {"kv_admission": engine.get("kv_admission") or "reserve",
+            "enable_prefix_caching": engine.get("enable_prefix_caching", True)}
+
+
+def sim_config(run_path: str, stage_csvs: list[list[str]], dispatch_us: float, overheads: dict,
+               bench: Path | None = None) -> dict:
+    """The simulation of exactly what ``pp-runtime bench --config run_path`` runs (ran, in ``bench``)."""
     cfg = load_run_config(run_path)
     e, w = cfg.engine, cfg.workload
     pp, mbs = e.get("pp", 1), e["max_batch_size"]
@@ -82,9 +96,7 @@ def sim_config(run_path: str, stage_csvs: list[list[str]], dispatch_us: float, o
     scen = [{"name": s, "scheduler": s, "pp": pp, "chunk_size": e.get("chunk_size", 256), "max_batch_size": mbs,
              "max_running": mbs * pp, "tile_align": bool(e.get("tile_align", False)),
              "chunk_budget": e.get("chunk_budget") or "flops", "admission": e.get("admission") or "fcfs",
-             # the runtime's defaults, where the run's YAML leaves them (the scenario's are the paper's)
-             "kv_admission": e.get("kv_admission") or "reserve",
-             "enable_prefix_caching": e.get("enable_prefix_caching", True), "dispatch_us": dispatch_us,
+             **ran_with(bench, s, e), "dispatch_us": dispatch_us,
              "return_us": round(overheads["return"], 1), "prep_us": [round(x, 1) for x in overheads["prep"]]}
             for s in cfg.schedulers]
     if e.get("partition"):  # the profiled layer cut: per-stage cost models hold only for it
@@ -161,7 +173,7 @@ def main() -> None:
     schedulers = list(run.schedulers)
     if not a.bench_dir:
         cli("bench", "--config", a.config, "--out", str(bench))
-    sims = simulate(sim_config(a.config, csvs, a.dispatch_us, overheads), out, max(1, a.sim_seeds))
+    sims = simulate(sim_config(a.config, csvs, a.dispatch_us, overheads, bench), out, max(1, a.sim_seeds))
     result = {"config": a.config, "profiles": csvs, "bench_dir": str(bench), "jitter": overheads["jitter"],
               "sim_seeds": len(sims), "comparison": compare(bench, sims, schedulers)}
     print(f"{'scheduler':13s} {'metric':26s} {'real':>10s} {'simulated':>10s} {'± sd':>8s} {'error':>8s}")

@@ -214,8 +214,9 @@ class SchedulerConfig:
       token preempts the newest idle one, which is recomputed later. "reserve": only while every
       running request's whole length (prompt + max_tokens) still fits the cache beside its own,
       so nothing is ever preempted and the running count follows the requests' own lengths, not
-      max_model_len's (the LLM's default: 32 requests of ≤ 192 tokens all run together where
-      the paper's B, 21 requests of 2048, would split them; docs/BENCHMARKS.md, target 1).
+      max_model_len's (the default: 32 requests of ≤ 192 tokens all run together where the
+      paper's B, 21 requests of 2048, would split them; docs/BENCHMARKS.md). Blocks a prompt
+      shares through prefix caching are counted once.
     """
 
     policy: str = "sarathi"
@@ -227,7 +228,7 @@ class SchedulerConfig:
     chunk_budget: str = "flops"
     admission: str = "fcfs"
     step_costs: tuple[float, ...] = ()
-    kv_admission: str = "optimistic"
+    kv_admission: str = "reserve"
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULER_POLICIES:

@@ -141,8 +141,11 @@ class BlockManager:
     def can_admit(self, num_tokens: int, hit: Sequence[int]) -> bool:
         """Whether a new sequence of ``num_tokens`` fits the unheld blocks, ``hit`` shared: its new
         blocks plus the hit blocks that are unheld now (taking them removes them from the pool)."""
-        unheld_hits = sum(1 for b in hit if self._refs[b] == 0)
-        return blocks_for(num_tokens, self.block_size) - len(hit) + unheld_hits <= self.num_free
+        return blocks_for(num_tokens, self.block_size) - len(hit) + self.num_unheld(hit) <= self.num_free
+
+    def num_unheld(self, blocks: Sequence[int]) -> int:
+        """How many of ``blocks`` (cached ones) no sequence holds: taking them shrinks num_free."""
+        return sum(1 for b in blocks if self._refs[b] == 0)
 
     def take_prefix(self, seq_id: int, hit: Sequence[int], num_tokens: int) -> int:
         """Start ``seq_id`` (no blocks yet) on the cached blocks ``hit`` (from ``cached_prefix``);

@@ -86,9 +86,11 @@ class LLM:
             # "reserve" admits by each request's own whole length, so memory needs no count cap;
             # "optimistic" is capped as the paper sizes it: B requests fit in memory at full length,
             # and with pp micro-batches in flight each carries B/pp (TP-PP: 219 running, 27 a batch).
-            pp = self.config.parallel.pp
-            mbs = max_batch_size or (DEFAULT_MAX_BATCH if self.config.scheduler.kv_admission == "reserve"
+            pp, sc = self.config.parallel.pp, self.config.scheduler
+            mbs = max_batch_size or (DEFAULT_MAX_BATCH if sc.kv_admission == "reserve"
                                      else max(1, min(self.memory.max_batch_b // pp, DEFAULT_MAX_BATCH)))
+            if not max_batch_size and sc.tile_align and sc.policy == "sarathi":
+                mbs = min(mbs, sc.chunk_size)  # tile_align's batches are C tokens: decodes alone must fit
             self.sched_config = replace(self.config.scheduler, max_batch_size=mbs, max_running=mbs * pp)
             self.config = replace(self.config, scheduler=self.sched_config)
             self.executor.allocate_cache(self.memory.num_blocks)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_right
 from collections import deque
-from typing import Callable
+from typing import Callable, Sequence
 
 from pp_runtime.batch import MicroBatch, SampleSpec, SeqChunk
 from pp_runtime.chunk_budget import chunk_cost, fit_chunk
@@ -190,7 +190,7 @@ class Scheduler:
                 return  # whole prompts only: the next one does not fit this batch
             if req.phase is Phase.WAITING:
                 # Admit only what fits in free blocks now: a newcomer never preempts older work.
-                if not self.blocks.can_admit(req.num_tokens, hit) or not self._reservable(req):
+                if not self.blocks.can_admit(req.num_tokens, hit) or not self._reservable(req, hit):
                     return
                 self.waiting.remove(req)
                 req.admit(self.blocks.take_prefix(req.seq_id, hit, req.num_tokens))
@@ -213,13 +213,17 @@ class Scheduler:
         running = [(r, True) for r in self.running if r.is_prefilling and r.seq_id not in self._aborted]
         return running + [(r, False) for r in self.waiting if admit(r)]
 
-    def _reservable(self, req: Request) -> bool:
-        """kv_admission "reserve": the whole lengths of the running requests and of ``req`` fit the
-        cache together, so no block a running request will ask for is ever missing (shared prefix
-        blocks are counted once per holder: a little conservative, never short)."""
+    def _reservable(self, req: Request, hit: Sequence[int] = ()) -> bool:
+        """kv_admission "reserve": every block the running requests may still allocate (their whole
+        length's less those they hold) and all ``req`` will take (its cached ``hit`` blocks that no
+        one holds, and its whole length's less the hits) fit the unheld blocks now, so no block a
+        running request asks for is ever missing. Blocks shared by prefix caching count once:
+        after admission a sequence only allocates fresh blocks."""
         if self.cfg.kv_admission != "reserve":
             return True
-        return sum(map(self._whole_blocks, self.running)) + self._whole_blocks(req) <= self.blocks.num_blocks
+        bm = self.blocks
+        ahead = sum(self._whole_blocks(r) - len(bm.block_table(r.seq_id)) for r in self.running)
+        return ahead + self._whole_blocks(req) - len(hit) + bm.num_unheld(hit) <= bm.num_free
 
     def _whole_blocks(self, req: Request) -> int:
         return blocks_for(len(req.prompt_token_ids) + req.params.max_tokens, self.blocks.block_size)

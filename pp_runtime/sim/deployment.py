@@ -70,9 +70,11 @@ def plan_deployment(cfg: SimConfig, sc: Scenario, cost_model: object | None = No
         mbs = mem.per_microbatch_b
     else:
         mbs = int(sc.max_batch_size)
-    # Every request whose full-length K/V fits may run (B); one micro-batch carries up to mbs.
+    # optimistic: every request whose full-length K/V fits may run (B); one micro-batch carries up to
+    # mbs. reserve: as the runtime, pp micro-batches of mbs, admitted by the requests' own lengths.
+    running = mbs * sc.pp if sc.kv_admission == "reserve" else max(mbs, mem.max_batch_b)
     sched = SchedulerConfig(sc.scheduler, sc.chunk_size, mbs, sc.tile_align, cfg.max_model_len,
-                            max_running=sc.max_running or max(mbs, mem.max_batch_b), chunk_budget=sc.chunk_budget,
+                            max_running=sc.max_running or running, chunk_budget=sc.chunk_budget,
                             admission=sc.admission, step_costs=() if sc.step_costs == "fit" else sc.step_costs,
                             kv_admission=sc.kv_admission)
     cost_model = cost_model or make_cost_model(cfg)

@@ -37,8 +37,8 @@ DUMMY_TOKEN = MIN_TOKEN_ID
 def workload_items(cfg: WorkloadConfig, vocab_size: int) -> list[tuple[str, object, int, float]]:
     """(request id, prompt, max_tokens, arrival_s) of ``cfg``: the lengths, ids and arrivals
     ``generate_workload`` gives (same seeded streams), with the prompt as its length only —
-    a synthetic prompt's token ids never matter to a simulation, and 10,000 prompts of a few
-    thousand ids would cost gigabytes. A trace keeps its token ids."""
+    10,000 prompts of a few thousand ids would cost gigabytes; ``make_requests`` gives them ids
+    where prefix caching needs them (DummyTokens). A trace keeps its token ids."""
     if cfg.kind == "trace":
         return [(it.request_id, list(it.prompt_token_ids), it.max_tokens, it.arrival_s)
                 for it in generate_workload(cfg, vocab_size)]

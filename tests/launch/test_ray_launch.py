@@ -48,6 +48,7 @@ def test_parallel_greedy_matches_single_and_hf(cluster: object, hf_models: dict,
         for scheduler in ("sarathi", "orca"):
             for chunk in (5, 64):  # 5 divides none of the prompt lengths
                 llm.reconfigure(policy=scheduler, chunk_size=chunk)
+                llm.reset_prefix_cache()  # each setting prefills every prompt across the stages again
                 outs = llm.generate(prompts, params)
                 assert [o.token_ids for o in outs] == expected, (scheduler, chunk)
     assert len(infos) == pp * tp

@@ -58,6 +58,7 @@ def test_flops_chunk_budget_changes_the_chunks_not_the_tokens(hf_models: dict, r
         outs = llm.generate(prompts, params)
         flops = list(llm.engine.history)
         llm.reconfigure(chunk_budget="tokens")
+        llm.reset_prefix_cache()  # every prompt cut into chunks again, not found cached
         again = llm.generate(prompts, params)
         tokens = list(llm.engine.history)
     assert [o.token_ids for o in outs] == expected == [o.token_ids for o in again]

@@ -25,8 +25,9 @@ SEEDED = SamplingParams(max_tokens=9, temperature=0.8, top_k=40, seed=7, ignore_
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
+    # no prefix caching: the tests below run the same prompts again and compare what scheduling did
     with LLM(model="llama-tiny", pp=2, launcher="local", chunk_size=8, max_batch_size=3, memory_budget_gb=0.05,
-             max_model_len=128) as m:
+             max_model_len=128, enable_prefix_caching=False) as m:
         yield m
 
 
@@ -290,6 +291,8 @@ def test_default_max_batch_size_is_b_over_pp_capped_at_64(budget_gb: float, max_
     with LLM(**kw) as m:
         assert m.sched_config.kv_admission == "reserve"
         assert (m.sched_config.max_batch_size, m.sched_config.max_running) == (64, 128)
+    with LLM(**kw, tile_align=True, chunk_size=32) as m:  # tile_align: C tokens a batch, decodes included
+        assert (m.sched_config.max_batch_size, m.sched_config.max_running) == (32, 64)
 
 
 def test_reserve_admission_runs_more_short_requests_than_b_at_once() -> None:

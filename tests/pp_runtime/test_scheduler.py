@@ -277,9 +277,10 @@ class FakePipeline:
             else:
                 assert bm.block_table(r.seq_id) == [], f"{r.request_id} holds blocks while not running"
         assert len(self.sched.running) <= self.cfg.max_batch_size
-        if self.cfg.kv_admission == "reserve":  # every running request's whole length fits: none preempted
-            whole = sum(blocks_for(len(r.prompt_token_ids) + r.params.max_tokens, bm.block_size) for r in self.sched.running)
-            assert whole <= bm.num_blocks and not any(r.num_preemptions for r in self.reqs.values())
+        if self.cfg.kv_admission == "reserve":  # what the running may still allocate is free: none preempted
+            ahead = sum(blocks_for(len(r.prompt_token_ids) + r.params.max_tokens, bm.block_size)
+                        - len(bm.block_table(r.seq_id)) for r in self.sched.running)
+            assert ahead <= bm.num_free and not any(r.num_preemptions for r in self.reqs.values())
         # Whatever is in flight is still running: preemption only takes requests not in flight.
         running = {r.seq_id for r in self.sched.running}
         assert all(c.seq_id in running for m in self.in_flight for c in m.chunks), "an in-flight request was preempted"
@@ -337,7 +338,8 @@ def make_scheduler(policy: str, chunk: int, mbs: int, num_blocks: int = HUGE_KV,
                    tile_align: bool = False, max_model_len: int = 4096, depth: int = 1,
                    key_cost: float | tuple[float, ...] = 0.0, admission: str = "fcfs",
                    prefix_caching: bool = False, kv_admission: str = "optimistic") -> Scheduler:
-    """key_cost: the model's, or a tuple: measured step_costs (beside the model's KEY_COST)."""
+    """key_cost: the model's, or a tuple: measured step_costs (beside the model's KEY_COST).
+    kv_admission: optimistic here (the tests below force preemptions), reserve where they ask."""
     costs = key_cost if isinstance(key_cost, tuple) else ()
     cfg = SchedulerConfig(policy, chunk, mbs, tile_align, max_model_len, admission=admission, step_costs=costs,
                           kv_admission=kv_admission)
@@ -468,6 +470,26 @@ def test_reserve_admission_waits_where_optimistic_admits_and_preempts() -> None:
     assert max(len(m.chunks) for m in runs["reserve"].history) == 1
     assert [r.output_token_ids for r in runs["reserve"].reqs.values()] == \
         [r.output_token_ids for r in runs["optimistic"].reqs.values()]
+
+
+def test_reserve_admission_counts_shared_prefix_blocks_once() -> None:
+    # 16 blocks of 4. Five prompts of one 12-token system prompt + 1 own token, 3 new tokens each:
+    # 4 blocks a request (20 in all) if each held its own, but the first one's 3 prefix blocks
+    # are cached for the rest, so all five fit (3 shared + 5 own blocks) and start together.
+    pipe = FakePipeline(make_scheduler("sarathi", 256, 8, num_blocks=16, prefix_caching=True,
+                                       kv_admission="reserve"), 1)
+    first = make_requests([13], 3, shared=12)
+    pipe.add(first)
+    pipe.run()
+    rest = make_requests([13] * 5, 3, shared=12)
+    for i, r in enumerate(rest):
+        r.seq_id, r.request_id = 10 + i, f"s{i}"
+    pipe.add(rest)
+    pipe.fill()
+    assert len(pipe.sched.running) == 5 and not pipe.sched.waiting
+    assert all(r.num_cached_tokens == 12 for r in rest)
+    pipe.run()
+    assert_matches_oracle(pipe)
 
 
 def test_bad_kv_admission_is_named() -> None:

@@ -447,6 +447,10 @@ def test_scenario_prefix_caching_shares_the_workloads_system_prompt(tmp_path: Pa
     assert out[True]["wall_s"] < out[False]["wall_s"]
     sc = dataclasses.replace(cfg.scenarios[0], kv_admission="reserve")
     assert plan_deployment(cfg, sc).sched_cfg.kv_admission == "reserve" and cfg.scenarios[0].kv_admission == "optimistic"
+    # reserve runs pp micro-batches of max_batch_size, as the runtime; optimistic at most B
+    reserve, optimistic = plan_deployment(cfg, sc), plan_deployment(cfg, cfg.scenarios[0])
+    assert reserve.sched_cfg.max_running == 2 * reserve.sched_cfg.max_batch_size
+    assert optimistic.sched_cfg.max_running == max(optimistic.sched_cfg.max_batch_size, optimistic.memory.max_batch_b)
     with pytest.raises(ValueError, match="kv_admission must be one of reserve, optimistic, got 'eager'"):
         dataclasses.replace(sc, kv_admission="eager")
     with pytest.raises(ValueError, match="enable_prefix_caching must be true or false, got 'yes'"):
@@ -469,6 +473,14 @@ def test_validate_sim_copies_the_runs_admission(tmp_path: Path) -> None:
     run.write_text(run.read_text() + "kv_admission: optimistic\nenable_prefix_caching: false\n")
     cfg = sim_config(str(run), [["stage0.csv"]], 10.0, {"return": 5.0, "prep": [3.0], "jitter": [0.0]})
     assert all(sc["kv_admission"] == "optimistic" and not sc["enable_prefix_caching"] for sc in cfg["scenarios"])
+    # a reused bench: what each scheduler's run recorded (an older run without the keys: optimistic, no caching)
+    (tmp_path / "bench" / "sarathi").mkdir(parents=True)
+    (tmp_path / "bench" / "sarathi" / "summary.json").write_text('{"kv_admission": "reserve", "enable_prefix_caching": true}')
+    (tmp_path / "bench" / "orca").mkdir()
+    (tmp_path / "bench" / "orca" / "summary.json").write_text("{}")
+    cfg = sim_config(str(run), [["stage0.csv"]], 10.0, {"return": 5.0, "prep": [3.0], "jitter": [0.0]}, tmp_path / "bench")
+    assert [(sc["kv_admission"], sc["enable_prefix_caching"]) for sc in cfg["scenarios"]] == \
+        [("reserve", True), ("optimistic", False)]
 
 
 def test_sim_config_workload_takes_file_seed_and_trace_beside_it(tmp_path: Path) -> None:
