@@ -19,7 +19,7 @@ least recently freed first:
     bm.allocate(0, 40)                                 # seq 0: a 40-token prompt scheduled
     bm.register(0, lambda s, e: prompt[s:e], upto=40)  # its blocks 0 and 1 are full: registered
     hit = bm.cached_prefix(other)          # [0, 1] when other starts with the same 32 tokens
-    bm.take_prefix(1, hit, len(other))     # seq 1 starts with 32 tokens in the cache: 32
+    bm.take_prefix(1, hit)                 # seq 1 starts with 32 tokens in the cache: 32
 
 Keys are exact (tuples of token ids, chained by block id), so a hit never rests on a hash.
 Why registering when a chunk is planned is safe: every stage runs micro-batches in issue order,
@@ -56,9 +56,6 @@ class BlockManager:
         self._children: dict[int, set[int]] = {}  # registered block -> blocks registered after it
         self._evictable: OrderedDict[int, None] = OrderedDict()  # registered, unheld: oldest first
         self._chain: dict[int, tuple[int, int]] = {}  # seq -> (its blocks walked, parent for the next; -2: stop)
-        # tokens of every take_prefix (hit or not; a preempted sequence's recomputation too), and hits
-        self.queried_tokens = 0
-        self.hit_tokens = 0
 
     @property
     def num_free(self) -> int:
@@ -147,9 +144,9 @@ class BlockManager:
         """How many of ``blocks`` (cached ones) no sequence holds: taking them shrinks num_free."""
         return sum(1 for b in blocks if self._refs[b] == 0)
 
-    def take_prefix(self, seq_id: int, hit: Sequence[int], num_tokens: int) -> int:
+    def take_prefix(self, seq_id: int, hit: Sequence[int]) -> int:
         """Start ``seq_id`` (no blocks yet) on the cached blocks ``hit`` (from ``cached_prefix``);
-        returns the tokens they hold. ``num_tokens``: the sequence's tokens, for the hit rate."""
+        returns the tokens they hold (a request's num_cached_tokens, which the hit rate sums)."""
         if seq_id in self._tables:
             raise ValueError(f"seq {seq_id} already holds blocks")
         for b in hit:
@@ -159,8 +156,6 @@ class BlockManager:
         self._tables[seq_id] = list(hit)
         self._tokens[seq_id] = len(hit) * self.block_size
         self._chain[seq_id] = (len(hit), hit[-1] if hit else -1)
-        self.queried_tokens += num_tokens
-        self.hit_tokens += len(hit) * self.block_size
         return len(hit) * self.block_size
 
     def register(self, seq_id: int, tokens: Callable[[int, int], Sequence[int]], upto: int) -> None:

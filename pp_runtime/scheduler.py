@@ -193,7 +193,7 @@ class Scheduler:
                 if not self.blocks.can_admit(req.num_tokens, hit) or not self._reservable(req, hit):
                     return
                 self.waiting.remove(req)
-                req.admit(self.blocks.take_prefix(req.seq_id, hit, req.num_tokens))
+                req.admit(self.blocks.take_prefix(req.seq_id, hit))
                 self.running.append(req)
             if not self._reserve(req, n, plan):
                 return

@@ -18,7 +18,7 @@ from pp_runtime.kv_cache import BlockManager, blocks_for
 def start(bm: BlockManager, seq: int, tokens: list[int]) -> int:
     """What the scheduler does for a whole prompt: share the cached prefix, allocate the rest,
     register what the prompt fills. Returns the tokens found cached."""
-    cached = bm.take_prefix(seq, bm.cached_prefix(tokens), len(tokens))
+    cached = bm.take_prefix(seq, bm.cached_prefix(tokens))
     bm.allocate(seq, len(tokens) - cached)
     bm.register(seq, lambda s, e: tokens[s:e], len(tokens))
     return cached
@@ -31,8 +31,8 @@ def test_docstring_example() -> None:
     bm.register(0, lambda s, e: prompt[s:e], upto=40)
     hit = bm.cached_prefix(other)
     assert hit == bm.block_table(0)[:2]
-    assert bm.take_prefix(1, hit, len(other)) == 32
-    assert bm.num_cached == 2 and bm.hit_tokens == 32 and bm.queried_tokens == 41
+    assert bm.take_prefix(1, hit) == 32
+    assert bm.num_cached == 2
 
 
 def test_off_by_default_finds_nothing() -> None:
@@ -90,7 +90,7 @@ def test_evicting_a_block_drops_the_blocks_registered_after_it() -> None:
     bm = BlockManager(5, 2, prefix_caching=True)
     a = [1, 2, 3, 4, 5]
     start(bm, 0, a[:3])  # seq 0: [1 2] registered, [3] partial
-    bm.take_prefix(1, [], 5)  # seq 1 admitted beside it: its [1 2] is a twin
+    bm.take_prefix(1, [])  # seq 1 admitted beside it: its [1 2] is a twin
     bm.allocate(1, 5)
     bm.register(1, lambda s, e: a[s:e], 5)  # seq 1's [3 4] registered after seq 0's [1 2]
     assert len(bm.cached_prefix(a)) == 2
@@ -104,8 +104,8 @@ def test_evicting_a_block_drops_the_blocks_registered_after_it() -> None:
 def test_twins_are_not_registered_and_chains_continue_through_the_first() -> None:
     bm = BlockManager(16, 2, prefix_caching=True)
     a = [1, 2, 3, 4, 5]
-    bm.take_prefix(0, [], 5)
-    bm.take_prefix(1, [], 5)  # both admitted before either registered (the same micro-batch)
+    bm.take_prefix(0, [])
+    bm.take_prefix(1, [])  # both admitted before either registered (the same micro-batch)
     bm.allocate(0, 5)
     bm.allocate(1, 5)
     bm.register(0, lambda s, e: a[s:e], 5)
@@ -122,7 +122,7 @@ def test_a_twin_chain_whose_predecessor_is_evicted_stops_registering() -> None:
     bm = BlockManager(3, 2, prefix_caching=True)
     a = [1, 2, 3, 4, 5, 6]
     start(bm, 0, a[:3])  # [1 2] registered, [3] partial
-    bm.take_prefix(1, [], 6)
+    bm.take_prefix(1, [])
     bm.allocate(1, 2)
     bm.register(1, lambda s, e: a[s:e], 2)  # seq 1's [1 2] is a twin: its chain goes on from seq 0's
     bm.free(0)  # seq 0's [1 2] is unheld now, and the only free blocks are cached ones or seq 0's partial
@@ -154,7 +154,7 @@ def test_take_prefix_needs_a_fresh_sequence() -> None:
     bm = BlockManager(4, 2, prefix_caching=True)
     bm.allocate(0, 3)
     with pytest.raises(ValueError, match="seq 0 already holds blocks"):
-        bm.take_prefix(0, [], 3)
+        bm.take_prefix(0, [])
 
 
 # ---- property: random prompts that share prefixes -------------------------------------------
