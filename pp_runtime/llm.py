@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Sequence
 
 from pp_runtime import run_loop
 from pp_runtime.calibration import calibrate
+from pp_runtime.config import SchedulerConfig
 from pp_runtime.engine import Engine
 from pp_runtime.engine_args import build_engine_config
 from pp_runtime.executor import WorkerError
@@ -40,6 +41,16 @@ SHUT_DOWN = "shut down"
 # what each reduced --matmul-precision needs, for the line that says it changed nothing
 PRECISION_NEEDS = {"medium": ("bf16_linears", "a CPU with AVX512-BF16"),
                    "int8": ("int8_linears", "a CPU with AVX512-VNNI and GGUF Q4_0/Q4_1/Q8_0 weights kept native")}
+
+
+def admission_note(sched: SchedulerConfig, num_blocks: int) -> str:
+    """How many requests may run, and what admits them (B above is the paper's count, which only
+    optimistic admission caps at)."""
+    rule = (f"a request starts once its and the running requests' prompt + max_tokens fit the {num_blocks} blocks"
+            if sched.kv_admission == "reserve" else "a request starts once its prompt fits the free blocks; the "
+            "newest is preempted when blocks run out")
+    return (f"kv admission {sched.kv_admission}: {rule}; at most {sched.max_batch_size} a micro-batch, "
+            f"{sched.running_cap} running")
 
 
 def precision_note(precision: str, workers: list[dict]) -> str | None:
@@ -101,6 +112,7 @@ class LLM:
             raise
         if verbose:
             print(self.memory.describe(), file=sys.stderr)
+            print(admission_note(self.sched_config, self.memory.num_blocks), file=sys.stderr)
             note = precision_note(self.config.device.matmul_precision, self.executor.workers_info())
             if note:
                 print(note, file=sys.stderr)
