@@ -22,7 +22,7 @@
   24 rows (gemm_few_rows.cpp). ``pack_weight_bf16``, ``bf16_linear`` (gemm_bf16.cpp, with the
   bf16 products of matmul precision "medium"): the bf16 path's weight words kept, and the product
   over them (the greedy LM head's: stages/greedy.py).
-* ``greedy_candidates``, ``int8_candidates`` (greedy.cpp): the exact greedy LM head's columns
+* ``greedy_candidates`` (greedy.cpp), ``int8_candidates`` (greedy_int8.cpp): the exact greedy LM head's columns
   that can still win, from cheap logits and their error bound; the int8 one computes its logits
   (int8 VNNI products against a Q8_0 weight's own codes) in place.
 * ``panel_rows`` (embedding.cpp): embedding lookups from a tied LM head's panels, each row read
@@ -60,8 +60,8 @@ from stages.cpu_info import host_tag
 
 _SOURCES = [str(Path(__file__).with_name("csrc") / f)
             for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp",
-                      "gemm_quant.cpp", "gemm_few_rows.cpp", "gemm_bf16.cpp", "greedy.cpp", "int8_gemm.cpp",
-                      "stack.cpp", "embedding.cpp")]
+                      "gemm_quant.cpp", "gemm_few_rows.cpp", "gemm_bf16.cpp", "greedy.cpp", "greedy_int8.cpp",
+                      "int8_gemm.cpp", "stack.cpp", "embedding.cpp")]
 TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a multiple of it
 PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a multiple of it
 # the most rows a product keeps fp32 under "medium" (vec.h: kBf16MinTokens): the GEMM's and the prefill
