@@ -94,15 +94,9 @@ class LLM:
                 raise ValueError(f"memory budget too small: {self.memory.num_blocks} KV blocks hold "
                                  f"{self.memory.num_blocks * block_size} tokens, one request of max length "
                                  f"{max_len} needs {max_len}")
-            # "reserve" admits by each request's own whole length, so memory needs no count cap;
-            # "optimistic" is capped as the paper sizes it: B requests fit in memory at full length,
-            # and with pp micro-batches in flight each carries B/pp (TP-PP: 219 running, 27 a batch).
-            pp, sc = self.config.parallel.pp, self.config.scheduler
-            mbs = max_batch_size or (DEFAULT_MAX_BATCH if sc.kv_admission == "reserve"
-                                     else max(1, min(self.memory.max_batch_b // pp, DEFAULT_MAX_BATCH)))
-            if not max_batch_size and sc.tile_align and sc.policy == "sarathi":
-                mbs = min(mbs, sc.chunk_size)  # tile_align's batches are C tokens: decodes alone must fit
-            self.sched_config = replace(self.config.scheduler, max_batch_size=mbs, max_running=mbs * pp)
+            self._batch_given = max_batch_size is not None  # else reconfigure re-derives the default
+            mbs = max_batch_size or self._default_batch(self.config.scheduler)
+            self.sched_config = replace(self.config.scheduler, max_batch_size=mbs, max_running=mbs * self.config.parallel.pp)
             self.config = replace(self.config, scheduler=self.sched_config)
             self.executor.allocate_cache(self.memory.num_blocks)
             # one block manager for the LLM's life: cached prefixes outlive the run that computed them
@@ -146,11 +140,27 @@ class LLM:
         if bad:
             raise ValueError(f"reconfigure: {', '.join(bad)} cannot change after start; "
                              f"only {', '.join(RECONFIGURABLE)} can (create a new LLM for the rest)")
+        given = "max_batch_size" in changes
+        if not given and not self._batch_given:  # the default for the new scheduling
+            changes = {**changes, "max_batch_size": self._default_batch(replace(self.sched_config, **changes,
+                                                                                max_batch_size=1))}
         sched = replace(self.sched_config, **changes)  # validated here, before anything uses it
         if "max_batch_size" in changes:  # the running cap follows, as in __init__
             sched = replace(sched, max_running=sched.max_batch_size * self.config.parallel.pp)
         self.sched_config = sched
         self.config = replace(self.config, scheduler=self.sched_config)
+        self._batch_given = self._batch_given or given
+
+    def _default_batch(self, sched: SchedulerConfig) -> int:
+        """The micro-batch cap when none is given. "reserve" admits by each request's own whole
+        length, so memory needs no count cap: 64. "optimistic" is capped as the paper sizes it: B
+        requests fit in memory at full length, and with pp micro-batches in flight each carries B/pp
+        (TP-PP: 219 running, 27 a batch), at most 64. sarathi's tile_align: at most C (its batches
+        are C tokens, decodes included)."""
+        pp = self.config.parallel.pp
+        mbs = DEFAULT_MAX_BATCH if sched.kv_admission == "reserve" else \
+            max(1, min(self.memory.max_batch_b // pp, DEFAULT_MAX_BATCH))
+        return min(mbs, sched.chunk_size) if sched.tile_align and sched.policy == "sarathi" else mbs
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's name): runs compared side by side start equal."""

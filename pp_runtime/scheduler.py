@@ -175,10 +175,8 @@ class Scheduler:
             running = req.phase is Phase.RUNNING
             if not running and len(self.running) >= self.cfg.running_cap:
                 return
-            # a waiting prompt (a preempted one too: recomputed) starts after its cached blocks (the
-            # flag checked here too: without caching, no copy of every waiting prompt's tokens)
-            hit = (self.blocks.cached_prefix(req.tokens_slice(0, req.num_tokens))
-                   if not running and self.blocks.prefix_caching else [])
+            # a waiting prompt (a preempted one too: recomputed) starts after its cached blocks
+            hit = [] if running else self._hit(req)
             start = req.num_scheduled if running else len(hit) * self.blocks.block_size
             remaining = (req.prefill_len if running else req.num_tokens) - start
             n = remaining if not chunked or budget is None else fit_chunk(start, min(remaining, budget), cost, key_cost)
@@ -212,6 +210,11 @@ class Scheduler:
         # An aborted prompt gets no further chunks: it finishes once those in flight return.
         running = [(r, True) for r in self.running if r.is_prefilling and r.seq_id not in self._aborted]
         return running + [(r, False) for r in self.waiting if admit(r)]
+
+    def _hit(self, req: Request) -> list[int]:
+        """The cached blocks a waiting ``req`` would start on (none without prefix caching: then no
+        copy of its tokens is made)."""
+        return self.blocks.cached_prefix(req.tokens_slice(0, req.num_tokens)) if self.blocks.prefix_caching else []
 
     def _reservable(self, req: Request, hit: Sequence[int] = ()) -> bool:
         """kv_admission "reserve": every block the running requests may still allocate (their whole
@@ -251,8 +254,10 @@ class Scheduler:
         plan: list[tuple[Request, int]] = []
         # Leave one slot for a prefill chunk, but only when one could use it: with every running
         # request decoding and no room to admit, a reserved slot would just halve the decode rate.
+        head = self.waiting[0] if self.waiting else None
         prefill_possible = any(r.is_prefilling for r in self.running) or (
-            self.waiting and len(self.running) < self.cfg.running_cap and self._reservable(self.waiting[0]))
+            head is not None and len(self.running) < self.cfg.running_cap
+            and (self.cfg.kv_admission != "reserve" or self._reservable(head, self._hit(head))))
         limit = self.cfg.max_batch_size - 1 if prefill_possible else self.cfg.max_batch_size
         self._take_decodes(plan, min(max(1, limit), self._decode_share()))
         budget = self.cfg.chunk_size - (len(plan) if self.cfg.tile_align else 0)

@@ -48,7 +48,7 @@ class Scenario:
     dispatch_us: float = 0.0
     return_us: float = 0.0
     prep_us: float | tuple[float, ...] = 0.0
-    max_running: int | None = None  # sequences that may run at once; None: max(max_batch_size, B)
+    max_running: int | None = None  # sequences that may run at once; None: max(max_batch_size, B), reserve: × pp
     chunk_budget: str = "flops"  # what sarathi's chunk_size counts, as SchedulerConfig.chunk_budget
     admission: str = "fcfs"  # the order waiting requests start in, as SchedulerConfig.admission
     # SchedulerConfig.step_costs: 3 numbers, or "fit" (fitted to a calibration run of this deployment's

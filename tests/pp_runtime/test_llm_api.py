@@ -293,6 +293,13 @@ def test_default_max_batch_size_is_b_over_pp_capped_at_64(budget_gb: float, max_
         assert (m.sched_config.max_batch_size, m.sched_config.max_running) == (64, 128)
     with LLM(**kw, tile_align=True, chunk_size=32) as m:  # tile_align: C tokens a batch, decodes included
         assert (m.sched_config.max_batch_size, m.sched_config.max_running) == (32, 64)
+        m.reconfigure(tile_align=False)  # the default follows the scheduling (bench's next scheduler)
+        assert (m.sched_config.max_batch_size, m.sched_config.max_running) == (64, 128)
+        m.reconfigure(tile_align=True, chunk_size=16)
+        assert m.sched_config.max_batch_size == 16
+        m.reconfigure(max_batch_size=8)  # given: kept through later changes
+        m.reconfigure(tile_align=False, chunk_size=64)
+        assert (m.sched_config.max_batch_size, m.sched_config.max_running) == (8, 16)
 
 
 def test_reserve_admission_runs_more_short_requests_than_b_at_once() -> None:

@@ -276,7 +276,7 @@ class FakePipeline:
                 assert bm.num_tokens(r.seq_id) == r.num_scheduled
             else:
                 assert bm.block_table(r.seq_id) == [], f"{r.request_id} holds blocks while not running"
-        assert len(self.sched.running) <= self.cfg.max_batch_size
+        assert len(self.sched.running) <= self.cfg.running_cap
         if self.cfg.kv_admission == "reserve":  # what the running may still allocate is free: none preempted
             ahead = sum(blocks_for(len(r.prompt_token_ids) + r.params.max_tokens, bm.block_size)
                         - len(bm.block_table(r.seq_id)) for r in self.sched.running)
@@ -488,6 +488,22 @@ def test_reserve_admission_counts_shared_prefix_blocks_once() -> None:
     pipe.fill()
     assert len(pipe.sched.running) == 5 and not pipe.sched.waiting
     assert all(r.num_cached_tokens == 12 for r in rest)
+    pipe.run()
+    assert_matches_oracle(pipe)
+
+
+def test_reserve_keeps_a_slot_for_a_prompt_that_fits_by_its_cached_prefix() -> None:
+    # 9 blocks of 4; prompts of 9 tokens sharing 8, 6 new tokens: 4 blocks each alone, 2 beside a
+    # holder of the prefix. With r0 and r1 decoding, r2 fits only by its hit; sarathi must still
+    # keep it a slot (max_batch_size 2: one decode and its chunk), not fill both with decodes.
+    cfg = SchedulerConfig("sarathi", 64, 2, max_model_len=64, max_running=4, kv_admission="reserve")
+    pipe = FakePipeline(Scheduler(cfg, BlockManager(9, 4, True), eos_token_ids=(EOS,)), 1)
+    pipe.add(make_requests([9, 9, 9], 6, shared=8))
+    pipe.fill()
+    assert [c.seq_id for c in pipe.in_flight[0].chunks] == [0, 1]
+    pipe.run_oldest()
+    pipe.fill()
+    assert any(c.is_prefill and c.seq_id == 2 for c in pipe.in_flight[0].chunks)
     pipe.run()
     assert_matches_oracle(pipe)
 
