@@ -96,7 +96,8 @@ class LLM:
                                  f"{max_len} needs {max_len}")
             self._batch_given = max_batch_size is not None  # else reconfigure re-derives the default
             mbs = max_batch_size or self._default_batch(self.config.scheduler)
-            self.sched_config = replace(self.config.scheduler, max_batch_size=mbs, max_running=mbs * self.config.parallel.pp)
+            self.sched_config = replace(self.config.scheduler, max_batch_size=mbs,
+                                        max_running=mbs * self.config.parallel.pp)
             self.config = replace(self.config, scheduler=self.sched_config)
             self.executor.allocate_cache(self.memory.num_blocks)
             # one block manager for the LLM's life: cached prefixes outlive the run that computed them
