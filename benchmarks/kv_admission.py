@@ -18,35 +18,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import torch
-from pairing import alternating, compare_sides, plot_sides  # same directory: run as a script
+from pairing import alternating, compare_sides, generate_side, plot_sides  # same directory: run as a script
+from prefix_cache import workload  # its prompts with no shared prefix
 
 from pp_runtime import LLM, SamplingParams
-from pp_runtime.timing import percentile
 
 SIDES = ("optimistic", "reserve")
 
 
-def workload(vocab: int, num: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(min_len, max_len + 1, (num,), generator=g).tolist()
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
-
-
 def run_side(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
-    t = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-    wall = time.perf_counter() - t
-    assert all(len(o.token_ids) == new_tokens for o in outs)
-    ttft = [o.ttft_s for o in outs]
+    side, _ = generate_side(llm, prompts, new_tokens)
     history = llm.last_run.engine.history
-    return {"wall_s": wall, "tok_s": (sum(map(len, prompts)) + new_tokens * len(prompts)) / wall,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "widest_batch": max(len(mb.chunks) for mb in history), "micro_batches": len(history),
-            "preemptions": sum(r.num_preemptions for r in llm.last_run.requests),
-            "tokens": [o.token_ids for o in outs]}
+    return {**side, "widest_batch": max(len(mb.chunks) for mb in history), "micro_batches": len(history),
+            "preemptions": sum(r.num_preemptions for r in llm.last_run.requests)}
 
 
 def main() -> None:
@@ -77,7 +63,7 @@ def main() -> None:
     llms = {side: LLM(**kw, kv_admission=side) for side in SIDES}
     try:
         paper_b = llms["optimistic"].memory.max_batch_b
-        prompts = workload(llms["reserve"].source.config.vocab_size, a.num, a.min_len, a.max_len)
+        prompts = workload(llms["reserve"].source.config.vocab_size, 0, a.num, a.min_len, a.max_len)
         for llm in llms.values():  # warm-up
             llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))
         rounds: dict[str, list[dict]] = {side: [] for side in SIDES}

@@ -31,6 +31,24 @@ def ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
     return [n / d for n, d in zip(num, den)]
 
 
+def generate_side(llm: object, prompts: list[list[int]], new_tokens: int) -> tuple[dict, list]:
+    """One side's run: ``prompts`` all at once, exactly ``new_tokens`` each (checked); its wall
+    seconds, total tokens/s ((prompt + generated) / wall), TTFT p50 and p99 and each request's
+    tokens, and the outputs (for what a benchmark adds of its own)."""
+    import time
+
+    from pp_runtime import SamplingParams
+    from pp_runtime.timing import percentile
+    t = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    wall = time.perf_counter() - t
+    assert all(len(o.token_ids) == new_tokens for o in outs)
+    ttft = [o.ttft_s for o in outs]
+    return {"wall_s": wall, "tok_s": (sum(map(len, prompts)) + new_tokens * len(prompts)) / wall,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "tokens": [o.token_ids for o in outs]}, outs
+
+
 def compare_sides(rounds: Mapping[str, Sequence[dict]], base: str, new: str) -> tuple[float, float, float, dict]:
     """Two setups' paired rounds (dicts with tok_s, ttft_p50_s and each request's tokens): the least
     share of requests with base's first-round tokens in any run, the medians of new / base per round

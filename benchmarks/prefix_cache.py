@@ -22,13 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import torch
-from pairing import alternating, compare_sides, plot_sides  # same directory: run as a script
+from pairing import alternating, compare_sides, generate_side, plot_sides  # same directory: run as a script
 
 from pp_runtime import LLM, SamplingParams
-from pp_runtime.timing import percentile
 
 SIDES = ("off", "on")
 
@@ -42,16 +40,9 @@ def workload(vocab: int, shared: int, num: int, min_tail: int, max_tail: int, se
 
 def run_side(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
     llm.reset_prefix_cache()
-    t = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-    wall = time.perf_counter() - t
-    assert all(len(o.token_ids) == new_tokens for o in outs)
-    ttft = [o.ttft_s for o in outs]
-    prompt = sum(len(p) for p in prompts)
-    return {"wall_s": wall, "tok_s": (prompt + new_tokens * len(prompts)) / wall,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "computed_prompt_tokens": sum(mb.prefill_tokens for mb in llm.engine.history),
-            "hit_rate": sum(o.num_cached_tokens for o in outs) / prompt, "tokens": [o.token_ids for o in outs]}
+    side, outs = generate_side(llm, prompts, new_tokens)
+    return {**side, "computed_prompt_tokens": sum(mb.prefill_tokens for mb in llm.engine.history),
+            "hit_rate": sum(o.num_cached_tokens for o in outs) / sum(map(len, prompts))}
 
 
 def main() -> None:

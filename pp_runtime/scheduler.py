@@ -99,7 +99,7 @@ class Scheduler:
         if total > self.cfg.max_model_len:
             return (f"prompt length {len(req.prompt_token_ids)} + max_tokens {req.params.max_tokens} = "
                     f"{total} exceeds the model's max length {self.cfg.max_model_len}")
-        need = blocks_for(total, self.blocks.block_size)
+        need = self._whole_blocks(req)
         if need > self.blocks.num_blocks:
             return (f"request needs {need} KV blocks for {total} tokens but the KV cache has only "
                     f"{self.blocks.num_blocks} blocks")
