@@ -31,20 +31,21 @@ def ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
     return [n / d for n, d in zip(num, den)]
 
 
-def generate_side(llm: object, prompts: list[list[int]], new_tokens: int) -> tuple[dict, list]:
-    """One side's run: ``prompts`` all at once, exactly ``new_tokens`` each (checked); its wall
-    seconds, total tokens/s ((prompt + generated) / wall), TTFT p50 and p99 and each request's
-    tokens, and the outputs (for what a benchmark adds of its own)."""
+def generate_side(llm: object, prompts: list[list[int]], new_tokens: int, ignore_eos: bool = True) -> tuple[dict, list]:
+    """One side's run: ``prompts`` all at once, exactly ``new_tokens`` each (checked) or, without
+    ``ignore_eos``, up to ``new_tokens`` each until EOS; its wall seconds, total tokens/s ((prompt
+    + generated) / wall), TTFT p50 and p99 and each request's tokens, and the outputs (for what a
+    benchmark adds of its own)."""
     import time
 
     from pp_runtime import SamplingParams
     from pp_runtime.timing import percentile
     t = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=ignore_eos))
     wall = time.perf_counter() - t
-    assert all(len(o.token_ids) == new_tokens for o in outs)
+    assert not ignore_eos or all(len(o.token_ids) == new_tokens for o in outs)
     ttft = [o.ttft_s for o in outs]
-    return {"wall_s": wall, "tok_s": (sum(map(len, prompts)) + new_tokens * len(prompts)) / wall,
+    return {"wall_s": wall, "tok_s": (sum(map(len, prompts)) + sum(len(o.token_ids) for o in outs)) / wall,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "tokens": [o.token_ids for o in outs]}, outs
 
@@ -64,19 +65,20 @@ def compare_sides(rounds: Mapping[str, Sequence[dict]], base: str, new: str) -> 
 
 def plot_sides(rounds: Mapping[str, Sequence[dict]], sides: Sequence[str], labels: Sequence[str], title: str,
                path: str) -> None:
-    """Two panels, total tokens/s and TTFT p50: a bar per side at its median, its rounds as dots."""
+    """Two panels, total tokens/s and TTFT p50: a bar per side at its median, its rounds as dots
+    (the last side, the one compared, in blue)."""
     import statistics
 
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    fig, axes = plt.subplots(1, 2, figsize=(max(8.0, 3.6 * len(sides)), 3.4))
     for ax, key, ylabel in ((axes[0], "tok_s", "total tokens/s"), (axes[1], "ttft_p50_s", "TTFT p50 (s)")):
         for i, side in enumerate(sides):
             ys = [r[key] for r in rounds[side]]
-            ax.bar(i, statistics.median(ys), color=("tab:gray", "tab:blue")[i])
+            ax.bar(i, statistics.median(ys), color="tab:blue" if i == len(sides) - 1 else ("tab:gray", "silver")[i % 2])
             ax.plot([i] * len(ys), ys, "k.", ms=4)
-        ax.set_xticks(range(len(sides)), labels)
+        ax.set_xticks(range(len(sides)), labels, fontsize=8)
         ax.set_ylabel(ylabel)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()

@@ -81,7 +81,7 @@ def ran_with(bench: Path | None, scheduler: str, engine: dict) -> dict:
         s = json.loads(summary.read_text())
         return {"kv_admission": s.get("kv_admission", "optimistic"),
                 "enable_prefix_caching": s.get("enable_prefix_caching", False)}
-    return {"kv_admission": engine.get("kv_admission") or "reserve",
+    return {"kv_admission": engine.get("kv_admission") or "optimistic",
             "enable_prefix_caching": engine.get("enable_prefix_caching", True)}
 
 

@@ -209,14 +209,15 @@ class SchedulerConfig:
       their attention reading K/V far below the FLOP rate) and prices a prompt key at 0.6 of its
       measured time (int8 + fp8 K/V; docs/BENCHMARKS.md, target 4). One micro-batch in flight
       waits on nobody: unchanged there.
-    kv_admission: when a waiting request may take KV blocks. "optimistic" (vLLM's): when its
-      prompt fits the free blocks now; a running request that later finds no block for its next
-      token preempts the newest idle one, which is recomputed later. "reserve": only while every
-      running request's whole length (prompt + max_tokens) still fits the cache beside its own,
-      so nothing is ever preempted and the running count follows the requests' own lengths, not
-      max_model_len's (the default: 32 requests of ≤ 192 tokens all run together where the
-      paper's B, 21 requests of 2048, would split them; docs/BENCHMARKS.md). Blocks a prompt
-      shares through prefix caching are counted once.
+    kv_admission: when a waiting request may take KV blocks. "optimistic" (vLLM's, the
+      default): when its prompt fits the free blocks now; a running request that later finds no
+      block for its next token preempts the newest idle one, which is recomputed later.
+      "reserve" (TGI's): only while every running request's whole length (prompt + max_tokens)
+      still fits the cache beside its own, so nothing is ever preempted; blocks a prompt shares
+      through prefix caching are counted once. Where memory binds, reserve runs fewer requests
+      at once and the rest wait: on this CPU the same tokens/s as optimistic (its recomputation
+      against reserve's narrower batches), TTFT p50 ×11–20 (docs/BENCHMARKS.md, twenty-second
+      session).
     """
 
     policy: str = "sarathi"
@@ -228,7 +229,7 @@ class SchedulerConfig:
     chunk_budget: str = "flops"
     admission: str = "fcfs"
     step_costs: tuple[float, ...] = ()
-    kv_admission: str = "reserve"
+    kv_admission: str = "optimistic"
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULER_POLICIES:

@@ -31,7 +31,7 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
                         chunk_budget: str = "flops", prefault_kv: bool = False,
                         admission: str = "fcfs", step_costs: Sequence[float] | str = (),
                         enable_prefix_caching: bool = True, cuda_graphs: bool = False,
-                        kv_admission: str = "reserve") -> tuple[EngineConfig, object]:
+                        kv_admission: str = "optimistic") -> tuple[EngineConfig, object]:
     """Resolve the model and validate every setting; raises ValueError naming the bad one.
     max_batch_size None is kept as 1 here and replaced once the memory plan gives B; step_costs
     "fit" is kept empty here and fitted once the workers run (pp_runtime.calibration)."""

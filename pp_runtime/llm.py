@@ -34,7 +34,7 @@ from pp_runtime.workers import keep_sigterm_handler, kill_workers, make_executor
 
 DEFAULT_MAX_BATCH = 64
 RECONFIGURABLE = ("policy", "chunk_size", "max_batch_size", "tile_align", "chunk_budget", "admission",
-                  "step_costs")
+                  "step_costs", "kv_admission")
 SHUT_DOWN = "shut down"
 
 
@@ -44,8 +44,8 @@ PRECISION_NEEDS = {"medium": ("bf16_linears", "a CPU with AVX512-BF16"),
 
 
 def admission_note(sched: SchedulerConfig, num_blocks: int) -> str:
-    """How many requests may run, and what admits them (B above is the paper's count, which only
-    optimistic admission caps at)."""
+    """How many requests may run, and what admits them (B above is the paper's count of
+    full-length requests, which neither admission caps at: each counts blocks)."""
     rule = (f"a request starts once its and the running requests' prompt + max_tokens fit the {num_blocks} blocks"
             if sched.kv_admission == "reserve" else "a request starts once its prompt fits the free blocks; the "
             "newest is preempted when blocks run out")
@@ -75,7 +75,7 @@ class LLM:
                  matmul_precision: str = "highest", chunk_budget: str = "flops", prefault_kv: bool = False,
                  admission: str = "fcfs", step_costs: Sequence[float] | str = (),
                  enable_prefix_caching: bool = True, cuda_graphs: bool = False,
-                 kv_admission: str = "reserve") -> None:
+                 kv_admission: str = "optimistic") -> None:
         fit = isinstance(step_costs, str) and step_costs == "fit"  # other strings: build_engine_config names them
         self.config, self.source = build_engine_config(
             model, pp, tp, scheduler, chunk_size, max_batch_size, tile_align, dtype, device, attention, seed,
@@ -135,7 +135,7 @@ class LLM:
 
     def reconfigure(self, **changes: object) -> None:
         """Change the driver-side scheduling (policy, chunk_size, max_batch_size, tile_align, chunk_budget, admission,
-        step_costs) between runs, keeping the workers and their weights: ``bench`` compares schedulers this way.
+        step_costs, kv_admission) between runs, keeping the workers and their weights: ``bench`` compares schedulers this way.
         Anything else is fixed by the workers (max_model_len: their positions and KV pool)."""
         bad = sorted(set(changes) - set(RECONFIGURABLE))
         if bad:
@@ -153,15 +153,15 @@ class LLM:
         self._batch_given = self._batch_given or given
 
     def _default_batch(self, sched: SchedulerConfig) -> int:
-        """The micro-batch cap when none is given. "reserve" admits by each request's own whole
-        length, so memory needs no count cap: 64. "optimistic" is capped as the paper sizes it: B
-        requests fit in memory at full length, and with pp micro-batches in flight each carries B/pp
-        (TP-PP: 219 running, 27 a batch), at most 64. sarathi's tile_align: at most C (its batches
-        are C tokens, decodes included)."""
-        pp = self.config.parallel.pp
-        mbs = DEFAULT_MAX_BATCH if sched.kv_admission == "reserve" else \
-            max(1, min(self.memory.max_batch_b // pp, DEFAULT_MAX_BATCH))
-        return min(mbs, sched.chunk_size) if sched.tile_align and sched.policy == "sarathi" else mbs
+        """The micro-batch cap when none is given: 64 (pp × 64 running), under either admission,
+        since both count KV blocks, not requests. The paper's B (requests of max_model_len the
+        budget holds) is no cap: under reserve requests are admitted by their own lengths, and
+        under optimistic (vLLM's, whose max_num_seqs is no memory cap either) requests that stop
+        early at EOS leave room that B would not use (chat prompts, max_tokens 512, a 0.3 GB
+        budget: B caps 2 running, 0.62x of reserve's tokens/s; docs/BENCHMARKS.md, twenty-second
+        session). sarathi's tile_align: at most C (its batches are C tokens, decodes included)."""
+        aligned = sched.tile_align and sched.policy == "sarathi"
+        return min(DEFAULT_MAX_BATCH, sched.chunk_size) if aligned else DEFAULT_MAX_BATCH
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (vLLM's name): runs compared side by side start equal."""

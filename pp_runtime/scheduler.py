@@ -13,8 +13,8 @@ Policies (SchedulerConfig.policy):
 
 Admission (SchedulerConfig.admission), for every policy: waiting requests start in arrival
 order (fcfs) or most max_tokens first (longest_first), when their prompt fits the free KV blocks
-(kv_admission "optimistic") or when every running request's whole length fits beside theirs
-("reserve": never a preemption).
+(kv_admission "optimistic", the default) or when every running request's whole length fits
+beside theirs ("reserve": never a preemption).
 
 Invariants the property tests check: a decoding request is in at most one in-flight
 micro-batch (its next input is the token the previous one samples); consecutive prefill

@@ -366,5 +366,18 @@ def test_kv_admission_smoke(hf_models: dict, tmp_path: Path) -> None:
     png = tmp_path / "kv_admission.png"
     r = run(["benchmarks/kv_admission.py", "--smoke", "--model", str(hf_models["llama"]), "--plot", str(png)], tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert r["same_tokens_share"] == 1.0 and r["tok_s_ratio_reserve_optimistic"] > 0
-    assert all(r["rounds"][s][0]["preemptions"] == 0 for s in ("reserve", "optimistic"))
+    assert r["same_tokens_share"] == 1.0 and set(r["reserve_over"]) == {"optimistic_B", "optimistic"}
+    assert all(x["tok_s"] > 0 for x in r["reserve_over"].values())
+    assert all(r["rounds"][s][0]["preemptions"] == 0 for s in ("reserve", "optimistic", "optimistic_B"))
+    assert r["rounds"]["optimistic"][0]["max_batch_size"] == r["rounds"]["reserve"][0]["max_batch_size"] == 64
+    assert r["rounds"]["optimistic_B"][0]["max_batch_size"] == min(r["paper_B"], 64)  # pp = 1
+
+
+def test_kv_admission_chat_smoke(tmp_path: Path) -> None:
+    """The chat workload on the embedded model (its tokenizer's chat template), stopping at EOS."""
+    r = run(["benchmarks/kv_admission.py", "--smoke", "--workload", "chat"], tmp_path)
+    assert r["same_tokens_share"] == 1.0 and r["paper_B"] == 2
+    for side in ("reserve", "optimistic", "optimistic_B"):
+        got = r["rounds"][side][0]
+        assert 0 < got["generated"] <= 8 * 24 and got["widest_batch"] <= got["max_batch_size"]
+    assert r["rounds"]["reserve"][0]["preemptions"] == 0

@@ -151,7 +151,8 @@ def test_verbose_run_prints_memory_plan(hf_models: dict, tmp_path: Path, capsys:
     inp.write_text('{"prompt_token_ids": [1, 2], "max_tokens": 2}\n')
     rc, out, err = run_main(["generate", "--model", str(hf_models["llama"]), "--input", str(inp), *FAST], capsys)
     assert rc == 0 and "B = ⌊(M_G − M_S)/(L·m_kv)⌋" in err
-    assert "kv admission reserve: a request starts once its and the running requests' prompt + max_tokens fit" in err
+    assert "kv admission optimistic: a request starts once its prompt fits the free blocks; the newest is " \
+        "preempted when blocks run out; at most 64 a micro-batch, 64 running" in err
     assert json.loads(out)["finish_reason"] == "length"
     assert "--matmul-precision" not in err
 

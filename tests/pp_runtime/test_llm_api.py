@@ -274,23 +274,21 @@ def test_reconfigure_checks_max_batch_size_before_using_it(llm: LLM) -> None:
     assert llm.sched_config == before
 
 
-@pytest.mark.parametrize("budget_gb, max_model_len", [(0.002, 128), (0.05, 128)])
-def test_default_max_batch_size_is_b_over_pp_capped_at_64(budget_gb: float, max_model_len: int) -> None:
-    """Under kv_admission "optimistic", without --max-batch-size a micro-batch holds ⌊B/pp⌋ sequences
-    (B: full-length requests the KV budget holds), at most 64, and pp × that many may run (every
-    micro-batch in flight full). Under "reserve" (the default) memory caps admission request by
-    request, and the count cap is 64 a micro-batch."""
-    kw = dict(model="llama-tiny", pp=2, launcher="local", memory_budget_gb=budget_gb, max_model_len=max_model_len)
-    with LLM(**kw, kv_admission="optimistic") as m:
-        b = m.memory.max_batch_b
-        assert b == m.memory.num_blocks * 16 // max_model_len
-        assert m.sched_config.max_batch_size == max(1, min(b // 2, 64))
-        assert m.sched_config.max_running == 2 * m.sched_config.max_batch_size
-    # the two budgets land on either side of the cap
-    assert (b // 2 > 64) == (budget_gb == 0.05)
-    with LLM(**kw) as m:
-        assert m.sched_config.kv_admission == "reserve"
-        assert (m.sched_config.max_batch_size, m.sched_config.max_running) == (64, 128)
+@pytest.mark.parametrize("kv_admission", ["reserve", "optimistic"])
+def test_default_max_batch_size_is_64_whatever_b(kv_admission: str) -> None:
+    """Without --max-batch-size a micro-batch holds up to 64 sequences and pp × that many may run
+    (every micro-batch in flight full), under either admission, whatever the paper's B: both
+    admit by KV blocks, so B (full-length requests the budget holds) is no count cap."""
+    kw = dict(model="llama-tiny", pp=2, launcher="local", max_model_len=128, kv_admission=kv_admission)
+    with LLM(model="llama-tiny", launcher="local", max_model_len=128, memory_budget_gb=0.002) as m:
+        assert m.sched_config.kv_admission == "optimistic"  # the default, vLLM's
+    bs = []
+    for budget_gb in (0.002, 0.05):  # B on either side of 2 × 64
+        with LLM(**kw, memory_budget_gb=budget_gb) as m:
+            bs.append(m.memory.max_batch_b)
+            assert m.memory.max_batch_b == m.memory.num_blocks * 16 // 128
+            assert (m.sched_config.max_batch_size, m.sched_config.max_running) == (64, 128)
+    assert bs[0] < 2 * 64 < bs[1]
     with LLM(**kw, tile_align=True, chunk_size=32) as m:  # tile_align: C tokens a batch, decodes included
         assert (m.sched_config.max_batch_size, m.sched_config.max_running) == (32, 64)
         m.reconfigure(tile_align=False)  # the default follows the scheduling (bench's next scheduler)
@@ -302,24 +300,52 @@ def test_default_max_batch_size_is_b_over_pp_capped_at_64(budget_gb: float, max_
         assert (m.sched_config.max_batch_size, m.sched_config.max_running) == (8, 16)
 
 
-def test_reserve_admission_runs_more_short_requests_than_b_at_once() -> None:
-    """The KV budget holds B = 2 requests of max_model_len 256, but 12 of ≤ 24 tokens fit whole:
-    under "reserve" all start together (one micro-batch of 12 decodes), under "optimistic" at most
-    2 × B run, and both give the same tokens."""
-    kw = dict(model="llama-tiny", launcher="local", chunk_size=64, block_size=8, max_model_len=256)
+def _two_full_requests_llm(**kw: object) -> LLM:
+    """llama-tiny whose KV budget holds B = 2 requests of max_model_len 256 (blocks of 8)."""
+    kw = dict(model="llama-tiny", launcher="local", chunk_size=64, block_size=8, max_model_len=256, **kw)
     plan = LLM(**kw, memory_budget_gb=0.05)
     budget = (plan.memory.weight_bytes + 2 * 256 * plan.memory.kv_bytes_per_token) / (1 << 30)
     plan.shutdown()
-    ps = [[5 + (i * 13 + k) % 300 for k in range(8 + i % 9)] for i in range(12)]
+    llm = LLM(**kw, memory_budget_gb=budget)
+    assert llm.memory.max_batch_b == 2
+    return llm
+
+
+SHORT_PROMPTS = [[5 + (i * 13 + k) % 300 for k in range(8 + i % 9)] for i in range(12)]
+
+
+def test_either_admission_runs_more_short_requests_than_b_at_once() -> None:
+    """The KV budget holds B = 2 requests of max_model_len 256, but 12 of ≤ 24 tokens fit whole:
+    under either admission all 12 start together (one micro-batch of 12 decodes), with no
+    preemption and the same tokens."""
     out = {}
-    for kv in ("reserve", "optimistic"):
-        with LLM(**kw, memory_budget_gb=budget, kv_admission=kv) as llm:
-            assert llm.memory.max_batch_b == 2
-            out[kv] = [o.token_ids for o in llm.generate(ps, SamplingParams(max_tokens=8, ignore_eos=True))]
-            widest = max(m.decode_tokens for m in llm.last_run.engine.history)
-            assert widest == (12 if kv == "reserve" else 2)
+    with _two_full_requests_llm() as llm:
+        for kv in ("reserve", "optimistic"):
+            llm.reconfigure(kv_admission=kv)
+            out[kv] = [o.token_ids for o in llm.generate(SHORT_PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))]
+            assert max(m.decode_tokens for m in llm.last_run.engine.history) == 12
             assert sum(r.num_preemptions for r in llm.last_run.requests) == 0
     assert out["reserve"] == out["optimistic"]
+
+
+def test_requests_that_stop_early_run_wider_under_optimistic() -> None:
+    """max_tokens 200 that each request's stop token ends within 4: reserve counts the 200 (two
+    requests of ≤ 216 tokens fill the 64 blocks), optimistic only the blocks in use (all 12 run at
+    once); the tokens are the same."""
+    with _two_full_requests_llm(enable_prefix_caching=False) as llm:
+        first = llm.generate(SHORT_PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+        # each request's stop token: its output's 4th token, which ends it at its first occurrence
+        params = [SamplingParams(max_tokens=200, stop_token_ids=[o.token_ids[3]]) for o in first]
+        out, widest = {}, {}
+        for kv in ("reserve", "optimistic"):
+            llm.reconfigure(kv_admission=kv)
+            outs = llm.generate(SHORT_PROMPTS, params)
+            assert all(o.finish_reason == "stop" and len(o.token_ids) <= 4 for o in outs)
+            out[kv] = [o.token_ids for o in outs]
+            widest[kv] = max(len(m.chunks) for m in llm.last_run.engine.history)
+        assert out["reserve"] == out["optimistic"]
+        assert out["reserve"] == [o.token_ids[:len(t)] for o, t in zip(first, out["reserve"])]
+    assert widest == {"reserve": 2, "optimistic": 12}
 
 
 # ---- memory pressure ----------------------------------------------------------------------------

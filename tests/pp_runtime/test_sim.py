@@ -469,7 +469,7 @@ def test_validate_sim_copies_the_runs_admission(tmp_path: Path) -> None:
     cfg = sim_config(str(run), [["stage0.csv"]], 10.0, {"return": 5.0, "prep": [3.0], "jitter": [0.0]})
     assert [sc["admission"] for sc in cfg["scenarios"]] == ["longest_first", "longest_first"]
     # the runtime's defaults where the run leaves them, the run's own otherwise
-    assert all(sc["kv_admission"] == "reserve" and sc["enable_prefix_caching"] for sc in cfg["scenarios"])
+    assert all(sc["kv_admission"] == "optimistic" and sc["enable_prefix_caching"] for sc in cfg["scenarios"])
     run.write_text(run.read_text() + "kv_admission: optimistic\nenable_prefix_caching: false\n")
     cfg = sim_config(str(run), [["stage0.csv"]], 10.0, {"return": 5.0, "prep": [3.0], "jitter": [0.0]})
     assert all(sc["kv_admission"] == "optimistic" and not sc["enable_prefix_caching"] for sc in cfg["scenarios"])
