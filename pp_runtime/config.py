@@ -215,9 +215,9 @@ class SchedulerConfig:
       "reserve" (TGI's): only while every running request's whole length (prompt + max_tokens)
       still fits the cache beside its own, so nothing is ever preempted; blocks a prompt shares
       through prefix caching are counted once. Where memory binds, reserve runs fewer requests
-      at once and the rest wait: on this CPU the same tokens/s as optimistic (its recomputation
-      against reserve's narrower batches), TTFT p50 ×11–20 (docs/BENCHMARKS.md, twenty-second
-      session).
+      at once and the rest wait: on this CPU about the same tokens/s as optimistic (its
+      recomputation against reserve's narrower batches), TTFT p50 ×12–20 (docs/BENCHMARKS.md,
+      twenty-second session).
     """
 
     policy: str = "sarathi"

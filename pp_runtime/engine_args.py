@@ -33,7 +33,7 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
                         enable_prefix_caching: bool = True, cuda_graphs: bool = False,
                         kv_admission: str = "optimistic") -> tuple[EngineConfig, object]:
     """Resolve the model and validate every setting; raises ValueError naming the bad one.
-    max_batch_size None is kept as 1 here and replaced once the memory plan gives B; step_costs
+    max_batch_size None is kept as 1 here and replaced by the LLM's default (LLM._default_batch); step_costs
     "fit" is kept empty here and fitted once the workers run (pp_runtime.calibration)."""
     if isinstance(step_costs, str) and step_costs != "fit":
         raise ValueError(f"step_costs must be 'fit' or 3 numbers (prompt key, decode row, decode key), got {step_costs!r}")

@@ -158,7 +158,7 @@ class LLM:
         budget holds) is no cap: under reserve requests are admitted by their own lengths, and
         under optimistic (vLLM's, whose max_num_seqs is no memory cap either) requests that stop
         early at EOS leave room that B would not use (chat prompts, max_tokens 512, a 0.3 GB
-        budget: B caps 2 running, 0.62x of reserve's tokens/s; docs/BENCHMARKS.md, twenty-second
+        budget: B caps 2 running, 0.58x of reserve's tokens/s; docs/BENCHMARKS.md, twenty-second
         session). sarathi's tile_align: at most C (its batches are C tokens, decodes included)."""
         aligned = sched.tile_align and sched.policy == "sarathi"
         return min(DEFAULT_MAX_BATCH, sched.chunk_size) if aligned else DEFAULT_MAX_BATCH

@@ -374,10 +374,12 @@ def test_kv_admission_smoke(hf_models: dict, tmp_path: Path) -> None:
 
 
 def test_kv_admission_chat_smoke(tmp_path: Path) -> None:
-    """The chat workload on the embedded model (its tokenizer's chat template), stopping at EOS."""
+    """The chat workload on the embedded model (its tokenizer's chat template): some answers stop
+    at EOS; 20 blocks hold fewer than the 8 requests need, so optimistic preempts, reserve does
+    not, the B cap runs one at a time, and every side gives the same tokens."""
     r = run(["benchmarks/kv_admission.py", "--smoke", "--workload", "chat"], tmp_path)
-    assert r["same_tokens_share"] == 1.0 and r["paper_B"] == 2
-    for side in ("reserve", "optimistic", "optimistic_B"):
-        got = r["rounds"][side][0]
-        assert 0 < got["generated"] <= 8 * 24 and got["widest_batch"] <= got["max_batch_size"]
-    assert r["rounds"]["reserve"][0]["preemptions"] == 0
+    assert r["same_tokens_share"] == 1.0 and r["paper_B"] == 1
+    rounds = {side: r["rounds"][side][0] for side in ("reserve", "optimistic", "optimistic_B")}
+    assert all(0 < got["stopped_early"] < 8 for got in rounds.values())
+    assert rounds["optimistic"]["preemptions"] > 0 and rounds["reserve"]["preemptions"] == 0
+    assert rounds["optimistic_B"]["widest_batch"] == 1 < rounds["reserve"]["widest_batch"] <= rounds["optimistic"]["widest_batch"]

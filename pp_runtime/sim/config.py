@@ -35,8 +35,9 @@ model's B, or ``auto_per_microbatch`` = ⌊B/pp⌋, the paper's per-micro-batch 
 runtime's own default is 64), tile_align, chunk_budget (flops|tokens, as the runtime's), admission (fcfs|longest_first, as the
 runtime's), step_costs (3 numbers, or ``fit``: fitted to a calibration run of the scenario's own
 simulated steps, as ``--step-costs fit``; pp_runtime.sim.run), kv_admission (optimistic, the default and
-the paper's: B full-length requests; or reserve, the runtime's default: max_running then defaults to
-max_batch_size × pp, as the runtime's, and the requests' own lengths decide), enable_prefix_caching (false by
+the paper's: B full-length requests may run; or reserve, as the runtime's ``--kv-admission reserve``:
+max_running then defaults to max_batch_size × pp, as the runtime runs either, and the requests' own
+lengths decide), enable_prefix_caching (false by
 default, as the paper; true: the real block manager keeps prefixes, and synthetic prompts get ids of their own
 past the workload's shared_prefix), partition (layers per stage), dispatch_us (driver work and plan delivery per
 micro-batch), return_us (sampled tokens back to the driver), prep_us (each worker's own cost of

@@ -197,12 +197,17 @@ def test_run_dir_records_the_scheduling_the_run_ran_under(llm: LLM, tmp_path: Pa
     params = [SamplingParams(max_tokens=2 + 3 * i % 7) for i in range(len(ps))]
     expected = [fields(o) for o in llm.generate(ps, params)]
     try:
-        llm.reconfigure(admission="longest_first", chunk_budget="tokens")
+        llm.reconfigure(admission="longest_first", chunk_budget="tokens", kv_admission="reserve")
         assert [fields(o) for o in llm.generate(ps, params)] == expected
     finally:
-        llm.reconfigure(admission="fcfs", chunk_budget="flops")
+        llm.reconfigure(admission="fcfs", chunk_budget="flops", kv_admission="optimistic")
     summary = write_run_dir(str(tmp_path), llm)
-    assert (summary["admission"], summary["chunk_budget"], summary["step_costs"]) == ("longest_first", "tokens", [])
+    assert (summary["admission"], summary["chunk_budget"], summary["step_costs"], summary["kv_admission"]) == \
+        ("longest_first", "tokens", [], "reserve")
+    before = llm.sched_config
+    with pytest.raises(ValueError, match="SchedulerConfig.kv_admission must be one of reserve, optimistic, got 'eager'"):
+        llm.reconfigure(kv_admission="eager")
+    assert llm.sched_config == before
     # measured step costs (pp = 2 here: they apply) reshape the micro-batches, not the tokens
     with pytest.raises(ValueError, match="SchedulerConfig.step_costs must be empty or 3 finite numbers"):
         llm.reconfigure(step_costs=(0.1, -1.0, 0.0))

@@ -470,9 +470,9 @@ def test_validate_sim_copies_the_runs_admission(tmp_path: Path) -> None:
     assert [sc["admission"] for sc in cfg["scenarios"]] == ["longest_first", "longest_first"]
     # the runtime's defaults where the run leaves them, the run's own otherwise
     assert all(sc["kv_admission"] == "optimistic" and sc["enable_prefix_caching"] for sc in cfg["scenarios"])
-    run.write_text(run.read_text() + "kv_admission: optimistic\nenable_prefix_caching: false\n")
+    run.write_text(run.read_text() + "kv_admission: reserve\nenable_prefix_caching: false\n")
     cfg = sim_config(str(run), [["stage0.csv"]], 10.0, {"return": 5.0, "prep": [3.0], "jitter": [0.0]})
-    assert all(sc["kv_admission"] == "optimistic" and not sc["enable_prefix_caching"] for sc in cfg["scenarios"])
+    assert all(sc["kv_admission"] == "reserve" and not sc["enable_prefix_caching"] for sc in cfg["scenarios"])
     # a reused bench: what each scheduler's run recorded (an older run without the keys: optimistic, no caching)
     (tmp_path / "bench" / "sarathi").mkdir(parents=True)
     (tmp_path / "bench" / "sarathi" / "summary.json").write_text('{"kv_admission": "reserve", "enable_prefix_caching": true}')
