@@ -57,10 +57,10 @@ def run_side(llm: LLM, prompts: list[list[int]], new_tokens: int, ignore_eos: bo
     side, outs = generate_side(llm, prompts, new_tokens, ignore_eos)
     history = llm.last_run.engine.history
     latency = [o.latency_s for o in outs]
-    return {**side, "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99), "max_batch_size": llm.sched_config.max_batch_size,
+    return {**side, "latency_p50_s": percentile(latency, 50), "latency_p99_s": percentile(latency, 99),
+            "max_batch_size": llm.sched_config.max_batch_size,
             "widest_batch": max(len(mb.chunks) for mb in history), "micro_batches": len(history),
             "preemptions": sum(r.num_preemptions for r in llm.last_run.requests),
-            "generated": sum(len(o.token_ids) for o in outs),
             # prompts, and the prompt + output of every preempted request again (less its cached blocks)
             "computed_prefill_tokens": sum(mb.prefill_tokens for mb in history),
             "stopped_early": sum(len(o.token_ids) < new_tokens for o in outs)}

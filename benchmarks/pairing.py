@@ -34,7 +34,7 @@ def ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
 def generate_side(llm: object, prompts: list[list[int]], new_tokens: int, ignore_eos: bool = True) -> tuple[dict, list]:
     """One side's run: ``prompts`` all at once, exactly ``new_tokens`` each (checked) or, without
     ``ignore_eos``, up to ``new_tokens`` each until EOS; its wall seconds, total tokens/s ((prompt
-    + generated) / wall), TTFT p50 and p99 and each request's tokens, and the outputs (for what a
+    + generated) / wall), the tokens generated, TTFT p50 and p99 and each request's tokens, and the outputs (for what a
     benchmark adds of its own)."""
     import time
 
@@ -45,7 +45,8 @@ def generate_side(llm: object, prompts: list[list[int]], new_tokens: int, ignore
     wall = time.perf_counter() - t
     assert not ignore_eos or all(len(o.token_ids) == new_tokens for o in outs)
     ttft = [o.ttft_s for o in outs]
-    return {"wall_s": wall, "tok_s": (sum(map(len, prompts)) + sum(len(o.token_ids) for o in outs)) / wall,
+    generated = sum(len(o.token_ids) for o in outs)
+    return {"wall_s": wall, "tok_s": (sum(map(len, prompts)) + generated) / wall, "generated": generated,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "tokens": [o.token_ids for o in outs]}, outs
 

@@ -216,14 +216,16 @@ class Scheduler:
         copy of its tokens is made)."""
         return self.blocks.cached_prefix(req.tokens_slice(0, req.num_tokens)) if self.blocks.prefix_caching else []
 
-    def _reservable(self, req: Request, hit: Sequence[int] = ()) -> bool:
+    def _reservable(self, req: Request, hit: Sequence[int] | None = None) -> bool:
         """kv_admission "reserve": every block the running requests may still allocate (their whole
         length's less those they hold) and all ``req`` will take (its cached ``hit`` blocks that no
         one holds, and its whole length's less the hits) fit the unheld blocks now, so no block a
         running request asks for is ever missing. Blocks shared by prefix caching count once:
-        after admission a sequence only allocates fresh blocks."""
+        after admission a sequence only allocates fresh blocks. ``hit``: ``_hit(req)``, looked up
+        here when not given (only under reserve: optimistic needs no copy of the prompt)."""
         if self.cfg.kv_admission != "reserve":
             return True
+        hit = self._hit(req) if hit is None else hit
         bm = self.blocks
         ahead = sum(self._whole_blocks(r) - len(bm.block_table(r.seq_id)) for r in self.running)
         return ahead + self._whole_blocks(req) - len(hit) + bm.num_unheld(hit) <= bm.num_free
@@ -257,7 +259,7 @@ class Scheduler:
         head = self.waiting[0] if self.waiting else None
         prefill_possible = any(r.is_prefilling for r in self.running) or (
             head is not None and len(self.running) < self.cfg.running_cap
-            and (self.cfg.kv_admission != "reserve" or self._reservable(head, self._hit(head))))
+            and self._reservable(head))
         limit = self.cfg.max_batch_size - 1 if prefill_possible else self.cfg.max_batch_size
         self._take_decodes(plan, min(max(1, limit), self._decode_share()))
         budget = self.cfg.chunk_size - (len(plan) if self.cfg.tile_align else 0)

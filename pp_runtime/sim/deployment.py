@@ -70,8 +70,9 @@ def plan_deployment(cfg: SimConfig, sc: Scenario, cost_model: object | None = No
         mbs = mem.per_microbatch_b
     else:
         mbs = int(sc.max_batch_size)
-    # optimistic: every request whose full-length K/V fits may run (B); one micro-batch carries up to
-    # mbs. reserve: as the runtime, pp micro-batches of mbs, admitted by the requests' own lengths.
+    # optimistic (the paper's setup): every request whose full-length K/V fits may run (B); one
+    # micro-batch carries up to mbs. reserve: pp micro-batches of mbs (as the runtime runs under
+    # either admission), admitted by the requests' own lengths.
     running = mbs * sc.pp if sc.kv_admission == "reserve" else max(mbs, mem.max_batch_b)
     sched = SchedulerConfig(sc.scheduler, sc.chunk_size, mbs, sc.tile_align, cfg.max_model_len,
                             max_running=sc.max_running or running, chunk_budget=sc.chunk_budget,
