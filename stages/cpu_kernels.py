@@ -61,7 +61,7 @@ from stages.cpu_info import host_tag
 _SOURCES = [str(Path(__file__).with_name("csrc") / f)
             for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp",
                       "gemm_quant.cpp", "gemm_few_rows.cpp", "gemm_bf16.cpp", "greedy.cpp", "greedy_int8.cpp",
-                      "int8_gemm.cpp", "stack.cpp", "embedding.cpp")]
+                      "int8_gemm.cpp", "embedding.cpp")]
 TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a multiple of it
 PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a multiple of it
 # the most rows a product keeps fp32 under "medium" (vec.h: kBf16MinTokens): the GEMM's and the prefill
@@ -71,7 +71,7 @@ BF16_FP32_ROWS = 12
 
 # one build per kind of CPU and per checkout: ninja rebuilds every object when build.ninja names
 # other source paths, so two checkouts sharing one build folder (a CI clone beside a working tree)
-# rebuilt each other's kernels (~90 s) each time the other one loaded them
+# rebuilt each other's kernels (~1 min) each time the other one loaded them
 _CHECKOUT = f"{zlib.crc32(str(Path(__file__).resolve().parent).encode()) & 0xFFFF:04x}"
 _NAME = f"pp_runtime_cpu_kernels_{host_tag()}_{_CHECKOUT}"
 _lock = threading.Lock()
@@ -104,7 +104,7 @@ def _build(name: str, march: str) -> object:
 
 def build(march: str) -> object:
     """The kernels built for another x86-64 target: "x86-64-v4" takes the AVX-512 paths without
-    BF16, "x86-64-v3" the AVX2 ones, "x86-64" the plain loops (a ~90 s compile, cached). The tests
+    BF16, "x86-64-v3" the AVX2 ones, "x86-64" the plain loops (a ~1 min compile on 2 cores, cached). The tests
     run them on a CPU that has everything, so that other CPUs' paths are tested too; the runtime
     uses the host's build only."""
     return _build(f"{_NAME}_{march.replace('-', '_')}", march)
@@ -121,7 +121,7 @@ def build_guard(build_dir: Path) -> Iterator[None]:
     ours is running, and a lock file there is a dead one's."""
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / "pp_runtime.flock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # waits while a live build of ours compiles (~1-2 min)
+        fcntl.flock(f, fcntl.LOCK_EX)  # waits while a live build of ours compiles (~1 min)
         lock = build_dir / "lock"
         if lock.exists():
             print(f"pp_runtime: removing the lock of a build that died: {lock}", file=sys.stderr)
@@ -312,7 +312,7 @@ def panel_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def layer_stack(weights: list[torch.Tensor], heads: int, kv_heads: int, head_dim: int, scale: float, eps: float,
                 products: str, attn_bf16: bool, decode_bf16_over: int, cos: torch.Tensor, sin: torch.Tensor) -> object:
-    """stack.cpp's LayerStack over 7 tensors a layer (stages/layer_loop.py): ``.forward(h, caches,
+    """stack.h's LayerStack over 7 tensors a layer (stages/layer_loop.py): ``.forward(h, caches,
     step_meta(...))`` runs them all in one call; products: the linears' ("fp32", "bf16", "int8");
     attn_bf16, decode_bf16_over: the attention kernels' (``paged_prefill``'s bf16, ``paged_decode``'s
     bf16 and bf16_over)."""

@@ -1,4 +1,4 @@
-"""A stage's decoder layers as one C++ call on CPU (stages/csrc/stack.cpp), in place of the
+"""A stage's decoder layers as one C++ call on CPU (stages/csrc/stack.h), in place of the
 Python loop over them.
 
 Per layer, stages/model.py makes ~10 nn.Module calls and ~10 kernel calls from Python: ~0.1 ms
@@ -23,7 +23,7 @@ from stages.attention import AttentionMetadata
 from stages.attention.torch_backend import TorchAttention, decode_lens
 from stages.layers import RowParallelLinear
 
-_NONE = torch.empty(0)  # a slot the layer does not have (stack.cpp: numel 0)
+_NONE = torch.empty(0)  # a slot the layer does not have (stack.h: numel 0)
 
 
 class LayerLoop:
@@ -61,7 +61,7 @@ class LayerLoop:
             weights += [p.detach() for p in parts]
         row_parallel = [m for m in linears if isinstance(m, RowParallelLinear)]
         # one products setting for the stack: "int8" leaves fp32 panels (a QKV fused from two GGUF
-        # types) on fp32 products in stack.cpp as set_matmul_precision does, so that mix is one too
+        # types) on fp32 products in stack.h as set_matmul_precision does, so that mix is one too
         kinds = {m.products for m in linears}
         products = kinds.pop() if len(kinds) == 1 else "int8" if kinds == {"fp32", "int8"} else None
         if any(m.weight.dim() != 3 or m.weight.device.type != "cpu" for m in linears) \

@@ -2,9 +2,25 @@
 #include <torch/extension.h>
 
 #include "kernels.h"
+#include "stack.h"
 #include "vec.h"  // kBf16MinTokens
 
-void bind_layer_stack(pybind11::module& m);  // stack.cpp
+static void bind_layer_stack(pybind11::module& m) {
+  namespace py = pybind11;
+  using layer_stack::LayerStack, layer_stack::StepMeta;
+  py::class_<StepMeta>(m, "StepMeta", py::module_local())  // local: one build per ISA in a process
+      .def(py::init([](at::Tensor positions, at::Tensor slots, std::vector<int64_t> q_lens,
+                       std::vector<int64_t> ctx_lens, std::vector<at::Tensor> tables,
+                       c10::optional<at::Tensor> decode_tables, c10::optional<at::Tensor> decode_lens) {
+        return StepMeta{positions, slots, q_lens, ctx_lens, tables, decode_tables, decode_lens};
+      }));
+  py::class_<LayerStack>(m, "LayerStack", py::module_local())
+      .def(py::init<std::vector<at::Tensor>, int64_t, int64_t, int64_t, double, double, std::string, bool,
+                    int64_t, at::Tensor, at::Tensor>())
+      .def("forward", &LayerStack::forward, py::arg("h"), py::arg("caches"), py::arg("meta"),
+           py::arg("times") = py::none(), py::arg("keep") = py::none(), py::call_guard<py::gil_scoped_release>(),
+           "the stage's decoder layers over h (T, H), as stages/model.py runs them on CPU");
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (fp32 q, fp32, fp16 or fp8 K/V caches, CPU; bf16: bf16 products where taken)",

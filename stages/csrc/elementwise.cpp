@@ -3,8 +3,7 @@
 // 256 x 576 chunk), SiLU on the strided gate half of the fused gate/up output at ~1.4 ns an
 // element, and rotate-half RoPE as four strided kernels; each of these is one pass over its
 // rows here, parallel over rows.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <cmath>
 
@@ -29,16 +28,16 @@ inline void norm_row(const float* x, const float* w, float eps, int64_t n, float
   for (i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
 }
 
-void check_rows(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 2 && t.is_contiguous(), what, ": contiguous (T, H) float32");
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dtype() == at::kFloat && t.dim() == 2 && t.is_contiguous(), what, ": contiguous (T, H) float32");
 }
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   check_rows(x, "rms_norm");
   const int64_t t = x.size(0), n = x.size(1);
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
@@ -48,12 +47,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 }
 
 // h += x (the residual, in place); returns rms_norm(h) — the pre-MLP norm of a decoder layer
-torch::Tensor add_rms_norm_(torch::Tensor h, torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor add_rms_norm_(at::Tensor h, at::Tensor x, at::Tensor w, double eps) {
   check_rows(h, "add_rms_norm_");
   check_rows(x, "add_rms_norm_");
   TORCH_CHECK(h.sizes() == x.sizes(), "add_rms_norm_: shapes");
   const int64_t t = h.size(0), n = h.size(1);
-  auto out = torch::empty_like(h);
+  auto out = at::empty_like(h);
   float* hp = h.data_ptr<float>();
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -69,11 +68,11 @@ torch::Tensor add_rms_norm_(torch::Tensor h, torch::Tensor x, torch::Tensor w, d
 }
 
 // gu (T, 2I) = [gate | up] -> silu(gate) · up (T, I)
-torch::Tensor silu_mul(torch::Tensor gu) {
+at::Tensor silu_mul(at::Tensor gu) {
   check_rows(gu, "silu_mul");
   TORCH_CHECK(gu.size(1) % 2 == 0, "silu_mul: even width");
   const int64_t t = gu.size(0), n = gu.size(1) / 2;
-  auto out = torch::empty({t, n}, gu.options());
+  auto out = at::empty({t, n}, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, t, 8, [&](int64_t b, int64_t e) {
@@ -85,11 +84,11 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 // x (T, heads, D), rows of any stride, rotated in place (rotate-half layout):
 // x1, x2 = halves of each head; x1 <- x1 cos − x2 sin, x2 <- x2 cos + x1 sin, with the cos/sin
 // rows (P, D/2) of each token's position.
-void rope_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+void rope_(at::Tensor x, at::Tensor positions, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "rope_: float32 (T, heads, D) with contiguous heads");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && positions.is_contiguous() &&
-              positions.dtype() == torch::kInt64 && cos.size(1) * 2 == x.size(2), "rope_: cos/sin (P, D/2)");
+              positions.dtype() == at::kLong && cos.size(1) * 2 == x.size(2), "rope_: cos/sin (P, D/2)");
   const int64_t t = x.size(0), heads = x.size(1), half = x.size(2) / 2, stride = x.stride(0);
   float* xp = x.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
@@ -141,10 +140,10 @@ inline void transpose8(const float* src, int64_t ld_s, float* dst, int64_t ld_d)
 
 // (R, C) contiguous -> its transpose (C, R), contiguous: the skinny linear's (W Xᵀ) back to
 // (T, out); torch's strided copy does it at a third of this speed.
-torch::Tensor transpose(torch::Tensor x) {
+at::Tensor transpose(at::Tensor x) {
   check_rows(x, "transpose");
   const int64_t R = x.size(0), C = x.size(1);
-  auto out = torch::empty({C, R}, x.options());
+  auto out = at::empty({C, R}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, (R + 7) / 8, 64, [&](int64_t b, int64_t e) {  // blocks of 8 source rows
@@ -207,7 +206,7 @@ inline void store_row(const float* x, int64_t n, Fp8* out) {
 }
 
 template <typename T>
-void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots) {
+void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* slots) {
   const int64_t t = src.size(0), n = src.size(1) * src.size(2), ld = src.stride(0);
   const float* s = src.data_ptr<float>();
   T* c = cache.data_ptr<T>();
@@ -222,25 +221,25 @@ void write_rows(const torch::Tensor& src, torch::Tensor& cache, const int64_t* s
 // the fused QKV output) into the paged caches (NB, BS, H_kv, D) at flat slots (T,) int64, in one
 // call: torch's index_copy_ twice per layer cost ~22 us each on a 32-row decode step, ~1.3 ms a
 // step over 30 layers, while the other core waited.
-void write_kv_(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
-  TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 && k.dim() == 3 && k.sizes() == v.sizes() &&
+void write_kv_(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slots) {
+  TORCH_CHECK(k.dtype() == at::kFloat && v.dtype() == at::kFloat && k.dim() == 3 && k.sizes() == v.sizes() &&
               k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "write_kv_: k, v (T, H, D) float32 with contiguous (H, D) rows");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dtype() == v_cache.dtype() &&
-              (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kFloat16 ||
-               k_cache.dtype() == torch::kFloat8_e4m3fn) && k_cache.dim() == 4 &&
+              (k_cache.dtype() == at::kFloat || k_cache.dtype() == at::kHalf ||
+               k_cache.dtype() == at::kFloat8_e4m3fn) && k_cache.dim() == 4 &&
               k_cache.size(2) * k_cache.size(3) == k.size(1) * k.size(2) && k_cache.sizes() == v_cache.sizes(),
               "write_kv_: caches (NB, BS, H, D) float32, float16 or float8_e4m3fn, contiguous, of k's heads");
-  TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() && slots.numel() == k.size(0),
+  TORCH_CHECK(slots.dtype() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
               "write_kv_: slots (T,) int64");
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t nslots = k_cache.size(0) * k_cache.size(1);
   for (int64_t r = 0; r < slots.numel(); ++r)
     TORCH_CHECK(sl[r] >= 0 && sl[r] < nslots, "write_kv_: slot ", sl[r], " outside the cache's ", nslots);
-  if (k_cache.dtype() == torch::kFloat16) {
+  if (k_cache.dtype() == at::kHalf) {
     write_rows<c10::Half>(k, k_cache, sl);
     write_rows<c10::Half>(v, v_cache, sl);
-  } else if (k_cache.dtype() == torch::kFloat8_e4m3fn) {
+  } else if (k_cache.dtype() == at::kFloat8_e4m3fn) {
     write_rows<Fp8>(k, k_cache, sl);
     write_rows<Fp8>(v, v_cache, sl);
   } else {

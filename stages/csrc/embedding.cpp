@@ -9,8 +9,7 @@
 // chunk's forward, more than its RoPE. Here each row is read once where it lies: per block, its d
 // and m and one code a 16-byte line. Values as the gguf package dequantizes them, bit for bit:
 // d·q is exact in fp32, the + m its one rounding (a fused multiply-add rounds it the same).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include "kernels.h"
 #include "panels.h"
@@ -34,15 +33,15 @@ void quant_row(const uint8_t* blk, int64_t KB, int64_t QB, int c, float* out) {
 
 }  // namespace
 
-torch::Tensor panel_rows(torch::Tensor w, torch::Tensor ids) {
+at::Tensor panel_rows(at::Tensor w, at::Tensor ids) {
   const bool quant = check_panels(w, "panel_rows");
-  TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1, "panel_rows: ids (T,) int64");
+  TORCH_CHECK(ids.dtype() == at::kLong && ids.dim() == 1, "panel_rows: ids (T,) int64");
   TORCH_CHECK(w.device().is_cpu() && ids.device().is_cpu(), "panel_rows: CPU tensors");
   ids = ids.contiguous();
   const int64_t T = ids.numel(), V = w.size(0) * NR, K = quant ? w.size(1) * QK : w.size(1);
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < V, "panel_rows: id ", id[t], " out of range [0, ", V, ")");
-  auto out = torch::empty({T, K}, torch::kFloat32);
+  auto out = at::empty({T, K}, at::kFloat);
   float* op = out.data_ptr<float>();
   const int64_t pstride = w.stride(0);  // elements (bytes for uint8) a panel
   at::parallel_for(0, T, 32, [&](int64_t t0, int64_t t1) {

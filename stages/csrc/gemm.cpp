@@ -17,7 +17,7 @@
 // The GEMM's other files: gemm_tiles.h (the register tiles), gemm_common.h (row tiles, K slabs,
 // panel chunks, the blocked loop), gemm_quant.cpp, gemm_few_rows.cpp and gemm_dequant.h (GGUF
 // block-quantized panels: quant_linear), gemm_bf16.cpp (bf16 products, matmul precision "medium").
-#include <torch/extension.h>
+#include "aten.h"
 
 #include <string>
 #include <utility>
@@ -31,25 +31,25 @@ constexpr int64_t MC = 72;  // rows per block: their K slab (72 KB) stays in L2
 
 }  // namespace
 
-torch::Tensor pack_weight(torch::Tensor w) {
-  TORCH_CHECK(w.dtype() == torch::kFloat32 && w.dim() == 2, "pack_weight: (N, K) float32");
+at::Tensor pack_weight(at::Tensor w) {
+  TORCH_CHECK(w.dtype() == at::kFloat && w.dim() == 2, "pack_weight: (N, K) float32");
   TORCH_CHECK(w.size(0) % NR == 0, "pack_weight: N = ", w.size(0), " is not a multiple of ", NR);
   const int64_t N = w.size(0), K = w.size(1);
   // (N/16, 16, K) -> (N/16, K, 16): one copy through torch's strided kernel
   return w.contiguous().view({N / NR, NR, K}).transpose(1, 2).contiguous();
 }
 
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torch::Tensor> bias_, bool bf16) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+at::Tensor packed_linear(at::Tensor x, at::Tensor p, c10::optional<at::Tensor> bias_, bool bf16) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "packed_linear: x (M, K) float32 with contiguous rows");
-  TORCH_CHECK(p.dtype() == torch::kFloat32 && p.dim() == 3 && p.size(2) == NR && p.is_contiguous() &&
+  TORCH_CHECK(p.dtype() == at::kFloat && p.dim() == 3 && p.size(2) == NR && p.is_contiguous() &&
               p.size(1) == x.size(1), "packed_linear: weight (N/16, K, 16) from pack_weight with K = x.size(1)");
   const int64_t M = x.size(0), K = x.size(1), NP = p.size(0), N = NP * NR;
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const float* b = p.data_ptr<float>();
   float* c = y.data_ptr<float>();
-  torch::Tensor keep;
+  at::Tensor keep;
   const float* bias = bias_of(bias_, N, keep, "packed_linear");
 #ifdef PP_BF16
   if (use_bf16(bf16, M, K)) {
@@ -67,8 +67,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor p, c10::optional<torc
   return y;
 }
 
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool bf16) {
-  return w.scalar_type() == torch::kUInt8 ? quant_linear(x, w, bias, bf16) : packed_linear(x, w, bias, bf16);
+at::Tensor panel_linear(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias, bool bf16) {
+  return w.scalar_type() == at::kByte ? quant_linear(x, w, bias, bf16) : packed_linear(x, w, bias, bf16);
 }
 
 std::string isa() {  // which instance of the kernels this build runs (vec.h picks it from the target)

@@ -8,7 +8,7 @@
 // decode-only batch of 13+ sequences too, takes this one (packed_linear and quant_linear choose).
 // Here: x and each slab of W (either panel format) turned into bf16 pairs, the 6 x 32 tiles of
 // vdpbf16ps over them, and the weight's pairs kept (pack_weight_bf16) for bf16_linear.
-#include <torch/extension.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <string>
@@ -27,10 +27,10 @@ constexpr int64_t BF_KC = 576;
 
 // x's rows in the same register tiles as pack_rows, as bf16 pairs: tile t's word p * m + i holds
 // x[r0 + i][2p] (low half) and x[r0 + i][2p + 1]; a tile starts at word r0[t] * K / 2.
-RowTiles pack_rows_bf16(const torch::Tensor& x) {
+RowTiles pack_rows_bf16(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0), KP = K / 2;
   RowTiles rt = row_tiles(M);
-  rt.buf = torch::empty({M * KP}, x.options());  // M x K/2 words of 4 bytes
+  rt.buf = at::empty({M * KP}, x.options());  // M x K/2 words of 4 bytes
   uint32_t* ap = reinterpret_cast<uint32_t*>(rt.buf.data_ptr<float>());
   const float* a = x.data_ptr<float>();
   at::parallel_for(0, rt.size(), 4, [&](int64_t t0, int64_t t1) {
@@ -168,7 +168,7 @@ inline void panel_pairs(const void* w, int64_t qb, int64_t K, int64_t j, int64_t
 // converted to bf16 pairs once per row block: slab(j, pc, kc, words) returns kc / 2 x 16 words of
 // panel j's slab at pc, filled into words (or already held as pairs: bf16_linear).
 template <typename SlabFn>
-void bf16_product(const torch::Tensor& x, int64_t NP, float* c, const float* bias, const SlabFn& slab) {
+void bf16_product(const at::Tensor& x, int64_t NP, float* c, const float* bias, const SlabFn& slab) {
   const RowTiles rt = pack_rows_bf16(x);
   const uint32_t* ap = reinterpret_cast<const uint32_t*>(rt.buf.data_ptr<float>());
   const int64_t K = x.size(1), N = NP * NR, T = rt.size(), nslab = (K + BF_KC - 1) / BF_KC;
@@ -205,7 +205,7 @@ void bf16_product(const torch::Tensor& x, int64_t NP, float* c, const float* bia
 
 }  // namespace
 
-void bf16_panel_product(const torch::Tensor& x, const void* w, int64_t qb, int64_t NP, float* c, const float* bias) {
+void bf16_panel_product(const at::Tensor& x, const void* w, int64_t qb, int64_t NP, float* c, const float* bias) {
   const int64_t K = x.size(1);
   // one instance for each format, as when packed_linear and quant_linear each passed their own
   // slab: for fp32 panels qb is the constant 0, and panel_pairs' choice folds away (one instance
@@ -226,11 +226,11 @@ void bf16_panel_product(const torch::Tensor& x, const void* w, int64_t qb, int64
 // A weight in either panel format -> (N/16, K/2, 16) int32 words of bf16 pairs, word (p, k, j) holding
 // bf16 w[16p + j][2k] (low half) and w[16p + j][2k + 1]: each slab of it is the words panel_linear's
 // bf16 path converts that slab to on every call (the same rounding), kept. 2 bytes a weight.
-torch::Tensor pack_weight_bf16(torch::Tensor w) {
+at::Tensor pack_weight_bf16(at::Tensor w) {
   const bool quant = check_panels(w, "pack_weight_bf16");
   const int64_t NP = w.size(0), K = quant ? w.size(1) * QK : w.size(1);
   TORCH_CHECK(K % 2 == 0, "pack_weight_bf16: K = ", K, " is odd");
-  auto out = torch::empty({NP, K / 2, NR}, w.options().dtype(torch::kInt32));
+  auto out = at::empty({NP, K / 2, NR}, w.options().dtype(at::kInt));
 #ifdef PP_BF16
   uint32_t* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
   const void* src = w.data_ptr();
@@ -247,13 +247,13 @@ torch::Tensor pack_weight_bf16(torch::Tensor w) {
 // x (M, K) times a weight packed by pack_weight_bf16, in bf16 products for every M: for M > 12 the
 // same bits as panel_linear(x, w, bf16=True) over the panels it was packed from, without the
 // per-call conversion of W (2.4 ms of a 32-row product over SmolLM2's 49152 x 576 LM head).
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wb) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+at::Tensor bf16_linear(at::Tensor x, at::Tensor wb) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "bf16_linear: x (M, K) float32 with contiguous rows");
-  TORCH_CHECK(wb.dtype() == torch::kInt32 && wb.dim() == 3 && wb.size(2) == NR && wb.is_contiguous() &&
+  TORCH_CHECK(wb.dtype() == at::kInt && wb.dim() == 3 && wb.size(2) == NR && wb.is_contiguous() &&
               wb.size(1) * 2 == x.size(1), "bf16_linear: weight (N/16, K/2, 16) from pack_weight_bf16 with K = x.size(1)");
   const int64_t M = x.size(0), K = x.size(1), NP = wb.size(0);
-  auto y = torch::empty({M, NP * NR}, x.options());
+  auto y = at::empty({M, NP * NR}, x.options());
   if (M == 0) return y;
 #ifdef PP_BF16
   const uint32_t* b = reinterpret_cast<const uint32_t*>(wb.data_ptr<int32_t>());

@@ -7,8 +7,7 @@
 // no loop calls into another file (no LTO here). At the end, the two entries that one file's
 // product takes from another, one call a product.
 #pragma once
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <atomic>
@@ -54,7 +53,7 @@ inline int tile_rows(int64_t rem) {
 struct RowTiles {
   std::vector<int64_t> r0;
   std::vector<int> mt;
-  torch::Tensor buf;
+  at::Tensor buf;
   const float* ap = nullptr;
   int64_t size() const { return static_cast<int64_t>(r0.size()); }
 };
@@ -71,10 +70,10 @@ inline void pack_kmajor(const float* src, int64_t lda, int64_t m, int64_t K, flo
     for (int64_t i = 0; i < m; ++i) dst[k * m + i] = src[i * lda + k];
 }
 
-inline RowTiles pack_rows(const torch::Tensor& x) {
+inline RowTiles pack_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0);
   RowTiles rt = row_tiles(M);
-  rt.buf = torch::empty({M * K}, x.options());
+  rt.buf = at::empty({M * K}, x.options());
   float* ap = rt.buf.data_ptr<float>();
   const float* a = x.data_ptr<float>();
   at::parallel_for(0, rt.size(), 4, [&](int64_t t0, int64_t t1) {
@@ -182,11 +181,11 @@ inline bool use_bf16(bool bf16, int64_t M, int64_t K) {
 // c (M x N) = x (M x K) times the transpose of a weight held as fp32 panels (qb = 0) or as
 // block-quantized ones of qb bytes a block, in bf16 products, each slab of W converted to bf16
 // pairs once per row block (gemm_bf16.cpp; packed_linear and quant_linear call it where use_bf16)
-void bf16_panel_product(const torch::Tensor& x, const void* w, int64_t qb, int64_t NP, float* c, const float* bias);
+void bf16_panel_product(const at::Tensor& x, const void* w, int64_t qb, int64_t NP, float* c, const float* bias);
 #endif
 #ifdef PP_AVX512
 // c (M x N) = x (M <= FEW_ROWS rows) times block-quantized panels of qb bytes a block, from codes to
 // registers (gemm_few_rows.cpp; quant_linear calls it)
-void few_row_quant_product(const torch::Tensor& x, const uint8_t* q, int64_t qb, int64_t NP, float* c,
+void few_row_quant_product(const at::Tensor& x, const uint8_t* q, int64_t qb, int64_t NP, float* c,
                            const float* bias);
 #endif

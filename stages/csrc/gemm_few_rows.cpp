@@ -3,7 +3,7 @@
 // once, P adjacent panels a walk, the codes a few blocks ahead prefetched. Each output still sums
 // its k terms in k order, one FMA at a time: the same bits as every other path (quant_linear,
 // gemm_quant.cpp, takes it; the 8-lane build runs qtile there instead).
-#include <torch/extension.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <array>
@@ -104,7 +104,7 @@ constexpr auto kQZ = qz_table<U4>(std::make_integer_sequence<int, GROUP_ROWS>{})
 // x's M rows (any row stride) in groups of R_g rows, each group k-major as one (K, R_g) block at
 // out + r0 * K (r0 its first row); sizes[g] gets R_g. As few groups of up to GROUP_ROWS rows as hold
 // M, as even as can be (32 rows: 16 + 16).
-int pack_groups(const torch::Tensor& x, float* out, int* sizes) {
+int pack_groups(const at::Tensor& x, float* out, int* sizes) {
   const int64_t M = x.size(0), K = x.size(1), lda = x.stride(0);
   const float* a = x.data_ptr<float>();
   int ng = 0;
@@ -123,7 +123,7 @@ int pack_groups(const torch::Tensor& x, float* out, int* sizes) {
 // times (docs/BENCHMARKS.md). Every group runs over the same 4 panels before the next 4, whose codes
 // (28-74 KB) are then still in L1/L2 for the groups after the first.
 template <bool U4>
-void few_row_product(const torch::Tensor& x, const uint8_t* q, int64_t NP, float* c, const float* bias) {
+void few_row_product(const at::Tensor& x, const uint8_t* q, int64_t NP, float* c, const float* bias) {
   constexpr int64_t QB = U4 ? QB_U4 : QB_S8;
   const int64_t M = x.size(0), K = x.size(1), N = NP * NR, pbytes = K / QK * QB;
   std::unique_ptr<float[]> xg(new float[M * K]);
@@ -150,7 +150,7 @@ void few_row_product(const torch::Tensor& x, const uint8_t* q, int64_t NP, float
 
 }  // namespace
 
-void few_row_quant_product(const torch::Tensor& x, const uint8_t* q, int64_t qb, int64_t NP, float* c,
+void few_row_quant_product(const at::Tensor& x, const uint8_t* q, int64_t qb, int64_t NP, float* c,
                            const float* bias) {
   if (qb == QB_U4)
     few_row_product<true>(x, q, NP, c, bias);

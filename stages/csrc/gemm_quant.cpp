@@ -4,7 +4,7 @@
 // tiles of a block then read (gemm_common.h: blocked_product). A few rows: the codes go to registers
 // inside the tile (qtile, 8 lanes), or with AVX-512 in groups of up to 24 rows
 // (gemm_few_rows.cpp). The dequantizing steps: gemm_dequant.h; bf16 products: gemm_bf16.cpp.
-#include <torch/extension.h>
+#include "aten.h"
 
 #include <utility>
 
@@ -110,16 +110,16 @@ void quant_product(const RowTiles& rt, const uint8_t* q, int64_t NP, int64_t K, 
 
 }  // namespace
 
-torch::Tensor quant_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias_, bool bf16) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1,
+at::Tensor quant_linear(at::Tensor x, at::Tensor q, c10::optional<at::Tensor> bias_, bool bf16) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
               "quant_linear: x (M, K) float32 with contiguous rows");
-  TORCH_CHECK(q.dtype() == torch::kUInt8 && q.dim() == 3 && q.is_contiguous() && q.size(1) * QK == x.size(1) &&
+  TORCH_CHECK(q.dtype() == at::kByte && q.dim() == 3 && q.is_contiguous() && q.size(1) * QK == x.size(1) &&
               (q.size(2) == QB_U4 || q.size(2) == QB_S8),
               "quant_linear: weight (N/16, K/32, ", QB_U4, " or ", QB_S8, ") uint8 panels with K = x.size(1)");
   const int64_t M = x.size(0), K = x.size(1), NP = q.size(0), N = NP * NR;
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-  torch::Tensor keep;
+  at::Tensor keep;
   const float* bias = bias_of(bias_, N, keep, "quant_linear");
 #ifdef PP_BF16
   if (use_bf16(bf16, M, K)) {

@@ -12,8 +12,7 @@
 // max_u (approx[r][u] - b_u): any other v is below some u even at its bound's best. Two passes
 // over each row (the max, then the candidates, a 16-lane compare each where the build has
 // AVX-512), rows in parallel; ids is the union over rows, member[r][i] whether ids[i] is row r's.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cmath>
@@ -75,7 +74,7 @@ void upper_at_least(const float* a, const B& b, int64_t V, float thr, std::vecto
 namespace pp_greedy {
 
 // the union of rows' candidates -> [ids ascending, member (M, U)]
-std::vector<torch::Tensor> union_of(const std::vector<std::vector<int64_t>>& rows, int64_t V) {
+std::vector<at::Tensor> union_of(const std::vector<std::vector<int64_t>>& rows, int64_t V) {
   const int64_t M = static_cast<int64_t>(rows.size());
   std::vector<char> mark(V, 0);
   for (const auto& row : rows)
@@ -87,11 +86,11 @@ std::vector<torch::Tensor> union_of(const std::vector<std::vector<int64_t>>& row
       ids.push_back(v);
     }
   const int64_t U = static_cast<int64_t>(ids.size());
-  auto member = torch::zeros({M, U}, torch::kBool);
+  auto member = at::zeros({M, U}, at::kBool);
   bool* mb = member.data_ptr<bool>();
   for (int64_t r = 0; r < M; ++r)
     for (int64_t v : rows[r]) mb[r * U + slot[v]] = true;
-  auto out = torch::empty({U}, torch::kInt64);
+  auto out = at::empty({U}, at::kLong);
   std::copy(ids.begin(), ids.end(), out.data_ptr<int64_t>());
   return {out, member};
 }
@@ -99,13 +98,13 @@ std::vector<torch::Tensor> union_of(const std::vector<std::vector<int64_t>>& row
 }  // namespace pp_greedy
 
 
-std::vector<torch::Tensor> greedy_candidates(torch::Tensor approx, torch::Tensor xn, torch::Tensor wn, double c,
-                                             double floor) {
-  TORCH_CHECK(approx.dtype() == torch::kFloat32 && approx.dim() == 2 && approx.is_contiguous(),
+std::vector<at::Tensor> greedy_candidates(at::Tensor approx, at::Tensor xn, at::Tensor wn, double c,
+                                          double floor) {
+  TORCH_CHECK(approx.dtype() == at::kFloat && approx.dim() == 2 && approx.is_contiguous(),
               "greedy_candidates: approx (M, V) contiguous float32");
   const int64_t M = approx.size(0), V = approx.size(1);
-  TORCH_CHECK(V > 0 && xn.dtype() == torch::kFloat32 && xn.numel() == M && xn.is_contiguous() &&
-              wn.dtype() == torch::kFloat32 && wn.numel() == V && wn.is_contiguous(),
+  TORCH_CHECK(V > 0 && xn.dtype() == at::kFloat && xn.numel() == M && xn.is_contiguous() &&
+              wn.dtype() == at::kFloat && wn.numel() == V && wn.is_contiguous(),
               "greedy_candidates: xn (M) and wn (V) contiguous float32 beside approx (M, V)");
   const float* a = approx.data_ptr<float>();
   const float* w = wn.data_ptr<float>();
@@ -121,14 +120,14 @@ std::vector<torch::Tensor> greedy_candidates(torch::Tensor approx, torch::Tensor
   return union_of(rows, V);
 }
 
-torch::Tensor gather_columns(torch::Tensor w, torch::Tensor ids) {
+at::Tensor gather_columns(at::Tensor w, at::Tensor ids) {
   const bool quant = check_panels(w, "gather_columns");
-  TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1 && ids.numel() > 0 && ids.is_contiguous(),
+  TORCH_CHECK(ids.dtype() == at::kLong && ids.dim() == 1 && ids.numel() > 0 && ids.is_contiguous(),
               "gather_columns: ids (U,) int64, not empty");
   const int64_t NP = w.size(0), U = ids.numel(), n = (U + NR - 1) / NR;
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < U; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < NP * NR, "gather_columns: id ", id[i], " out of range");
-  auto out = torch::empty({n, w.size(1), w.size(2)}, w.options());
+  auto out = at::empty({n, w.size(1), w.size(2)}, w.options());
   // a panel's rows (fp32: K rows of 16 floats; quantized: one a block, its 16 d and 16 m of 2
   // bytes, then rows of 16 code bytes): column i of the output takes column c of panel p in each
   const int64_t rows = w.size(1), row_elems = quant ? w.size(2) : NR;  // quantized: a row is a block

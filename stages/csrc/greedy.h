@@ -1,7 +1,7 @@
 // What the exact greedy LM head's two candidate searches share (greedy.cpp, greedy_int8.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include "aten.h"
 
 #include <cmath>
 #include <vector>
@@ -17,6 +17,6 @@ inline float threshold(float mx, float bmax, float floor) {
 
 
 // the union of rows' candidates -> [ids ascending, member (M, U)]
-std::vector<torch::Tensor> union_of(const std::vector<std::vector<int64_t>>& rows, int64_t V);
+std::vector<at::Tensor> union_of(const std::vector<std::vector<int64_t>>& rows, int64_t V);
 
 }  // namespace pp_greedy

@@ -22,8 +22,7 @@
 // each thread keeps a row's running max of logit − bound over the panels it has done and keeps
 // only the v whose logit + bound reaches it, a superset of the final rule's (the max only grows):
 // the first panel's 16, then a few dozen more at most.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cmath>
@@ -74,13 +73,13 @@ constexpr int64_t LB = 9;
 // + 128 of the weight's codes adds), xs and eb; tiled: in row tiles, else one tile row-major
 // (M ≤ ROWS; panels.h: x_code, x_block).
 struct XTiles {
-  torch::Tensor c, c0, s, e;
+  at::Tensor c, c0, s, e;
 };
 
 XTiles tile_x(const uint8_t* xu, const float* xs, const float* eb, int64_t M, int64_t K, bool tiled) {
   const int64_t KB = K / QK, T = (M + ROWS - 1) / ROWS;
-  XTiles t{torch::empty({T * ROWS * K}, torch::kInt8), torch::empty({T * ROWS * KB}, torch::kInt32),
-           torch::empty({T * ROWS * KB}, torch::kFloat32), torch::empty({T * ROWS * KB}, torch::kFloat32)};
+  XTiles t{at::empty({T * ROWS * K}, at::kChar), at::empty({T * ROWS * KB}, at::kInt),
+           at::empty({T * ROWS * KB}, at::kFloat), at::empty({T * ROWS * KB}, at::kFloat)};
   int8_t* c = t.c.data_ptr<int8_t>();
   int32_t* c0 = t.c0.data_ptr<int32_t>();
   float *s = t.s.data_ptr<float>(), *e = t.e.data_ptr<float>();
@@ -163,20 +162,20 @@ void q8_rows(int rows, const uint8_t* panel, const __m512i* w, const float* bn, 
 }  // namespace
 
 
-std::vector<torch::Tensor> int8_candidates(torch::Tensor xu, torch::Tensor xs, torch::Tensor eb, torch::Tensor bmax,
-                                           torch::Tensor q, torch::Tensor bn, double floor) {
-  TORCH_CHECK(q.dtype() == torch::kUInt8 && q.dim() == 3 && q.size(2) == QB_S8 && q.is_contiguous(),
+std::vector<at::Tensor> int8_candidates(at::Tensor xu, at::Tensor xs, at::Tensor eb, at::Tensor bmax,
+                                        at::Tensor q, at::Tensor bn, double floor) {
+  TORCH_CHECK(q.dtype() == at::kByte && q.dim() == 3 && q.size(2) == QB_S8 && q.is_contiguous(),
               "int8_candidates: weight (V/16, K/32, ", QB_S8, ") Q8_0 panels");
   const int64_t NP = q.size(0), KB = q.size(1), K = KB * QK, V = NP * NR;
-  TORCH_CHECK(xu.dtype() == torch::kUInt8 && xu.dim() == 2 && xu.size(1) == K && xu.is_contiguous(),
+  TORCH_CHECK(xu.dtype() == at::kByte && xu.dim() == 2 && xu.size(1) == K && xu.is_contiguous(),
               "int8_candidates: xu (M, ", K, ") contiguous uint8");
   const int64_t M = xu.size(0);
   for (const auto& [t, name] : {std::pair{xs, "xs"}, std::pair{eb, "eb"}})
-    TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 2 && t.size(0) == M && t.size(1) == KB && t.is_contiguous(),
+    TORCH_CHECK(t.dtype() == at::kFloat && t.dim() == 2 && t.size(0) == M && t.size(1) == KB && t.is_contiguous(),
                 "int8_candidates: ", name, " (", M, ", ", KB, ") contiguous float32");
-  TORCH_CHECK(bmax.dtype() == torch::kFloat32 && bmax.numel() == M && bmax.is_contiguous(),
+  TORCH_CHECK(bmax.dtype() == at::kFloat && bmax.numel() == M && bmax.is_contiguous(),
               "int8_candidates: bmax (", M, ") contiguous float32");
-  TORCH_CHECK(bn.dtype() == torch::kFloat32 && bn.is_contiguous() && bn.dim() == 3 && bn.size(0) == NP &&
+  TORCH_CHECK(bn.dtype() == at::kFloat && bn.is_contiguous() && bn.dim() == 3 && bn.size(0) == NP &&
               bn.size(1) == KB && bn.size(2) == NR,
               "int8_candidates: bn float32 (", NP, ", ", KB, ", 16) beside the weight");
   std::vector<std::vector<int64_t>> rows(M);
@@ -242,15 +241,15 @@ std::vector<torch::Tensor> int8_candidates(torch::Tensor xu, torch::Tensor xs, t
   return union_of(rows, V);
 }
 
-std::vector<torch::Tensor> quantize_blocks(torch::Tensor x, torch::Tensor block_max) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) % QK == 0 && x.is_contiguous(),
+std::vector<at::Tensor> quantize_blocks(at::Tensor x, at::Tensor block_max) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) % QK == 0 && x.is_contiguous(),
               "quantize_blocks: x (M, K) contiguous float32 with K a multiple of ", QK);
   const int64_t M = x.size(0), K = x.size(1), KB = K / QK;
-  TORCH_CHECK(block_max.dtype() == torch::kFloat64 && block_max.numel() == KB && block_max.is_contiguous(),
+  TORCH_CHECK(block_max.dtype() == at::kDouble && block_max.numel() == KB && block_max.is_contiguous(),
               "quantize_blocks: block_max (", KB, ") contiguous float64");
-  auto xu = torch::empty({M, K}, torch::kUInt8);
-  auto xs = torch::empty({M, KB}, torch::kFloat32), eb = torch::empty({M, KB}, torch::kFloat32);
-  auto bmax = torch::empty({M}, torch::kFloat32);
+  auto xu = at::empty({M, K}, at::kByte);
+  auto xs = at::empty({M, KB}, at::kFloat), eb = at::empty({M, KB}, at::kFloat);
+  auto bmax = at::empty({M}, at::kFloat);
   const float* xp = x.data_ptr<float>();
   const double* bm = block_max.data_ptr<double>();
   uint8_t* up = xu.data_ptr<uint8_t>();

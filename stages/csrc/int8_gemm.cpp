@@ -23,8 +23,7 @@
 // With more than one tile of rows, each panel is unpacked once per call into an L1 scratch that
 // every tile loads, and x is quantized into row tiles whose 4-byte groups the tile broadcasts
 // straight from memory inside vpdpbusd (docs/BENCHMARKS.md, Changes: 1.2-1.4x at 32-256 rows).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <cstring>
 #include <memory>
@@ -251,12 +250,12 @@ void quantize_tiles(const float* x, int64_t ld, int64_t M, int64_t K, bool gated
 
 }  // namespace
 
-std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % QK == 0,
+std::vector<at::Tensor> quantize_rows(at::Tensor x) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % QK == 0,
               "quantize_rows: x (M, K) float32 with contiguous rows and K a multiple of ", QK);
   const int64_t M = x.size(0), K = x.size(1), KB = K / QK;
-  auto xq = torch::empty({M, K}, torch::kInt8);
-  auto xs = torch::empty({M, KB}, torch::kFloat32), xc = torch::empty({M, KB}, torch::kFloat32);
+  auto xq = at::empty({M, K}, at::kChar);
+  auto xs = at::empty({M, KB}, at::kFloat), xc = at::empty({M, KB}, at::kFloat);
   const float* xp = x.data_ptr<float>();
   const int64_t ld = x.stride(0);
   int8_t* qp = xq.data_ptr<int8_t>();
@@ -267,23 +266,23 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
   return {xq, xs, xc};
 }
 
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, c10::optional<torch::Tensor> bias_, bool gated) {
-  TORCH_CHECK(q.dtype() == torch::kUInt8 && q.dim() == 3 && q.is_contiguous() && (q.size(2) == QB_U4 || q.size(2) == QB_S8),
+at::Tensor int8_linear(at::Tensor x, at::Tensor q, c10::optional<at::Tensor> bias_, bool gated) {
+  TORCH_CHECK(q.dtype() == at::kByte && q.dim() == 3 && q.is_contiguous() && (q.size(2) == QB_U4 || q.size(2) == QB_S8),
               "int8_linear: weight (N/16, K/32, ", QB_U4, " or ", QB_S8, ") uint8 panels");
   const int64_t K = q.size(1) * QK;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == (gated ? 2 : 1) * K, "int8_linear: x (M, ", (gated ? 2 : 1) * K, ")",
               gated ? ": [gate | up]" : "");
   const int64_t M = x.size(0), KB = K / QK, NP = q.size(0), N = NP * NR;
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
 #ifdef PP_INT8_GEMM
-  torch::Tensor keep;
+  at::Tensor keep;
   const float* bp = bias_of(bias_, N, keep, "int8_linear");
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.stride(1) == 1, "int8_linear: x float32 with contiguous rows");
+  TORCH_CHECK(x.dtype() == at::kFloat && x.stride(1) == 1, "int8_linear: x float32 with contiguous rows");
   const int64_t T = (M + ROWS - 1) / ROWS;
   // one tile: x's codes row-major (quantize_row's own layout); more: in tiles (quantize_tiles)
-  auto xq = torch::empty({T * ROWS * K}, torch::kInt8);
-  auto xs = torch::empty({T * ROWS * KB}, torch::kFloat32), xc = torch::empty({T * ROWS * KB}, torch::kFloat32);
+  auto xq = at::empty({T * ROWS * K}, at::kChar);
+  auto xs = at::empty({T * ROWS * KB}, at::kFloat), xc = at::empty({T * ROWS * KB}, at::kFloat);
   int8_t* qx = xq.data_ptr<int8_t>();
   float *sx = xs.data_ptr<float>(), *cx = xc.data_ptr<float>();
   const float* xp = x.data_ptr<float>();

@@ -9,8 +9,7 @@
 // task per (sequence, KV head) (docs/BENCHMARKS.md). bf16: heads_bf16's (decode_bf16.h) bf16 products for a call
 // of more than bf16_over decodes over fp8 K/V with a group of up to 4, where the build has
 // AVX512-BF16 and AVX512-VBMI; every other call keeps fp32 (a build without AVX512-BF16 refuses the flag).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <algorithm>
 #include <cmath>
@@ -192,30 +191,30 @@ std::vector<int64_t> cost_runs(const std::vector<int64_t>& costs, int64_t parts)
   return runs_by_cost(static_cast<int64_t>(costs.size()), parts, [&](int64_t i) { return costs[i]; });
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor tables, torch::Tensor lens, double scale, bool bf16, int64_t bf16_over) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                        at::Tensor tables, at::Tensor lens, double scale, bool bf16, int64_t bf16_over) {
   const auto kv = k_cache.scalar_type();
-  TORCH_CHECK(q.dtype() == torch::kFloat32 &&
-              (kv == torch::kFloat32 || kv == torch::kFloat16 || kv == torch::kFloat8_e4m3fn) &&
+  TORCH_CHECK(q.dtype() == at::kFloat &&
+              (kv == at::kFloat || kv == at::kHalf || kv == at::kFloat8_e4m3fn) &&
               v_cache.scalar_type() == kv, "paged_decode: float32 q, float32, float16 or float8_e4m3fn caches");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               tables.is_contiguous() && lens.is_contiguous(), "paged_decode: contiguous inputs");
-  TORCH_CHECK(tables.dtype() == torch::kInt64 && lens.dtype() == torch::kInt64, "paged_decode: int64 tables/lens");
+  TORCH_CHECK(tables.dtype() == at::kLong && lens.dtype() == at::kLong, "paged_decode: int64 tables/lens");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(2);
   TORCH_CHECK(H % Hkv == 0 && k_cache.size(3) == D, "paged_decode: head shapes");
 #ifndef PP_BF16
   TORCH_CHECK(!bf16, "paged_decode: bf16 products need AVX512-BF16, which this build has not");
 #endif
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   auto run_as = [&](auto element) {  // the caches' element type T, by the value's type
     using T = decltype(element);
     run_d(Args<T>{q.data_ptr<float>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables.data_ptr<int64_t>(),
                   lens.data_ptr<int64_t>(), out.data_ptr<float>(), H, Hkv, H / Hkv, k_cache.size(1), tables.size(1), D,
                   static_cast<float>(scale), bf16 && B > bf16_over}, B);
   };
-  if (kv == torch::kFloat16) run_as(c10::Half{});
-  else if (kv == torch::kFloat8_e4m3fn) run_as(Fp8{});
+  if (kv == at::kHalf) run_as(c10::Half{});
+  else if (kv == at::kFloat8_e4m3fn) run_as(Fp8{});
   else run_as(0.f);
   return out;
 }

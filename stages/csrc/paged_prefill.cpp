@@ -20,8 +20,7 @@
 // V[2jp + 1][c]. A bf16 panel has as many elements as an fp32 one, so both layouts share offsets.
 // Here: a task's online softmax and the dispatch; the tiles and packing in prefill_tiles.h (fp32)
 // and prefill_bf16.h, the tile sizes and arguments in paged_prefill.h.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "aten.h"
 
 #include <c10/util/BFloat16.h>
 
@@ -169,11 +168,11 @@ void launch(Args a, c10::ScalarType kv) {
   const int64_t blocks = (ctx + a.BS - 1) / a.BS;
   void (*pack)(const Args&, int64_t, int64_t, E*, E*);  // by the cache's element
   if constexpr (std::is_same_v<E, float>)
-    pack = kv == torch::kFloat16 ? pack_block<c10::Half> : kv == torch::kFloat8_e4m3fn ? pack_block<Fp8> : pack_block<float>;
+    pack = kv == at::kHalf ? pack_block<c10::Half> : kv == at::kFloat8_e4m3fn ? pack_block<Fp8> : pack_block<float>;
 #ifdef PP_BF16
   else
-    pack = kv == torch::kFloat16 ? pack_block_bf16<c10::Half>
-           : kv == torch::kFloat8_e4m3fn ? pack_block_bf16<Fp8> : pack_block_bf16<float>;
+    pack = kv == at::kHalf ? pack_block_bf16<c10::Half>
+           : kv == at::kFloat8_e4m3fn ? pack_block_bf16<Fp8> : pack_block_bf16<float>;
 #endif
   at::parallel_for(0, Hkv * blocks, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) pack(a, i / blocks, i % blocks, kt.get(), vp.get());
@@ -189,18 +188,18 @@ void launch(Args a, c10::ScalarType kv) {
 
 }  // namespace
 
-void paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor table,
-                   int64_t ctx, double scale, torch::Tensor out, bool bf16) {
+void paged_prefill(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor table,
+                   int64_t ctx, double scale, at::Tensor out, bool bf16) {
   const auto kv = k_cache.scalar_type();
-  TORCH_CHECK(q.dtype() == torch::kFloat32 &&
-              (kv == torch::kFloat32 || kv == torch::kFloat16 || kv == torch::kFloat8_e4m3fn) &&
-              v_cache.scalar_type() == kv && out.dtype() == torch::kFloat32,
+  TORCH_CHECK(q.dtype() == at::kFloat &&
+              (kv == at::kFloat || kv == at::kHalf || kv == at::kFloat8_e4m3fn) &&
+              v_cache.scalar_type() == kv && out.dtype() == at::kFloat,
               "paged_prefill: float32 q and out, float32, float16 or float8_e4m3fn caches");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_prefill: q rows (H, D) contiguous");
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2),
               "paged_prefill: out like q");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && table.is_contiguous() &&
-              table.dtype() == torch::kInt64, "paged_prefill: contiguous caches, int64 table");
+              table.dtype() == at::kLong, "paged_prefill: contiguous caches, int64 table");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(2), BS = k_cache.size(1);
   TORCH_CHECK(H % Hkv == 0 && k_cache.size(3) == D && D % NR == 0, "paged_prefill: head shapes");
   TORCH_CHECK(n <= ctx && table.size(0) * BS >= ctx, "paged_prefill: table shorter than the context");

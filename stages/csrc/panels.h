@@ -6,7 +6,7 @@
 #pragma once
 #include <cstdint>
 
-#include <torch/extension.h>
+#include "aten.h"
 
 #include "vec.h"
 
@@ -39,19 +39,19 @@ inline __m512 block_m16(const uint8_t* blk) { return load16(block_halves(blk) + 
 // from lines 0-1 and u4b k 4-7 from lines 2-3.
 // A product's optional bias (N,) float32 as a pointer (nullptr: none); keep holds its contiguous copy
 // while the product runs; who names the product in the error
-inline const float* bias_of(const c10::optional<torch::Tensor>& bias, int64_t N, torch::Tensor& keep, const char* who) {
+inline const float* bias_of(const c10::optional<at::Tensor>& bias, int64_t N, at::Tensor& keep, const char* who) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
   keep = bias->contiguous();
-  TORCH_CHECK(keep.dtype() == torch::kFloat32 && keep.numel() == N, who, ": bias of ", N, " float32");
+  TORCH_CHECK(keep.dtype() == at::kFloat && keep.numel() == N, who, ": bias of ", N, " float32");
   return keep.data_ptr<float>();
 }
 
 // Whether w is block-quantized panels (uint8, stages.quant) rather than fp32 ones (pack_weight);
 // anything else is an error that names `who` (gather_columns, pack_weight_bf16, panel_rows)
-inline bool check_panels(const torch::Tensor& w, const char* who) {
-  const bool quant = w.scalar_type() == torch::kUInt8;
+inline bool check_panels(const at::Tensor& w, const char* who) {
+  const bool quant = w.scalar_type() == at::kByte;
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && (quant ? (w.size(2) == QB_U4 || w.size(2) == QB_S8)
-                                                          : (w.scalar_type() == torch::kFloat32 && w.size(2) == NR)),
+                                                          : (w.scalar_type() == at::kFloat && w.size(2) == NR)),
               who, ": weight panels from pack_weight (fp32) or stages.quant (uint8)");
   return quant;
 }

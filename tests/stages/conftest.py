@@ -30,7 +30,7 @@ _builds: dict[str, object] = {}
 def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs the test on each instance of the CPU kernels: the host's build (AVX-512 with BF16 on
     this box) and builds for AVX-512 without BF16 (most Xeons before Sapphire Rapids), AVX2, and
-    no vector extensions, each compiled once per session (~90 s): the paths of other CPUs,
+    no vector extensions, each compiled once per session (~1 min): the paths of other CPUs,
     tested on one that can run them all.
 
     A build that fails to compile fails the test: the host's build worked, so the compiler is

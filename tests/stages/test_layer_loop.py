@@ -1,4 +1,4 @@
-"""The C++ layer loop (stages/layer_loop.py, stages/csrc/stack.cpp) against the Python loop over the
+"""The C++ layer loop (stages/layer_loop.py, stages/csrc/stack.h) against the Python loop over the
 same layers: the same hidden states and the same KV caches, bit for bit, for every kind of step
 (fresh and cached prefill chunks, decodes, several chunks with decodes), half-layer stages,
 fp32/bf16 products (the prefill attention's too), fp32/fp16/fp8 caches, GGUF panels and every kernel build; and where it must not

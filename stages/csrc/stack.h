@@ -16,13 +16,18 @@
 // layer (a 1-row decode step at 1 thread: ~3 of 12 ms), and at 2 threads the other core spins
 // through it. The ops, their order and their arguments are those of the CPU path of
 // stages/model.py and stages/attention/torch_backend.py, so a step gives the same bits.
-#include <torch/extension.h>
-
+#pragma once
 #include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
 
+#include "aten.h"
 #include "kernels.h"
 
-namespace {
+// a header of one includer (bindings.cpp, which binds LayerStack and StepMeta to Python), so its
+// functions are inline and its names in a namespace of their own
+namespace layer_stack {
 
 // A layer's slots in the weight list; an empty tensor where the layer has no such part (no QKV
 // bias; the half of a layer that a stage boundary gives to the other stage).
@@ -41,7 +46,7 @@ auto timed(double* t, Op op, const F& f) {
 
 enum Products { FP32, BF16, INT8 };
 
-Products products_of(const std::string& name) {
+inline Products products_of(const std::string& name) {
   if (name == "fp32") return FP32;
   if (name == "bf16") return BF16;
   TORCH_CHECK(name == "int8", "LayerStack: products must be fp32, bf16 or int8, got ", name);
@@ -50,28 +55,26 @@ Products products_of(const std::string& name) {
 
 // x wᵀ (+ bias); bias: an empty tensor for none. INT8 applies to block-quantized panels only (as
 // stages/layers.py's linear: other weights keep fp32 products)
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, Products p) {
-  c10::optional<torch::Tensor> b;
+inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Products p) {
+  c10::optional<at::Tensor> b;
   if (bias.numel()) b = bias;
-  if (p == INT8 && w.scalar_type() == torch::kUInt8) return int8_linear(x, w, b, false);
+  if (p == INT8 && w.scalar_type() == at::kByte) return int8_linear(x, w, b, false);
   return panel_linear(x, w, b, p == BF16);
 }
 
-}  // namespace
-
 // What a step's attention needs beyond the layer: stages/attention/metadata.py's fields.
 struct StepMeta {
-  torch::Tensor positions, slots;        // (T,) int64
+  at::Tensor positions, slots;        // (T,) int64
   std::vector<int64_t> q_lens, ctx_lens;  // per prefill chunk
-  std::vector<torch::Tensor> prefill_tables;
-  c10::optional<torch::Tensor> decode_tables, decode_lens;  // (D, nb), (D,) int64; none without decodes
+  std::vector<at::Tensor> prefill_tables;
+  c10::optional<at::Tensor> decode_tables, decode_lens;  // (D, nb), (D,) int64; none without decodes
 };
 
 class LayerStack {
  public:
-  LayerStack(std::vector<torch::Tensor> weights, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
-             double eps, const std::string& products, bool attn_bf16, int64_t decode_bf16_over, torch::Tensor cos,
-             torch::Tensor sin)
+  LayerStack(std::vector<at::Tensor> weights, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
+             double eps, const std::string& products, bool attn_bf16, int64_t decode_bf16_over, at::Tensor cos,
+             at::Tensor sin)
       : w_(std::move(weights)), h_(heads), hkv_(kv_heads), d_(head_dim), scale_(scale), eps_(eps),
         products_(products_of(products)), attn_bf16_(attn_bf16), decode_bf16_over_(decode_bf16_over),
         cos_(std::move(cos)), sin_(std::move(sin)) {
@@ -82,29 +85,29 @@ class LayerStack {
 
   // h (T, H) contiguous fp32 -> (T, H), or (S, H) with keep. caches: K, V of each layer with attention,
   // in order.
-  torch::Tensor forward(torch::Tensor h, const std::vector<torch::Tensor>& caches, const StepMeta& m,
-                        c10::optional<torch::Tensor> times, c10::optional<torch::Tensor> keep) const {
+  at::Tensor forward(at::Tensor h, const std::vector<at::Tensor>& caches, const StepMeta& m,
+                     c10::optional<at::Tensor> times, c10::optional<at::Tensor> keep) const {
     double* t = nullptr;
     if (times) {
-      TORCH_CHECK(times->dtype() == torch::kFloat64 && times->numel() == NUM_OPS && times->is_contiguous(),
+      TORCH_CHECK(times->dtype() == at::kDouble && times->numel() == NUM_OPS && times->is_contiguous(),
                   "LayerStack: times must be a contiguous float64 (", int(NUM_OPS), ",) tensor");
       t = times->data_ptr<double>();
     }
     size_t c = 0;
     for (int64_t l = 0; l < num_layers(); ++l) {
-      const torch::Tensor* w = w_.data() + l * PER_LAYER;
+      const at::Tensor* w = w_.data() + l * PER_LAYER;
       const bool attn = w[QKV].numel() > 0, mlp = w[GATE_UP].numel() > 0;
-      const torch::Tensor* rows = keep && l == num_layers() - 1 ? &*keep : nullptr;  // the last layer's
+      const at::Tensor* rows = keep && l == num_layers() - 1 ? &*keep : nullptr;  // the last layer's
       if (attn) {
         TORCH_CHECK(c + 2 <= caches.size(), "LayerStack: fewer KV caches than attention layers");
-        torch::Tensor a = attention(rms_norm(h, w[IN_NORM], eps_), w, caches[c], caches[c + 1], m, t, rows);  // (T | S, H)
+        at::Tensor a = attention(rms_norm(h, w[IN_NORM], eps_), w, caches[c], caches[c + 1], m, t, rows);  // (T | S, H)
         c += 2;
         if (rows) h = h.index_select(0, *rows);
         if (!mlp) {
           h = a.add_(h);
           continue;
         }
-        torch::Tensor hn = add_rms_norm_(a, h, w[POST_NORM], eps_);  // a += h: the residual stream
+        at::Tensor hn = add_rms_norm_(a, h, w[POST_NORM], eps_);  // a += h: the residual stream
         h = ffn(hn, w, t).add_(a);
       } else {
         if (rows) h = h.index_select(0, *rows);
@@ -117,32 +120,32 @@ class LayerStack {
  private:
   // o_proj(attention(rope(qkv_proj(x)))): x (T, H) normed -> (T, H), model.Attention's steps; with
   // keep, o_proj over those rows only -> (S, H)
-  torch::Tensor attention(const torch::Tensor& x, const torch::Tensor* w, const torch::Tensor& kc,
-                          const torch::Tensor& vc, const StepMeta& m, double* tm, const torch::Tensor* keep) const {
+  at::Tensor attention(const at::Tensor& x, const at::Tensor* w, const at::Tensor& kc,
+                       const at::Tensor& vc, const StepMeta& m, double* tm, const at::Tensor* keep) const {
     const int64_t t = x.size(0), h = h_, hkv = hkv_, d = d_;
-    torch::Tensor qkv = timed(tm, PREPROJ, [&] { return linear(x, w[QKV], w[QKV_BIAS], products_); });  // (T, (H + 2 Hkv) D)
-    torch::Tensor qk = qkv.narrow(1, 0, (h + hkv) * d).view({t, h + hkv, d});
+    at::Tensor qkv = timed(tm, PREPROJ, [&] { return linear(x, w[QKV], w[QKV_BIAS], products_); });  // (T, (H + 2 Hkv) D)
+    at::Tensor qk = qkv.narrow(1, 0, (h + hkv) * d).view({t, h + hkv, d});
     rope_(qk, m.positions, cos_, sin_);
-    torch::Tensor q = qk.narrow(1, 0, h), k = qk.narrow(1, h, hkv);  // (T, H, D), (T, Hkv, D)
-    torch::Tensor v = qkv.narrow(1, (h + hkv) * d, hkv * d).view({t, hkv, d});
-    torch::Tensor out = timed(tm, ATTN, [&] { return attend(q, k, v, kc, vc, m); }).view({t, h * d});  // (T, H·D)
+    at::Tensor q = qk.narrow(1, 0, h), k = qk.narrow(1, h, hkv);  // (T, H, D), (T, Hkv, D)
+    at::Tensor v = qkv.narrow(1, (h + hkv) * d, hkv * d).view({t, hkv, d});
+    at::Tensor out = timed(tm, ATTN, [&] { return attend(q, k, v, kc, vc, m); }).view({t, h * d});  // (T, H·D)
     if (keep) out = out.index_select(0, *keep);  // (S, H·D)
-    return timed(tm, POSTPROJ, [&] { return linear(out, w[O], torch::Tensor(), products_); });
+    return timed(tm, POSTPROJ, [&] { return linear(out, w[O], at::Tensor(), products_); });
   }
 
   // write_kv_, then each prefill chunk's causal attention and every decode's: the torch backend's
   // CPU path (q (T, H, D), k, v (T, Hkv, D) -> (T, H, D))
-  torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& kc,
-                       const torch::Tensor& vc, const StepMeta& m) const {
+  at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& kc,
+                    const at::Tensor& vc, const StepMeta& m) const {
     const int64_t t = q.size(0);
     write_kv_(k, v, kc, vc, m.slots);
     int64_t row = 0;
-    torch::Tensor out;
+    at::Tensor out;
     if (m.q_lens.empty() && m.decode_tables) {  // decodes only: their output is the step's
       out = paged_decode(q.contiguous(), kc, vc, *m.decode_tables, *m.decode_lens, scale_, attn_bf16_,
                          decode_bf16_over_);
     } else {
-      out = torch::empty({t, h_, d_}, q.options());
+      out = at::empty({t, h_, d_}, q.options());
       for (size_t i = 0; i < m.q_lens.size(); ++i) {
         const int64_t n = m.q_lens[i];
         paged_prefill(q.narrow(0, row, n), kc, vc, m.prefill_tables[i], m.ctx_lens[i], scale_, out.narrow(0, row, n),
@@ -159,35 +162,21 @@ class LayerStack {
 
   // down(silu(gate(x)) · up(x)), model.MLP's steps; an int8 down product makes silu · up itself,
   // row by row as it quantizes its input (int8_gemm.cpp: input_row), timed in its bucket
-  torch::Tensor ffn(const torch::Tensor& x, const torch::Tensor* w, double* tm) const {
-    torch::Tensor gu = timed(tm, FFN_LN1, [&] { return linear(x, w[GATE_UP], torch::Tensor(), products_); });
-    if (products_ == INT8 && w[DOWN].scalar_type() == torch::kUInt8)
+  at::Tensor ffn(const at::Tensor& x, const at::Tensor* w, double* tm) const {
+    at::Tensor gu = timed(tm, FFN_LN1, [&] { return linear(x, w[GATE_UP], at::Tensor(), products_); });
+    if (products_ == INT8 && w[DOWN].scalar_type() == at::kByte)
       return timed(tm, FFN_LN2, [&] { return int8_linear(gu, w[DOWN], c10::nullopt, true); });
-    torch::Tensor a = silu_mul(gu);
-    return timed(tm, FFN_LN2, [&] { return linear(a, w[DOWN], torch::Tensor(), products_); });
+    at::Tensor a = silu_mul(gu);
+    return timed(tm, FFN_LN2, [&] { return linear(a, w[DOWN], at::Tensor(), products_); });
   }
 
-  std::vector<torch::Tensor> w_;
+  std::vector<at::Tensor> w_;
   int64_t h_, hkv_, d_;
   double scale_, eps_;
   Products products_;
   bool attn_bf16_;
   int64_t decode_bf16_over_;
-  torch::Tensor cos_, sin_;
+  at::Tensor cos_, sin_;
 };
 
-void bind_layer_stack(pybind11::module& m) {
-  namespace py = pybind11;
-  py::class_<StepMeta>(m, "StepMeta", py::module_local())  // local: one build per ISA in a process
-      .def(py::init([](torch::Tensor positions, torch::Tensor slots, std::vector<int64_t> q_lens,
-                       std::vector<int64_t> ctx_lens, std::vector<torch::Tensor> tables,
-                       c10::optional<torch::Tensor> decode_tables, c10::optional<torch::Tensor> decode_lens) {
-        return StepMeta{positions, slots, q_lens, ctx_lens, tables, decode_tables, decode_lens};
-      }));
-  py::class_<LayerStack>(m, "LayerStack", py::module_local())
-      .def(py::init<std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double, double, std::string, bool,
-                    int64_t, torch::Tensor, torch::Tensor>())
-      .def("forward", &LayerStack::forward, py::arg("h"), py::arg("caches"), py::arg("meta"),
-           py::arg("times") = py::none(), py::arg("keep") = py::none(), py::call_guard<py::gil_scoped_release>(),
-           "the stage's decoder layers over h (T, H), as stages/model.py runs them on CPU");
-}
+}  // namespace layer_stack
