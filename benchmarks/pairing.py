@@ -34,8 +34,8 @@ def ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
 def generate_side(llm: object, prompts: list[list[int]], new_tokens: int, ignore_eos: bool = True) -> tuple[dict, list]:
     """One side's run: ``prompts`` all at once, exactly ``new_tokens`` each (checked) or, without
     ``ignore_eos``, up to ``new_tokens`` each until EOS; its wall seconds, total tokens/s ((prompt
-    + generated) / wall), the tokens generated, TTFT p50 and p99 and each request's tokens, and the outputs (for what a
-    benchmark adds of its own)."""
+    + generated) / wall), the tokens generated, TTFT p50 and p99 and each request's tokens, and
+    the outputs (for what a benchmark adds of its own)."""
     import time
 
     from pp_runtime import SamplingParams

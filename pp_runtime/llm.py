@@ -134,9 +134,9 @@ class LLM:
         return self._tokenizer
 
     def reconfigure(self, **changes: object) -> None:
-        """Change the driver-side scheduling (policy, chunk_size, max_batch_size, tile_align, chunk_budget, admission,
-        step_costs, kv_admission) between runs, keeping the workers and their weights: ``bench`` compares schedulers this way.
-        Anything else is fixed by the workers (max_model_len: their positions and KV pool)."""
+        """Change the driver-side scheduling (policy, chunk_size, max_batch_size, tile_align, chunk_budget,
+        admission, step_costs, kv_admission) between runs, keeping the workers and their weights: ``bench``
+        compares schedulers this way. Anything else is fixed by the workers (max_model_len: their positions and KV pool)."""
         bad = sorted(set(changes) - set(RECONFIGURABLE))
         if bad:
             raise ValueError(f"reconfigure: {', '.join(bad)} cannot change after start; "

@@ -32,8 +32,8 @@
 Scenario keys: name, scheduler (sarathi|orca|prefill_first|request_level), tp, pp, replicas,
 router (round_robin|least_loaded), chunk_size, max_batch_size (an integer, ``auto`` = the memory
 model's B, or ``auto_per_microbatch`` = ⌊B/pp⌋, the paper's per-micro-batch figure; the
-runtime's own default is 64), tile_align, chunk_budget (flops|tokens, as the runtime's), admission (fcfs|longest_first, as the
-runtime's), step_costs (3 numbers, or ``fit``: fitted to a calibration run of the scenario's own
+runtime's own default is 64), tile_align, chunk_budget (flops|tokens, as the runtime's),
+admission (fcfs|longest_first, as the runtime's), step_costs (3 numbers, or ``fit``: fitted to a calibration run of the scenario's own
 simulated steps, as ``--step-costs fit``; pp_runtime.sim.run), kv_admission (optimistic, the default and
 the paper's: B full-length requests may run; or reserve, as the runtime's ``--kv-admission reserve``:
 max_running then defaults to max_batch_size × pp, as the runtime runs either, and the requests' own

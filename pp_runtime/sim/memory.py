@@ -6,8 +6,9 @@ Every stage holds the same block pool (one block table addresses all stages, as 
 so the tightest GPU sets the number of KV blocks and B.
 
 B counts requests whose full-length K/V fits at once (the paper's batch size, and the runtime's
-``pp_runtime.memory_plan.plan_memory``; the runtime's count cap is 64 a micro-batch, not B). With PP, those requests are spread over the ``pp`` micro-batches
-in flight, so the paper's per-micro-batch batch size is ⌊B / pp⌋.
+``pp_runtime.memory_plan.plan_memory``; the runtime's count cap is 64 a micro-batch, not B). With
+PP, those requests are spread over the ``pp`` micro-batches in flight, so the paper's
+per-micro-batch batch size is ⌊B / pp⌋.
 """
 from __future__ import annotations
 
