@@ -101,7 +101,7 @@ class Scheduler:
                     f"{total} exceeds the model's max length {self.cfg.max_model_len}")
         need = self._whole_blocks(req)
         if need > self.blocks.num_blocks:
-            return (f"request needs {need} KV blocks for {total} tokens but the KV cache has only "
+            return (f"request needs {need} KV blocks for {total - 1} tokens' K/V but the KV cache has only "
                     f"{self.blocks.num_blocks} blocks")
         return None
 
@@ -216,6 +216,12 @@ class Scheduler:
         copy of its tokens is made)."""
         return self.blocks.cached_prefix(req.tokens_slice(0, req.num_tokens)) if self.blocks.prefix_caching else []
 
+    def _can_start(self, req: Request) -> bool:
+        """Whether waiting ``req`` would be admitted now (_take_prefills' test), before this batch's
+        decodes allocate: its prompt fits the unheld blocks, and under reserve its whole length."""
+        hit = self._hit(req)
+        return self.blocks.can_admit(req.num_tokens, hit) and self._reservable(req, hit)
+
     def _reservable(self, req: Request, hit: Sequence[int] | None = None) -> bool:
         """kv_admission "reserve": every block the running requests may still allocate (their whole
         length's less those they hold) and all ``req`` will take (its cached ``hit`` blocks that no
@@ -231,7 +237,9 @@ class Scheduler:
         return ahead + self._whole_blocks(req) - len(hit) + bm.num_unheld(hit) <= bm.num_free
 
     def _whole_blocks(self, req: Request) -> int:
-        return blocks_for(len(req.prompt_token_ids) + req.params.max_tokens, self.blocks.block_size)
+        """Blocks for every K/V a request can write: its prompt and all its tokens but the last
+        sampled one, which ends it before any step reads it back."""
+        return blocks_for(len(req.prompt_token_ids) + req.params.max_tokens - 1, self.blocks.block_size)
 
     def _reserve(self, req: Request, n: int, plan: list[tuple[Request, int]]) -> bool:
         """Blocks for ``n`` more tokens of ``req``, preempting newer idle requests if needed."""
@@ -258,8 +266,7 @@ class Scheduler:
         # request decoding and no room to admit, a reserved slot would just halve the decode rate.
         head = self.waiting[0] if self.waiting else None
         prefill_possible = any(r.is_prefilling for r in self.running) or (
-            head is not None and len(self.running) < self.cfg.running_cap
-            and self._reservable(head))
+            head is not None and len(self.running) < self.cfg.running_cap and self._can_start(head))
         limit = self.cfg.max_batch_size - 1 if prefill_possible else self.cfg.max_batch_size
         self._take_decodes(plan, min(max(1, limit), self._decode_share()))
         budget = self.cfg.chunk_size - (len(plan) if self.cfg.tile_align else 0)

@@ -278,7 +278,7 @@ class FakePipeline:
                 assert bm.block_table(r.seq_id) == [], f"{r.request_id} holds blocks while not running"
         assert len(self.sched.running) <= self.cfg.running_cap
         if self.cfg.kv_admission == "reserve":  # what the running may still allocate is free: none preempted
-            ahead = sum(blocks_for(len(r.prompt_token_ids) + r.params.max_tokens, bm.block_size)
+            ahead = sum(blocks_for(len(r.prompt_token_ids) + r.params.max_tokens - 1, bm.block_size)
                         - len(bm.block_table(r.seq_id)) for r in self.sched.running)
             assert ahead <= bm.num_free and not any(r.num_preemptions for r in self.reqs.values())
         # Whatever is in flight is still running: preemption only takes requests not in flight.
@@ -508,6 +508,46 @@ def test_reserve_keeps_a_slot_for_a_prompt_that_fits_by_its_cached_prefix() -> N
     assert_matches_oracle(pipe)
 
 
+def test_reserve_counts_the_kv_a_request_writes_not_its_last_token() -> None:
+    # 4 blocks of 4; two requests of 4 + 5 tokens: the last sampled token ends each before any
+    # step writes its K/V, so each writes 8 (2 blocks) and both fit whole at once, as under
+    # optimistic, where they run together without a preemption.
+    runs = {kv: FakePipeline(make_scheduler("sarathi", 64, 4, num_blocks=4, kv_admission=kv), 1)
+            for kv in KV_ADMISSIONS}
+    for pipe in runs.values():
+        pipe.add(make_requests([4, 4], 5))
+        pipe.fill()
+        assert len(pipe.sched.running) == 2
+        pipe.run()
+        assert_matches_oracle(pipe)
+        assert not any(r.num_preemptions for r in pipe.reqs.values())
+
+
+def test_a_request_whose_kv_fills_the_cache_exactly_is_accepted() -> None:
+    # 2 blocks of 4 hold 8 tokens' K/V: 4 + 5 and 8 + 1 write 8, 8 + 2 writes 9
+    pipe = FakePipeline(make_scheduler("sarathi", 64, 4, num_blocks=2), 1)
+    reqs = make_requests([4, 8, 8], [5, 1, 2])
+    pipe.add(reqs)
+    pipe.run()
+    assert [r.finish_reason for r in reqs] == ["length", "length", "error"]
+    assert reqs[2].error == "request needs 3 KV blocks for 9 tokens' K/V but the KV cache has only 2 blocks"
+    assert_matches_oracle(pipe)
+
+
+@pytest.mark.parametrize("kv_admission", KV_ADMISSIONS)
+def test_sarathi_keeps_no_slot_for_a_prompt_that_cannot_start(kv_admission: str) -> None:
+    # 6 blocks of 4, 2 a micro-batch. r0 and r1 (5 + 4 tokens) hold 2 blocks each once decoding;
+    # r2's 9-token prompt needs 3 of the 2 left, so it cannot start under either admission until
+    # one finishes: both decodes ride in every micro-batch meanwhile, none waits for an empty slot.
+    cfg = SchedulerConfig("sarathi", 64, 2, max_model_len=64, max_running=3, kv_admission=kv_admission)
+    pipe = FakePipeline(Scheduler(cfg, BlockManager(6, 4), eos_token_ids=(EOS,)), 1)
+    pipe.add(make_requests([5, 5, 9], [4, 4, 1]))
+    pipe.run()
+    before_r2 = [m for m in pipe.history if all(c.seq_id != 2 for c in m.chunks)]
+    assert [len(m.chunks) for m in before_r2] == [2] * 4
+    assert_matches_oracle(pipe)
+
+
 def test_bad_kv_admission_is_named() -> None:
     with pytest.raises(ValueError, match="SchedulerConfig.kv_admission must be one of reserve, optimistic, got 'eager'"):
         SchedulerConfig(kv_admission="eager")
@@ -690,7 +730,7 @@ def workloads(draw: st.DrawFn) -> dict:
     n = draw(st.integers(1, 8))
     lengths = draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))
     max_tokens = draw(st.lists(st.integers(1, 12), min_size=n, max_size=n))
-    need = max(blocks_for(p + m, block_size) for p, m in zip(lengths, max_tokens))
+    need = max(blocks_for(p + m - 1, block_size) for p, m in zip(lengths, max_tokens))  # the last token writes no K/V
     # From "some requests can never fit" through "just enough for the largest" to "never short".
     num_blocks = draw(st.one_of(st.integers(1, need + 4), st.integers(need, need + 4),
                                 st.integers(need, 4 * need), st.just(HUGE_KV)))
@@ -717,7 +757,7 @@ def test_random_workloads_complete_with_unconstrained_outputs(w: dict) -> None:
     assert_matches_oracle(pipe)
     for r, ref in zip(pipe.reqs.values(), reference.reqs.values()):
         total = len(r.prompt_token_ids) + r.params.max_tokens
-        impossible = total > w["max_model_len"] or blocks_for(total, w["block_size"]) > w["num_blocks"]
+        impossible = total > w["max_model_len"] or blocks_for(total - 1, w["block_size"]) > w["num_blocks"]
         if impossible:
             assert r.finish_reason == "error" and r.error and not r.output_token_ids
         else:
