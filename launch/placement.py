@@ -1,15 +1,19 @@
 """Where the stage workers go: one placement-group bundle per stage, checked against the cluster.
 
 A stage's TP workers share a bundle (so a node); SPREAD puts stages on different nodes when the
-cluster has them. A cluster whose nodes could never host the stages fails at once, naming what
-fits; one that could is waited for up to PLACEMENT_TIMEOUT_S.
+cluster has them. Where nodes get several stages, SPREAD alternates bundles over them (pp = 4 on
+two nodes: A, B, A, B, three cross-node hops); ``stage_bundles`` hands stages to bundles node by
+node instead (A, A, B, B: one hop, the activations of every other stage boundary stay on a node).
+A cluster whose nodes could never host the stages fails at once, naming what fits; one that
+could is waited for up to PLACEMENT_TIMEOUT_S.
 
-    pg = place_stages(pp, tp, "cpu")   # bundle i hosts stage i's tp workers
+    pg = place_stages(pp, tp, "cpu")
+    bundle = stage_bundles(pg)[stage]  # where stage's tp workers go
 """
 from __future__ import annotations
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 PLACEMENT_TIMEOUT_S = 60.0
 
@@ -32,6 +36,16 @@ def place_stages(pp: int, tp: int, device: str) -> object:
         raise ValueError(f"the Ray cluster could not place {what} within {PLACEMENT_TIMEOUT_S:.0f} s: "
                          f"its nodes could host {capacity} such stage(s), but their resources stayed in use")
     return pg
+
+
+def stage_bundles(pg: object) -> list[int]:
+    """The bundle of each stage: bundles grouped by node, nodes in the order their first bundle
+    comes, so consecutive stages share a node wherever the placement allows."""
+    where = placement_group_table(pg)["bundles_to_node_id"]  # {bundle index: node id}
+    first = {}
+    for b in sorted(where):
+        first.setdefault(where[b], b)
+    return sorted(where, key=lambda b: (first[where[b]], b))
 
 
 def _placeable_stages(per_worker: dict, tp: int) -> int:

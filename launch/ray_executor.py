@@ -36,7 +36,7 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launch.deferred_signals import _deferred_signals
-from launch.placement import place_stages
+from launch.placement import place_stages, stage_bundles
 from launch.ray_cluster import _ensure_ray
 from launch.stage_actor import StageActor
 from launch.worker_health import WorkerHealth
@@ -44,6 +44,7 @@ from pp_runtime.batch import MicroBatch
 from pp_runtime.comm import Topology
 from pp_runtime.control import Connection
 from pp_runtime.config import EngineConfig
+from pp_runtime.workers import worker_timeout_s
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 POLL_S = 0.5  # how often a driver waiting for tokens checks that every serve loop still runs
@@ -62,9 +63,9 @@ def _release(actors: list, pg: object) -> None:
 
 
 class RayExecutor(WorkerHealth):
-    def __init__(self, cfg: EngineConfig, source: object, timeout_s: float = 60.0) -> None:
+    def __init__(self, cfg: EngineConfig, source: object, timeout_s: float | None = None) -> None:
         from stages.worker import WorkerSpec
-        self.cfg, self.timeout_s = cfg, timeout_s
+        self.cfg, self.timeout_s = cfg, worker_timeout_s(60.0) if timeout_s is None else timeout_s
         self.topo = Topology(cfg.parallel.pp, cfg.parallel.tp)
         self._owns_ray = _ensure_ray(self.topo.world_size)
         self.actors: list = []
@@ -80,9 +81,10 @@ class RayExecutor(WorkerHealth):
             self._finalizer = weakref.finalize(self, _release, self.actors, self.pg)
             threads = cfg.device.threads or 1
             gpu = 1 if cfg.device.device == "cuda" else 0
+            bundles = stage_bundles(self.pg)
             for rank in range(self.topo.world_size):
                 stage, _ = self.topo.coords(rank)
-                strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=stage)
+                strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundles[stage])
                 self.actors.append(StageActor.options(num_cpus=1, num_gpus=gpu, scheduling_strategy=strategy)
                                    .remote(rank, self.topo, threads))
             addrs = self._get([a.address.remote() for a in self.actors], "start")
@@ -91,7 +93,7 @@ class RayExecutor(WorkerHealth):
             specs = [WorkerSpec(source, *self.topo.coords(r), cfg.parallel, cfg.cache, cfg.device)
                      for r in range(self.topo.world_size)]
             self.infos = self._get([a.setup.remote(specs[r], backend, init) for r, a in enumerate(self.actors)],
-                                   "set-up", timeout=max(300.0, timeout_s))
+                                   "set-up", timeout=max(300.0, self.timeout_s))
             self._connect()
         except BaseException:
             self.shutdown()
@@ -135,18 +137,19 @@ class RayExecutor(WorkerHealth):
 
     def collect(self) -> list[int]:
         """The oldest micro-batch's tokens. While they are not there, the serve loops are checked
-        every POLL_S (one that ended raised: its error is reported) and every worker is pinged
-        every ``timeout_s`` (a dead or hung one raises WorkerError naming it)."""
-        waited = 0.0
+        every POLL_S (one that ended raised: its error is reported), and after ``timeout_s`` / 2
+        without them every worker is pinged with the other half as its deadline (a dead or hung
+        one raises WorkerError naming it, within ``timeout_s`` of the silence's start)."""
+        since = time.monotonic()
         while True:
             try:
                 return self._tokens.recv(POLL_S)
             except TimeoutError:
                 self._check_serving("micro-batch")
-                waited += POLL_S
-                if waited >= self.timeout_s:
-                    self._check_alive("micro-batch", self.timeout_s)
-                    waited = 0.0
+                silent = time.monotonic() - since
+                if silent >= self.timeout_s / 2:
+                    self._check_alive("micro-batch", self.timeout_s / 2, silent)
+                    since = time.monotonic()
             except OSError as e:  # the last stage's connection broke
                 self._check_serving("micro-batch", BROKEN_WAIT_S)
                 raise self._died(self._name(self.topo.rank(self.topo.pp - 1, 0)), "micro-batch",

@@ -9,14 +9,24 @@ Rank 0 runs the engine; each plan goes to every other rank as a pickled byte ten
 gloo control group (non-blocking sends, so rank 0 keeps the pipeline full while the other
 ranks work), and the last stage returns sampled tokens to rank 0 the same way. Activations
 move over the default group (NCCL on CUDA, gloo on CPU) exactly as under Ray.
+
+Failures end on rank 0 as under Ray: a rank that dies or sends no tokens for the worker
+timeout (60 s; ``PP_RUNTIME_WORKER_TIMEOUT_S``) is named in a WorkerError and every request
+still gets its line. Ctrl-C and SIGTERM (torchrun's agent sends it to every rank when it is
+stopped or a rank fails) are rank 0's to act on; the other ranks only note them and exit
+quietly once rank 0 has gone.
 """
 from __future__ import annotations
 
+import datetime
 import os
+import re
+import signal
 import sys
 import time
-from typing import Callable
 from collections import deque
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,9 +34,12 @@ import torch.distributed as dist
 from pp_runtime.batch import MicroBatch
 from pp_runtime.comm import P2P, ControlChannel, Topology, init_distributed
 from pp_runtime.config import EngineConfig
+from pp_runtime.executor import WorkerError
+from pp_runtime.workers import worker_timeout_s
 
 
-def _build_worker(cfg: EngineConfig, source: object, topo: Topology) -> tuple[object, ControlChannel]:
+def _build_worker(cfg: EngineConfig, source: object, topo: Topology,
+                  timeout_s: float = 60.0) -> tuple[object, ControlChannel]:
     """Join the world (env:// from torchrun), create the TP and control groups, load the shard."""
     from stages.layers import TPContext
     from stages.worker import StageWorker, WorkerSpec
@@ -38,8 +51,11 @@ def _build_worker(cfg: EngineConfig, source: object, topo: Topology) -> tuple[ob
     cuda = cfg.device.device == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    tp_group = init_distributed(topo, rank, "nccl" if cuda else "gloo", "env://")
-    control = ControlChannel(dist.new_group(backend="gloo"))  # created on every rank, same order
+    # the group's timeout bounds set-up's collectives (weights loading on every rank) and the TP
+    # all-reduces; the control channel's, a step's tokens
+    tp_group = init_distributed(topo, rank, "nccl" if cuda else "gloo", "env://", max(300.0, timeout_s))
+    control = ControlChannel(dist.new_group(backend="gloo"),  # created on every rank, same order
+                             datetime.timedelta(seconds=timeout_s))
     stage, tp_rank = topo.coords(rank)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     link = P2P(topo.rank(stage - 1, tp_rank) if stage else None,
@@ -54,10 +70,40 @@ class TorchrunExecutor:
 
     def __init__(self, cfg: EngineConfig, source: object) -> None:
         self.topo = Topology(cfg.parallel.pp, cfg.parallel.tp)
-        self.worker, self.control = _build_worker(cfg, source, self.topo)
+        self.timeout_s = worker_timeout_s(60.0)
+        self.worker, self.control = _build_worker(cfg, source, self.topo, self.timeout_s)
         self.last = self.topo.rank(self.topo.pp - 1, 0)
         self._in_flight: deque[tuple[MicroBatch, list[int] | None]] = deque()
         self._allocated = False
+        self._infos: list = []
+        self.failed = False  # a rank died or hung: no goodbye to send, nothing to flush
+
+    @contextmanager
+    def _talking_to(self, rank: int, what: str) -> Iterator[None]:
+        """Turn gloo's error for a dead or silent peer into a WorkerError naming the rank at fault:
+        one on this node that is gone or stopped, else ``rank``, the one this call waited on."""
+        try:
+            yield
+        except RuntimeError as e:
+            if not _from_comm(e):  # this rank's own step failed: not a peer's doing
+                raise
+            self.failed = True
+            # torchrun's agent SIGTERMs every rank once one has failed; this run is ending with the
+            # error already and must first write what finished (the agent kills after its grace)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            state, culprit = _local_fault(self._infos) or ("", rank)
+            # gloo's "[…/pair.cc:553] Connection closed by peer [addr]:port. This is typically…"
+            text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". ")[0].splitlines()[0]
+            if "Timed out" in text or state == "stopped":
+                raise WorkerError(f"{self._name(culprit)} did not answer within {self.timeout_s:.0f} s "
+                                  f"({what})") from None
+            raise WorkerError(f"{self._name(culprit)} died during {what}: {text}") from None
+
+    def _name(self, rank: int) -> str:
+        stage, tp_rank = self.topo.coords(rank)
+        info = self._infos[rank] if self._infos else None
+        where = f" on node {info['node']} (pid {info['pid']})" if info else ""
+        return f"worker stage {stage} tp_rank {tp_rank}{where}"
 
     def _others(self) -> range:
         return range(1, self.topo.world_size)
@@ -83,14 +129,18 @@ class TorchrunExecutor:
     def submit(self, mb: MicroBatch) -> None:
         wire = mb.to_wire()
         for r in self._others():
-            self.control.send(("execute", wire), r)
-        self._in_flight.append((mb, self.worker.execute(wire)))
+            with self._talking_to(r, "plan delivery"):
+                self.control.send(("execute", wire), r)
+        # this rank's own stage: its sends to the next stage and its TP all-reduces
+        with self._talking_to(self.topo.rank(1, 0) if self.topo.pp > 1 else 1, "micro-batch"):
+            self._in_flight.append((mb, self.worker.execute(wire)))
 
     def collect(self) -> list[int]:
         mb, local = self._in_flight.popleft()
         if self.last == 0:
             return local
-        return self.control.recv(self.last) if mb.num_samples else []
+        with self._talking_to(self.last, "micro-batch"):
+            return self.control.recv(self.last) if mb.num_samples else []
 
     def drain_timings(self) -> list[list]:
         return self._drain("timings", self.worker.drain_timings)
@@ -101,8 +151,9 @@ class TorchrunExecutor:
     def _drain(self, kind: str, local: Callable[[], list]) -> list[list]:
         out = [local()]
         for r in self._others():
-            self.control.send((kind, None), r)
-            out.append(self.control.recv(r))
+            with self._talking_to(r, kind):
+                self.control.send((kind, None), r)
+                out.append(self.control.recv(r))
         return out
 
     def ranks(self) -> list[tuple[int, int]]:
@@ -112,26 +163,70 @@ class TorchrunExecutor:
         from pp_runtime.timing import estimate_offset
 
         def remote_clock(r: int) -> float:
-            self.control.send(("clock", None), r)
-            return self.control.recv(r)
+            with self._talking_to(r, "clock"):
+                self.control.send(("clock", None), r)
+                return self.control.recv(r)
         return [0.0] + [estimate_offset(time.time, lambda r=r: remote_clock(r)) for r in self._others()]
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop every rank's loop and leave the process groups. After a failure or an interrupt
+        (``graceful`` False: a plan may have reached only some ranks) nothing is sent: the other
+        ranks end when this process exits and their connections to it close."""
         if not dist.is_initialized():
+            return
+        if not graceful or self.failed:
+            self.failed = True
             return
         if not self._allocated:  # set-up failed on the driver: release ranks waiting for the pool size
             dist.broadcast_object_list([-1], src=0, group=self.control.group)
         for r in self._others() if self._allocated else ():
-            self.control.send(("stop", None), r)
-        self.control.flush()
-        self.worker.link.flush()
+            with self._talking_to(r, "shutdown"):
+                self.control.send(("stop", None), r)
+        with self._talking_to(1 if self.topo.world_size > 1 else 0, "shutdown"):
+            self.control.flush()
+            self.worker.link.flush()
         dist.destroy_process_group()
+
+
+def _from_comm(e: RuntimeError) -> bool:
+    """Whether ``e`` is gloo's or NCCL's: a peer closed its connection or did not answer in time."""
+    text = str(e)
+    return any(mark in text for mark in ("gloo", "NCCL", "Connection closed", "Timed out", "pair closure"))
+
+
+def _local_fault(infos: list[dict]) -> tuple[str, int] | None:
+    """("died" or "stopped", rank) of the first rank on this node whose process is gone or
+    stopped (SIGSTOP, a debugger), read from /proc; None where none is or nothing is known."""
+    here = os.uname().nodename
+    for rank, info in enumerate(infos):
+        if rank == 0 or info.get("node") != here:
+            continue
+        try:
+            with open(f"/proc/{info['pid']}/stat") as f:
+                state = f.read().rsplit(")", 1)[-1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return "died", rank
+        if state in "ZXx":
+            return "died", rank
+        if state in "Tt":
+            return "stopped", rank
+    return None
+
+
+def _note_signals() -> list[int]:
+    """Ctrl-C reaches every process of the terminal's group, and torchrun's agent SIGTERMs every
+    rank: rank 0 acts (writes what finished and exits, which ends the waits here); this rank only
+    notes the signal, to end quietly with its status once rank 0 is gone."""
+    caught: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: caught.append(signum))
+    return caught
 
 
 def worker_loop(cfg: EngineConfig, source: object) -> None:
     """Every rank but 0: mirror rank 0's set-up collectives, then run plans until told to stop."""
     topo = Topology(cfg.parallel.pp, cfg.parallel.tp)
-    worker, control = _build_worker(cfg, source, topo)
+    worker, control = _build_worker(cfg, source, topo, worker_timeout_s(60.0))
     dist.all_gather_object([None] * topo.world_size, worker.memory_profile(), group=control.group)
     sizes = [0]
     dist.broadcast_object_list(sizes, src=0, group=control.group)
@@ -167,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     kwargs = engine_kwargs(args)
     for driver_only in ("launcher", "verbose"):
         kwargs.pop(driver_only)
+    caught = _note_signals()
     try:
         cfg, source = build_engine_config(**kwargs)
         worker_loop(cfg, source)
@@ -174,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pp-runtime[rank {os.environ['RANK']}]: error: {e}", file=sys.stderr)
         return 2
     except (RuntimeError, OSError) as e:  # e.g. rank 0 gone: its store or socket closed under us
+        if caught:  # rank 0 went because it was told to: nothing here to report
+            return 128 + caught[0]
         text = str(e).strip()
         print(f"pp-runtime[rank {os.environ['RANK']}]: error: {type(e).__name__}: "
               f"{text.splitlines()[0] if text else ''}", file=sys.stderr)

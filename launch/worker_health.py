@@ -78,7 +78,9 @@ class WorkerHealth:
         self._check_alive(what, timeout)
         return WorkerError(f"{who} died during {what}: {str(e).splitlines()[0]}")
 
-    def _check_alive(self, what: str, timeout: float) -> None:
+    def _check_alive(self, what: str, timeout: float, silent_s: float = 0.0) -> None:
+        """Ping every worker; one that does not answer within ``timeout`` is hung (reported as
+        silent for ``silent_s`` before that too), one whose actor is gone died."""
         pings = [a.ping.remote() for a in self.actors]
         done, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout)
         for rank, ref in enumerate(pings):
@@ -88,7 +90,7 @@ class WorkerHealth:
                 ray.get(ref, timeout=0)
             except ray.exceptions.GetTimeoutError:
                 self.failed = True
-                raise WorkerError(f"{self._name(rank)} did not answer within {timeout:.0f} s ({what})") from None
+                raise WorkerError(f"{self._name(rank)} did not answer within {timeout + silent_s:.0f} s ({what})") from None
             except ray.exceptions.RayActorError as e:
                 self.failed = True
                 raise WorkerError(f"{self._name(rank)} died during {what}: {str(e).splitlines()[0]}") from None

@@ -100,8 +100,10 @@ class ControlChannel:
 
     CAPACITY = 1 << 16  # bytes a receive is posted with; a plan of 24 sequences is a few KB
 
-    def __init__(self, group: object) -> None:
-        self.group = group
+    def __init__(self, group: object, timeout: datetime.timedelta | None = None) -> None:
+        """``timeout``: how long a receive (not marked ``forever``) or a flush waits before gloo
+        raises; None: the group's own (new_group's default is 30 minutes, not the world's)."""
+        self.group, self.timeout = group, timeout
         self._pending: collections.deque = collections.deque()
         self._inboxes: dict[tuple[int, int], _Inbox] = {}
 
@@ -124,19 +126,23 @@ class ControlChannel:
         inbox = self._inboxes.get((src, tag))
         if inbox is None:
             inbox = self._inboxes[(src, tag)] = _Inbox(self.group, src, tag, self.CAPACITY)
-        head = inbox.take(forever)
+        head = inbox.take(FOREVER if forever else self.timeout)
         n = int(head[:8].view(torch.int64)[0])
         data = torch.empty(n, dtype=torch.uint8)
         first = min(n, self.CAPACITY - 8)
         data[:first] = head[8:8 + first]
         if n > first:
-            self.group.recv([data[first:]], src, tag).wait()
+            _wait(self.group.recv([data[first:]], src, tag), self.timeout)
             inbox.repost()
         return pickle.loads(data.numpy().tobytes())
 
     def flush(self) -> None:
         while self._pending:
-            self._pending.popleft()[0].wait()
+            _wait(self._pending.popleft()[0], self.timeout)
+
+
+def _wait(work: object, timeout: datetime.timedelta | None) -> None:
+    work.wait() if timeout is None else work.wait(timeout)
 
 
 class _Inbox:
@@ -152,11 +158,11 @@ class _Inbox:
     def _post(self) -> object:
         return self.group.recv([self._bufs[self._i]], self.src, self.tag)
 
-    def take(self, forever: bool) -> torch.Tensor:
+    def take(self, timeout: datetime.timedelta | None) -> torch.Tensor:
         """The next message's buffer (valid until the take after next). The receive after it is
         posted here, unless the payload overflows: gloo matches a peer's messages of one tag in
         order, so the payload's rest must be received first (then ``repost``)."""
-        self._work.wait(FOREVER) if forever else self._work.wait()
+        _wait(self._work, timeout)
         buf = self._bufs[self._i]
         self._i ^= 1
         fits = int(buf[:8].view(torch.int64)[0]) <= buf.numel() - 8

@@ -8,12 +8,31 @@ the caller's SIGTERM handler, and stopped without the goodbye an interrupt could
 from __future__ import annotations
 
 import inspect
+import os
 import signal
 import threading
 from contextlib import contextmanager
 from typing import Iterator
 
 from pp_runtime.config import EngineConfig
+
+
+TIMEOUT_ENV = "PP_RUNTIME_WORKER_TIMEOUT_S"
+
+
+def worker_timeout_s(default: float) -> float:
+    """Seconds without an answer after which a worker counts as hung: ``PP_RUNTIME_WORKER_TIMEOUT_S``
+    where set (a model whose steps take minutes needs more; a test, less), else ``default``."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def make_executor(launcher: str, cfg: EngineConfig, source: object) -> object:
@@ -24,7 +43,6 @@ def make_executor(launcher: str, cfg: EngineConfig, source: object) -> object:
         from launch.ray_executor import RayExecutor
         return RayExecutor(cfg, source)
     if launcher == "torchrun":
-        import os
         if "RANK" not in os.environ:
             raise ValueError("--launcher torchrun runs under torchrun: "
                              "torchrun --nproc-per-node N -m launch.torchrun_main ...")

@@ -58,6 +58,8 @@ def test_parallel_greedy_matches_single_and_hf(cluster: object, hf_models: dict,
     assert all(len(n) == 1 for n in nodes.values()), "a stage's TP workers must share a node"
     stage_nodes = [next(iter(nodes[s])) for s in range(pp)]
     assert len(set(stage_nodes)) == min(pp, 3), f"stages should spread over the 3 nodes: {stage_nodes}"
+    hops = sum(a != b for a, b in zip(stage_nodes, stage_nodes[1:]))
+    assert hops == len(set(stage_nodes)) - 1, f"a node's stages should be consecutive: {stage_nodes}"
     # Each worker holds only its layers and its TP shard of them.
     layer_bytes = [w["layer_weight_bytes"] for w in infos]
     with LLM(model=str(hf_models["llama"]), memory_budget_gb=0.05) as one:

@@ -1,18 +1,23 @@
 """torchrun SPMD path: pp=2 on two local processes (and as two 'nodes' on 127.0.0.1) gives
-the same tokens as the Ray launcher and the in-process engine."""
+the same tokens as the Ray launcher and the in-process engine; a rank that dies or hangs, and
+Ctrl-C or SIGTERM, end the run with every request's line and one line saying why."""
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from pp_runtime import LLM, SamplingParams
 from tests.conftest import mixed_prompts
+from tests.launch.test_worker_failure import alive
 
 REPO = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -71,3 +76,63 @@ def test_torchrun_two_nodes_on_loopback(requests_file: tuple, tmp_path: Path) ->
     with LLM(model="llama-tiny", chunk_size=7, memory_budget_gb=0.05) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=9, ignore_eos=True))]
     assert read_tokens(out) == expected
+
+
+@pytest.fixture(scope="module")
+def long_requests(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """16 requests: 4 finish within a few steps, 12 decode for hundreds (the fault lands among them)."""
+    path = tmp_path_factory.mktemp("torchrun_faults") / "long.jsonl"
+    path.write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": [3 + (i * 7 + j) % 400 for j in range(10 + 3 * i)],
+                                        "max_tokens": 8 if i < 4 else 400, "ignore_eos": True}) + "\n" for i in range(16)))
+    return path
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop", "sigint", "sigterm"])
+def test_torchrun_fault_ends_the_run_with_every_result(long_requests: Path, tmp_path: Path, fault: str) -> None:
+    """Stage 1's rank killed or stopped mid-run, or Ctrl-C / SIGTERM to the whole job: rank 0 writes a
+    line for every request (the 4 short ones finished, the rest with the error naming the worker,
+    or cancelled) and says why in one line, within the worker timeout; no rank is left running."""
+    out, run_dir = tmp_path / "out.jsonl", tmp_path / "rd"
+    env = dict(os.environ, PYTHONPATH=str(REPO), PP_RUNTIME_WORKER_TIMEOUT_S="4")
+    proc = subprocess.Popen(TORCHRUN + ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                                        str(free_port())] + ARGS + ["--input", str(long_requests), "--output", str(out),
+                                                                    "--run-dir", str(run_dir)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "workers.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        workers = json.loads((run_dir / "workers.json").read_text())
+        victim = next(w["pid"] for w in workers if w["stage"] == 1)
+        time.sleep(1.0)  # the short requests finish; the long ones are decoding
+        started = time.monotonic()
+        if fault in ("kill", "stop"):
+            os.kill(victim, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        else:  # a terminal's Ctrl-C reaches the whole group; a scheduler's SIGTERM the agent, which relays it
+            os.killpg(proc.pid, signal.SIGINT) if fault == "sigint" else os.kill(proc.pid, signal.SIGTERM)
+        while not out.exists() and time.monotonic() - started < 60:
+            time.sleep(0.1)
+        elapsed = time.monotonic() - started
+        if fault == "stop":  # else torchrun's agent waits its 30 s grace before killing it
+            os.kill(victim, signal.SIGKILL)
+        log, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert elapsed < 4 + 10, f"results written {elapsed:.1f} s after the fault\n{log[-3000:]}"
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["id"] for r in lines] == [f"r{i}" for i in range(16)]
+    assert [r["finish_reason"] for r in lines[:4]] == ["length"] * 4
+    ours = [line for line in log.splitlines() if line.startswith("pp-runtime")]
+    expected = {"kill": "worker stage 1 tp_rank 0 on node .* died during micro-batch: .*(closed|reset) by peer",
+                "stop": "worker stage 1 tp_rank 0 on node .* did not answer within 4 s \\(micro-batch\\)",
+                "sigint": "interrupted by SIGINT: 12 of 16 requests cancelled",
+                "sigterm": "interrupted by SIGTERM: 12 of 16 requests cancelled"}[fault]
+    assert len(ours) == 1 and re.search(expected, ours[0]), log[-3000:]
+    reason = "error" if fault in ("kill", "stop") else "cancelled"
+    assert {r["finish_reason"] for r in lines[4:]} == {reason}
+    ours_traced = [line for line in log.splitlines()  # torchrun's agent prints its own; our ranks none
+                   if any(f'File "{REPO / d}' in line for d in ("launch", "pp_runtime", "stages"))]
+    assert not ours_traced, log[-3000:]
+    assert not [w["pid"] for w in workers if alive(w["pid"])], "a rank survived"
