@@ -31,7 +31,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                          else f"--input {a.input}: not a file")
     if a.chat and not a.prompt:
         raise ValueError("--chat applies to --prompt texts")
-    check_writable("--output", a.output, is_dir=False)
+    check_writable("--output", None if a.output == "-" else a.output, is_dir=False)
     check_writable("--run-dir", a.run_dir, is_dir=True)
     defaults = sampling_defaults(a)
     lines = read_requests(a.input, defaults) if a.input else None
@@ -81,7 +81,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def _emit_results(a: argparse.Namespace, outs: list, rows: list[dict], texts: bool) -> None:
     """Write the results to --output, else print them: texts one per line, JSONL rows otherwise."""
     from pp_runtime.jsonl import write_results
-    if a.output:
+    if a.output and a.output != "-":  # "-", as --input -: stdout, JSONL rows even for --prompt
         try:
             write_results(a.output, rows)
         except OSError as e:  # checked at start, but the disk may fill or the path go away
@@ -89,7 +89,7 @@ def _emit_results(a: argparse.Namespace, outs: list, rows: list[dict], texts: bo
                 print(json.dumps(r))
             raise ValueError(f"--output {a.output}: could not write ({e.strerror or e}); "
                              "the results went to stdout") from None
-    elif texts:
+    elif texts and not a.output:
         for o in outs:
             print(o.text if o.error is None else f"{o.finish_reason}: {o.error}")
     else:

@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate for JSONL requests or --prompt texts")
     add_engine_args(g)
     g.add_argument("--input", help="JSONL requests (DESIGN.md §3.3); - reads standard input")
-    g.add_argument("--output", help="JSONL results (default: stdout; with --prompt, text on stdout)")
+    g.add_argument("--output", help="JSONL results; - for stdout (default: stdout, with --prompt text on stdout)")
     g.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to --prompt")
     g.add_argument("--max-tokens", type=_positive_int, default=64, help="default max_tokens")

@@ -251,6 +251,8 @@ class SchedulerConfig:
             raise ValueError("SchedulerConfig.step_costs must be empty or 3 finite numbers ≥ 0 (prompt key, "
                              f"decode row, decode key), got {self.step_costs!r}")
         object.__setattr__(self, "step_costs", tuple(self.step_costs))  # a list (from JSON, YAML) compares equal to none
+        if not isinstance(self.tile_align, bool):  # "yes" / "no" would both be truthy
+            raise ValueError(f"SchedulerConfig.tile_align must be true or false, got {self.tile_align!r}")
         if self.policy == "sarathi" and self.tile_align and self.chunk_size < self.max_batch_size:
             raise ValueError(f"SchedulerConfig.chunk_size={self.chunk_size} must be ≥ max_batch_size="
                              f"{self.max_batch_size} with tile_align (decodes alone would exceed C)")
@@ -365,8 +367,8 @@ class DeviceConfig:
             raise ValueError(f"DeviceConfig.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention not in ("torch", "xformers", "auto"):
             raise ValueError(f"DeviceConfig.attention must be torch, xformers or auto, got {self.attention!r}")
-        if self.threads < 0:
-            raise ValueError(f"DeviceConfig.threads must be ≥ 0, got {self.threads}")
+        if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 0:
+            raise ValueError(f"DeviceConfig.threads must be an integer ≥ 0, got {self.threads!r}")
         if self.gguf_weights not in GGUF_WEIGHTS:
             raise ValueError(f"DeviceConfig.gguf_weights must be {' or '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         if self.matmul_precision not in MATMUL_PRECISIONS:

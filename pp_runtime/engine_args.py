@@ -11,6 +11,7 @@ from typing import Sequence
 
 from pp_runtime.config import (CacheConfig, DeviceConfig, EngineConfig, ParallelConfig, SchedulerConfig,
                                check_kv_dtype)
+from pp_runtime.field_checks import is_number
 
 
 def _plain_number(n: object) -> object:
@@ -40,6 +41,8 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
     from stages.model_source import resolve_model
     source = resolve_model(model)
     mcfg = source.config
+    if isinstance(partition, (str, bytes)):  # iterated, "16,14" would be five layer counts
+        raise ValueError(f"partition must be a list of layer counts (e.g. [16, 14]), got {partition!r}")
     parallel = ParallelConfig(pp, tp, tuple(_plain_number(n) for n in partition) if partition else None)
     parallel.check_model(mcfg)
     if device == "cuda":
@@ -47,8 +50,8 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
         if not torch.cuda.is_available():
             raise ValueError("--device cuda requested but no CUDA GPU is available")
     check_kv_dtype(kv_cache_dtype, device, dtype)
-    if memory_budget_gb is not None and not memory_budget_gb > 0:
-        raise ValueError(f"memory_budget_gb must be > 0, got {memory_budget_gb}")
+    if memory_budget_gb is not None and not (is_number(memory_budget_gb) and memory_budget_gb > 0):
+        raise ValueError(f"memory_budget_gb must be a finite number > 0, got {memory_budget_gb!r}")
     budget = None if memory_budget_gb is None and device == "cuda" else \
         int((4.0 if memory_budget_gb is None else memory_budget_gb) * (1 << 30))
     # None means the default; anything else (0 included) is SchedulerConfig's to check by name

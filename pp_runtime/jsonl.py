@@ -75,7 +75,6 @@ def _parse_line(line: str | bytes, lineno: int, defaults: SamplingParams | None)
     error = _field_error(kwargs)
     if error:
         return ParsedLine(rid, prompt, None, f"line {lineno}: {error}")
-    kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
     try:
         params = SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
@@ -86,10 +85,8 @@ def _parse_line(line: str | bytes, lineno: int, defaults: SamplingParams | None)
 def _field_error(kwargs: dict) -> str | None:
     """Checks SamplingParams leaves to its callers: JSON types it would coerce or misreport."""
     stops = kwargs["stop_token_ids"]
-    if not isinstance(stops, (list, tuple)):  # a bare int or a string would be iterated or crash
+    if not isinstance(stops, (list, tuple, type(None))):  # a string would be iterated
         return f"stop_token_ids must be a list of integers, got {stops!r}"
-    if not isinstance(kwargs["ignore_eos"], bool):
-        return f"ignore_eos must be true or false, got {kwargs['ignore_eos']!r}"
     t = kwargs["temperature"]
     if isinstance(t, float) and not math.isfinite(t):  # 1e999 parses as inf: sampling would be uniform
         return f"temperature must be a finite number ≥ 0, got {t!r}"

@@ -26,7 +26,7 @@ from pp_runtime.engine_args import build_engine_config
 from pp_runtime.executor import WorkerError
 from pp_runtime.kv_cache import BlockManager
 from pp_runtime.memory_plan import plan_memory
-from pp_runtime.prompt_validation import as_token_list, check_arrivals, per_prompt_params, validate_prompt
+from pp_runtime.prompt_validation import as_prompts, as_token_list, check_arrivals, per_prompt_params, validate_prompt
 from pp_runtime.request import Request, RequestOutput, SamplingParams
 from pp_runtime.run_outputs import RunInterrupted, RunRecord, StreamOutput
 from pp_runtime.scheduler import Scheduler
@@ -191,7 +191,9 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  progress: bool = False, ids: Sequence[str] | None = None) -> list[RequestOutput]:
         """Outputs in the order of ``prompts``; bad prompts come back with finish_reason 'error'.
-        A text prompt's output carries the generated text too."""
+        A text prompt's output carries the generated text too; one text or one list of token ids
+        alone is one prompt."""
+        prompts = as_prompts(prompts)
         reqs = self._requests(prompts, params, ids)
         return [self.with_text(o, p) for o, p in zip(self.run(reqs, progress), prompts)]
 
@@ -210,6 +212,7 @@ class LLM:
         final output. ``abort(request_id)`` inside the loop (or from another thread) cancels a
         request; leaving the loop early cancels the rest once the stream is closed or the next run
         starts."""
+        prompts = as_prompts(prompts)
         reqs = self._requests(prompts, params, ids)
         prompt_of = {r.seq_id: p for r, p in zip(reqs, prompts)}
         steps = self._start(reqs)

@@ -1,5 +1,6 @@
 """Prompt checks: a bad prompt finishes its request with an error naming what is wrong.
 
+    prompts = as_prompts("Hello")                 # ["Hello"]: one text (or one id list) is one prompt
     ids = as_token_list(np.array([1, 2, 3]))      # [1, 2, 3], plain ints
     validate_prompt(ids, vocab_size=49152)        # None when fine, else the error message
     per_prompt_params(prompts, params, ids)       # (request id, params, error) for each prompt
@@ -12,6 +13,17 @@ import numbers
 from typing import Sequence
 
 from pp_runtime.request import SamplingParams
+
+
+def as_prompts(prompts: object) -> list:
+    """``generate``'s prompts as a list: one text, or one flat sequence of token ids, is a single
+    prompt, as in vLLM (iterated, a text would become a request per character)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    flat = as_token_list(prompts)
+    if isinstance(flat, list) and flat and all(isinstance(t, int) and not isinstance(t, bool) for t in flat):
+        return [prompts]
+    return list(prompts)
 
 
 def as_token_list(prompt: object) -> object:

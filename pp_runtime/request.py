@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -25,26 +26,41 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        """Checks every field by name; numpy scalars become Python numbers, top_k -1 (vLLM's
+        other spelling of "off") 0, stop_token_ids None no stops, and a list of them a tuple."""
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer ≥ 0, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer ≥ 0 (0 or -1: off), got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+        if not isinstance(self.ignore_eos, bool):  # "false" would be truthy
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        stops = () if self.stop_token_ids is None else self.stop_token_ids
+        if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
-        stops = tuple(self.stop_token_ids)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
-            raise ValueError(f"stop_token_ids must be integers, got {list(stops)!r}")
-        object.__setattr__(self, "stop_token_ids", stops)  # normalise lists to a hashable tuple
+        stops = tuple(stops)
+        if not all(_is_int(t) and t >= 0 for t in stops):
+            raise ValueError(f"stop_token_ids must be integers ≥ 0 (token ids), got {list(stops)!r}")
+        set_("max_tokens", int(self.max_tokens))
+        set_("temperature", float(self.temperature))
+        set_("top_p", float(self.top_p))
+        set_("top_k", max(0, int(self.top_k)))
+        set_("seed", None if self.seed is None else int(self.seed))
+        set_("stop_token_ids", tuple(int(t) for t in stops))  # hashable, plain ints
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 class Phase(enum.Enum):

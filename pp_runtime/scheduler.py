@@ -44,6 +44,16 @@ def sample_seed(base: int, position: int) -> int:
     return (base * _SEED_MIX + position * 0x2545F4914F6CDD1D) % (1 << 62)
 
 
+def unseeded_base(engine_seed: int, seq_id: int) -> int:
+    """A request without a seed samples from the engine's seed and its sequence id, scrambled
+    (splitmix64's finaliser) so that it does not draw what a request seeded with a small number
+    draws: seed 0 and the first unseeded request shared one stream before."""
+    x = (engine_seed * 1_000_003 + seq_id + _SEED_MIX) % (1 << 64)
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 % (1 << 64)
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB % (1 << 64)
+    return x ^ (x >> 31)
+
+
 def _queue_key(req: Request) -> tuple[int, int]:
     """Where a request sorts in a longest_first queue: preempted ones (back at the head, in the order
     they went back) before every fresh one, fresh ones by max_tokens, most first. The queue stays
@@ -143,7 +153,7 @@ class Scheduler:
         sample = None
         if req.num_scheduled == req.num_tokens:  # every known token is in: sample the next one
             p = req.params
-            base = p.seed if p.seed is not None else self.seed * 1_000_003 + req.seq_id
+            base = p.seed if p.seed is not None else unseeded_base(self.seed, req.seq_id)
             sample = SampleSpec(p.temperature, p.top_p, p.top_k, sample_seed(base, req.num_tokens))
         return SeqChunk(req.seq_id, start, tuple(req.tokens_slice(start, start + n)),
                         tuple(self.blocks.block_table(req.seq_id)), is_prefill, sample)

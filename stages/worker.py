@@ -146,9 +146,14 @@ class StageWorker:
         kv_heads = cfg.num_kv_heads // self.tp.size
         per_token = 2 * self.model.num_attention_layers * kv_heads * cfg.head_size * self.kv_dtype.itemsize
         budget = self.spec.cache.memory_budget_bytes
+        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" \
+            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if budget is None:  # CUDA default: 90% of the card
-            budget = int(0.9 * torch.cuda.get_device_properties(self.device).total_memory) \
-                if self.device.type == "cuda" else 4 << 30
+            budget = int(0.9 * total) if self.device.type == "cuda" else 4 << 30
+        elif budget > total:  # the KV cache would fail to allocate, or swap the node to a halt
+            where = "GPU" if self.device.type == "cuda" else f"node {os.uname().nodename}"
+            raise ValueError(f"memory_budget_gb={budget / (1 << 30):.6g} exceeds the {total / (1 << 30):.4g} GiB "
+                             f"of memory this worker's {where} has")
         return MemoryProfile(budget, self.weight_bytes, per_token)
 
     def allocate_cache(self, num_blocks: int) -> int:

@@ -63,7 +63,7 @@ def request_lines() -> list[tuple[str, str | None]]:
         (j({"id": "temp", "prompt_token_ids": [4], "temperature": -0.5}), "temperature must be a finite number ≥ 0"),
         (j({"id": "topp0", "prompt_token_ids": [4], "top_p": 0}), "top_p must be in (0, 1]"),
         (j({"id": "topp2", "prompt_token_ids": [4], "top_p": 1.01}), "top_p must be in (0, 1]"),
-        (j({"id": "topk", "prompt_token_ids": [4], "top_k": -1}), "top_k must be an integer ≥ 0"),
+        (j({"id": "topk", "prompt_token_ids": [4], "top_k": -2}), "top_k must be an integer ≥ 0"),
         ('{"id": "broken", "prompt_token_ids": [1,', "line 15: malformed JSON"),
         (j({"id": "unknown", "prompt_token_ids": [8, 9], "max_tokens": 3, "colour": "red"}), None),
         (j({"id": "text", "prompt": "hello"}), "has no tokenizer"),
@@ -336,6 +336,10 @@ def test_input_from_stdin_and_unwritable_output(hf_models: dict, jsonl: Path, tm
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(jsonl.read_bytes())))
     rc, out, err = run_main(["generate", "--model", str(hf_models["llama"]), *FAST, "--input", "-"], capsys)
     assert rc == 0 and json.loads(out)["finish_reason"] == "length"
+    monkeypatch.chdir(tmp_path)  # --output - is standard output too, not a file named "-"
+    rc, out, err = run_main(["generate", "--model", str(hf_models["llama"]), *FAST, "--input", str(jsonl),
+                             "--output", "-"], capsys)
+    assert rc == 0 and json.loads(out)["finish_reason"] == "length" and not (tmp_path / "-").exists()
 
     def full_disk(path: str, rows: list[dict]) -> None:
         raise OSError(28, "No space left on device")

@@ -47,19 +47,36 @@ def test_text_prompt() -> None:
     (dict(top_p=0), "top_p must be in (0, 1], got 0"),
     (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
     (dict(top_p=-0.2), "top_p must be in (0, 1], got -0.2"),
-    (dict(top_k=-1), "top_k must be an integer ≥ 0, got -1"),
-    (dict(top_k=2.5), "top_k must be an integer ≥ 0, got 2.5"),
+    (dict(top_k=-2), "top_k must be an integer ≥ 0 (0 or -1: off), got -2"),
+    (dict(top_k=2.5), "top_k must be an integer ≥ 0 (0 or -1: off), got 2.5"),
     (dict(seed="x"), "seed must be an integer, got 'x'"),
     (dict(seed=1.5), "seed must be an integer, got 1.5"),
     (dict(stop_token_ids=5), "stop_token_ids must be a list of integers, got 5"),
     (dict(stop_token_ids="ab"), "stop_token_ids must be a list of integers, got 'ab'"),
-    (dict(stop_token_ids=[1, "a"]), "stop_token_ids must be integers, got [1, 'a']"),
+    (dict(stop_token_ids=[1, "a"]), "stop_token_ids must be integers ≥ 0 (token ids), got [1, 'a']"),
+    (dict(stop_token_ids=[-5]), "stop_token_ids must be integers ≥ 0 (token ids), got [-5]"),
     (dict(ignore_eos="yes"), "ignore_eos must be true or false, got 'yes'"),
 ])
 def test_bad_sampling_values(fields: dict, message: str) -> None:
     p = parse_line(line(id="bad", prompt_token_ids=[1], **fields), 4)
     assert p.request_id == "bad" and p.params is None
     assert p.error == f"line 4: {message}"
+
+
+def test_vllm_spellings_of_the_defaults_are_taken() -> None:
+    """top_k -1 (vLLM's "off" before 0) and stop_token_ids null mean what their defaults do."""
+    p = parse_line(line(id="v", prompt_token_ids=[1], top_k=-1, stop_token_ids=None), 1)
+    assert p.error is None and p.params == SamplingParams()
+
+
+def test_sampling_params_take_numpy_scalars_and_check_ignore_eos() -> None:
+    import numpy as np
+    p = SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.5), seed=np.int64(7),
+                       stop_token_ids=np.array([29, 30]), top_k=np.int32(5))
+    assert p == SamplingParams(max_tokens=3, temperature=0.5, seed=7, stop_token_ids=(29, 30), top_k=5)
+    assert all(type(v) in (int, float) for v in (p.max_tokens, p.temperature, p.seed, p.top_k, *p.stop_token_ids))
+    with pytest.raises(ValueError, match="ignore_eos must be true or false, got 'false'"):
+        SamplingParams(ignore_eos="false")  # truthy: it would have ignored EOS
 
 
 @pytest.mark.parametrize("text, message", [
@@ -134,7 +151,7 @@ BAD = {  # the model: 256-token vocabulary, 512 positions
     "mt0": (line(id="mt0", prompt_token_ids=[1], max_tokens=0), "max_tokens must be a positive integer, got 0"),
     "temp": (line(id="temp", prompt_token_ids=[1], temperature=-1), "temperature must be a finite number ≥ 0, got -1"),
     "topp": (line(id="topp", prompt_token_ids=[1], top_p=0), "top_p must be in (0, 1], got 0"),
-    "topk": (line(id="topk", prompt_token_ids=[1], top_k=-2), "top_k must be an integer ≥ 0, got -2"),
+    "topk": (line(id="topk", prompt_token_ids=[1], top_k=-2), "top_k must be an integer ≥ 0 (0 or -1: off), got -2"),
     "text": (line(id="text", prompt="hello"), "has no tokenizer"),
     "line": ('{"id": "broken", ', "line 16: malformed JSON"),  # its line number in the file below
 }

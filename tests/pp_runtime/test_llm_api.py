@@ -172,6 +172,17 @@ def test_inputs_as_numpy_and_mismatched_lists(llm: LLM) -> None:
     assert [fields(outs[i]) for i in (0, 2)] == [expected[0], expected[2]]
 
 
+def test_one_text_or_one_list_of_ids_is_one_prompt(llm: LLM) -> None:
+    # as in vLLM; iterated, a text became a request per character and an id list one per id
+    ids = prompts()[0]
+    expected = [fields(o) for o in llm.generate([ids], GREEDY)]
+    assert [fields(o) for o in llm.generate(ids, GREEDY)] == expected
+    assert [fields(o) for o in llm.generate(np.array(ids), GREEDY)] == expected
+    assert [fields(o) for o in llm.generate(tuple(ids), GREEDY)] == expected
+    outs = llm.generate("hello", GREEDY)  # llama-tiny has no tokenizer: one error, not five
+    assert len(outs) == 1 and outs[0].finish_reason == "error"
+
+
 def test_reconfigure_changes_scheduling_only_and_resizes_the_running_set(llm: LLM) -> None:
     ps = prompts()
     expected = [fields(o) for o in llm.generate(ps, GREEDY)]
@@ -248,10 +259,16 @@ def test_llm_after_shutdown_says_so() -> None:
     (dict(max_batch_size=0), "max_batch_size must be a positive integer"),
     (dict(max_model_len=5000), "max_model_len=5000 exceeds the model's 1024 positions"),
     (dict(seed=1.5), "EngineConfig.seed must be an integer, got 1.5"),
+    (dict(memory_budget_gb=100000), r"memory_budget_gb=100000 exceeds the .* GiB of memory this worker's node"),
+    (dict(memory_budget_gb="4"), "memory_budget_gb must be a finite number > 0, got '4'"),
+    (dict(memory_budget_gb=float("inf")), "memory_budget_gb must be a finite number > 0, got inf"),
+    (dict(threads=1.5), "DeviceConfig.threads must be an integer ≥ 0, got 1.5"),
+    (dict(partition="2,2"), r"partition must be a list of layer counts \(e.g. \[16, 14\]\), got '2,2'"),
+    (dict(tile_align="yes"), "SchedulerConfig.tile_align must be true or false, got 'yes'"),
 ])
 def test_constructor_values_are_checked_not_replaced(kw: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        LLM(model="llama-tiny", launcher="local", memory_budget_gb=0.05, **kw)
+        LLM(model="llama-tiny", launcher="local", **{"memory_budget_gb": 0.05, **kw})
 
 
 def test_run_arrivals_are_checked_before_the_run(llm: LLM) -> None:

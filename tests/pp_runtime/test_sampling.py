@@ -107,3 +107,10 @@ def test_unseeded_requests_follow_engine_seed(hf_models: dict) -> None:
     a = run(hf_models["llama"], prompts, [params(None)] * 3, seed=1)
     assert run(hf_models["llama"], prompts, [params(None)] * 3, seed=1) == a
     assert run(hf_models["llama"], prompts, [params(None)] * 3, seed=2) != a
+
+
+def test_unseeded_requests_do_not_draw_what_small_seeds_do(hf_models: dict) -> None:
+    # The first two requests of a run, unseeded, beside the same prompt seeded 0 and 1: each
+    # draws its own tokens (the first unseeded one and seed 0 used to share one stream).
+    outs = run(hf_models["llama"], [TARGET] * 4, [params(None), params(None), params(0), params(1)], seed=0)
+    assert len({tuple(o) for o in outs}) == 4
