@@ -58,10 +58,9 @@ import torch
 
 from stages.cpu_info import host_tag
 
-_SOURCES = [str(Path(__file__).with_name("csrc") / f)
-            for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp",
-                      "gemm_quant.cpp", "gemm_few_rows.cpp", "gemm_bf16.cpp", "greedy.cpp", "greedy_int8.cpp",
-                      "int8_gemm.cpp", "embedding.cpp")]
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp", "gemm_quant.cpp",
+            "gemm_few_rows.cpp", "gemm_bf16.cpp", "greedy.cpp", "greedy_int8.cpp", "int8_gemm.cpp", "embedding.cpp")
 TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a multiple of it
 PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a multiple of it
 # the most rows a product keeps fp32 under "medium" (vec.h: kBf16MinTokens): the GEMM's and the prefill
@@ -69,11 +68,20 @@ PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a
 BF16_FP32_ROWS = 12
 
 
-# one build per kind of CPU and per checkout: ninja rebuilds every object when build.ninja names
-# other source paths, so two checkouts sharing one build folder (a CI clone beside a working tree)
-# rebuilt each other's kernels (~1 min) each time the other one loaded them
-_CHECKOUT = f"{zlib.crc32(str(Path(__file__).resolve().parent).encode()) & 0xFFFF:04x}"
-_NAME = f"pp_runtime_cpu_kernels_{host_tag()}_{_CHECKOUT}"
+
+def sources_tag() -> str:
+    """A checksum of csrc/'s sources: builds are named by what they compile, not where from."""
+    crc = 0
+    for f in sorted(_CSRC.glob("*.[ch]*")):
+        crc = zlib.crc32(f.name.encode() + f.read_bytes(), crc)
+    return f"{crc:08x}"
+
+
+# One build per kind of CPU and per source text, compiled from a copy of the sources inside its
+# own folder: ninja rebuilds every object when build.ninja names other source paths, so builds named
+# by checkout path rebuilt (~1 min) for every new path holding the same sources: each upload of
+# `ray job submit --working-dir .`, on every node. Two checkouts of one text now share a build.
+_NAME = f"pp_runtime_cpu_kernels_{host_tag()}_{sources_tag()}"
 _lock = threading.Lock()
 _module: object | None = None
 _failed: str | None = None
@@ -96,10 +104,26 @@ def _load() -> object | None:
 def _build(name: str, march: str) -> object:
     """Compiles (or takes from torch's cache) the kernels for ``-march=<march>`` as module ``name``."""
     from torch.utils.cpp_extension import _get_build_directory, load
-    with build_guard(Path(_get_build_directory(name, verbose=False))):
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    with build_guard(build_dir):
+        src = _copy_sources(build_dir / "src")
         # -fopenmp: at::parallel_for is header code that splits work only under OpenMP
-        return load(name, sources=_SOURCES, extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp"],
+        return load(name, sources=[str(src / f) for f in _SOURCES],
+                    extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _copy_sources(dest: Path) -> Path:
+    """csrc/ copied to ``dest``, each file written only where its bytes differ (a new mtime would
+    make ninja rebuild); under build_guard's lock, so no build reads a half-written copy."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in _CSRC.glob("*.[ch]*"):
+        data, target = f.read_bytes(), dest / f.name
+        if not target.exists() or target.read_bytes() != data:
+            tmp = target.with_suffix(target.suffix + ".tmp")
+            tmp.write_bytes(data)
+            tmp.replace(target)
+    return dest
 
 
 def build(march: str) -> object:

@@ -160,8 +160,23 @@ def test_each_kind_of_cpu_gets_its_own_build(tmp_path: Path) -> None:
     zen4 = tag("AMD EPYC", "fpu sse avx2 fma avx512f avx512_bf16")
     assert zen4 == tag("AMD EPYC", "fpu sse avx2 fma avx512f avx512_bf16")
     assert len({zen4, tag("AMD EPYC", "fpu sse avx2 fma"), tag("Intel Xeon", "fpu sse avx2 fma avx512f avx512_bf16")}) == 3
-    assert cpu_kernels._NAME.endswith(f"{host_tag()}_{cpu_kernels._CHECKOUT}")  # a checkout's own build
+    assert cpu_kernels._NAME.endswith(f"{host_tag()}_{cpu_kernels.sources_tag()}")  # these sources' build
     assert host_tag(str(tmp_path / "missing")) == host_tag(str(tmp_path / "absent"))
+
+
+def test_builds_compile_a_copy_named_by_its_text(tmp_path: Path) -> None:
+    """A build compiles csrc/ as copied into its folder, so a checkout at another path (each upload
+    of `ray job submit --working-dir`) finds the same build; a copy already there keeps its mtimes
+    (ninja would rebuild), one that differs is replaced."""
+    src = cpu_kernels._copy_sources(tmp_path / "src")
+    names = sorted(p.name for p in src.iterdir())
+    assert set(cpu_kernels._SOURCES) <= set(names) and "vec.h" in names
+    stamps = {p.name: p.stat().st_mtime_ns for p in src.iterdir()}
+    (src / "vec.h").write_text("stale")
+    cpu_kernels._copy_sources(src)
+    assert (src / "vec.h").read_bytes() == (cpu_kernels._CSRC / "vec.h").read_bytes()
+    assert all(p.stat().st_mtime_ns == stamps[p.name] for p in src.iterdir() if p.name != "vec.h")
+    assert len(cpu_kernels.sources_tag()) == 8 and cpu_kernels._NAME.endswith(cpu_kernels.sources_tag())
 
 
 def test_each_build_takes_its_own_paths(isa: str) -> None:
