@@ -23,6 +23,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -90,7 +91,8 @@ class TorchrunExecutor:
             self.failed = True
             # torchrun's agent SIGTERMs every rank once one has failed; this run is ending with the
             # error already and must first write what finished (the agent kills after its grace)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            if threading.current_thread() is threading.main_thread():  # signal.signal's rule
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
             state, culprit = _local_fault(self._infos) or ("", rank)
             # gloo's "[…/pair.cc:553] Connection closed by peer [addr]:port. This is typically…"
             text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". ")[0].splitlines()[0]

@@ -48,7 +48,7 @@ def _parse_line(line: str | bytes, lineno: int, defaults: SamplingParams | None)
     try:
         obj = json.loads(line, parse_constant=_reject_constant)
     except json.JSONDecodeError as e:
-        return ParsedLine(rid, None, None, f"line {lineno}: malformed JSON ({e.msg} at column {e.colno})")
+        return ParsedLine(rid, None, None, f"line {lineno}: malformed JSON ({e.msg}, column {e.colno})")
     except ValueError as e:
         return ParsedLine(rid, None, None, f"line {lineno}: malformed JSON ({e})")
     if not isinstance(obj, dict):
@@ -58,6 +58,9 @@ def _parse_line(line: str | bytes, lineno: int, defaults: SamplingParams | None)
     unknown = sorted(set(obj) - KNOWN_FIELDS)
     if unknown:
         print(f"warning: line {lineno} ({rid}): ignoring unknown fields {', '.join(unknown)}", file=sys.stderr)
+    if "prompt_token_ids" in obj and "prompt" in obj:
+        print(f"warning: line {lineno} ({rid}): both prompt_token_ids and prompt given: using prompt_token_ids",
+              file=sys.stderr)
     if "prompt_token_ids" in obj:
         prompt = obj["prompt_token_ids"]  # its items are checked against the vocabulary by LLM.make_request
         if not isinstance(prompt, list):  # a string here must not be taken for prompt text

@@ -182,6 +182,8 @@ class LLM:
                 error = str(e)
         req = Request(request_id, seq_id, list(ids) if isinstance(ids, (list, tuple)) else [],
                       params or SamplingParams())
+        if error is None and isinstance(prompt, str) and not ids:  # not "prompt_token_ids …" for a text
+            error = "empty prompt: the text has no tokens"
         error = error or validate_prompt(ids, self.source.config.vocab_size)
         if error:
             req.finish("error", error)

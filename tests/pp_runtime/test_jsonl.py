@@ -115,6 +115,12 @@ def test_unknown_fields_only_warn(capsys: pytest.CaptureFixture) -> None:
     assert "warning: line 5 (u): ignoring unknown fields colour, n" in err
 
 
+def test_both_prompt_fields_warn_and_the_ids_win(capsys: pytest.CaptureFixture) -> None:
+    p = parse_line(line(id="b", prompt_token_ids=[1, 2], prompt="hello"), 6)
+    assert p.error is None and p.prompt == [1, 2]
+    assert "warning: line 6 (b): both prompt_token_ids and prompt given: using prompt_token_ids" in capsys.readouterr().err
+
+
 def test_read_requests_keeps_line_numbers(tmp_path: Path) -> None:
     f = tmp_path / "in.jsonl"
     # a byte-order mark on line 1 (Windows editors), a blank line, a line that is not UTF-8

@@ -140,6 +140,7 @@ def test_text_prompts_come_back_with_text(llm: LLM, prompts: list[list[int]]) ->
     text, ids, bad = llm.generate([TEXTS[0], prompts[1], ""], params)
     assert text.token_ids == ids.token_ids and text.text == llm.tokenizer.decode(text.token_ids) and text.text
     assert ids.text is None and bad.finish_reason == "error" and bad.text is None
+    assert bad.error == "empty prompt: the text has no tokens"
     finals = [o for o in llm.generate_stream([TEXTS[0]], params) if o.finished]
     assert [o.text for o in finals] == [text.text]
 
