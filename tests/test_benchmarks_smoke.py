@@ -383,3 +383,9 @@ def test_kv_admission_chat_smoke(tmp_path: Path) -> None:
     assert all(0 < got["stopped_early"] < 8 for got in rounds.values())
     assert rounds["optimistic"]["preemptions"] > 0 and rounds["reserve"]["preemptions"] == 0
     assert rounds["optimistic_B"]["widest_batch"] == 1 < rounds["reserve"]["widest_batch"] <= rounds["optimistic"]["widest_batch"]
+
+
+def test_schedule_cost_smoke(tmp_path: Path) -> None:
+    r = run(["benchmarks/schedule_cost.py", "--smoke"], tmp_path)
+    assert r["running"] == 8 and all(r[k] > 0 for k in r if k.endswith("_us"))
+    assert {"prefix_caching_can_start_400_us", "no_prefix_caching_schedule_us"} <= set(r)
