@@ -65,7 +65,7 @@ def _release(actors: list, pg: object) -> None:
 class RayExecutor(WorkerHealth):
     def __init__(self, cfg: EngineConfig, source: object, timeout_s: float | None = None) -> None:
         from stages.worker import WorkerSpec
-        self.cfg, self.timeout_s = cfg, worker_timeout_s(60.0) if timeout_s is None else timeout_s
+        self.cfg, self.timeout_s = cfg, worker_timeout_s() if timeout_s is None else timeout_s
         self.topo = Topology(cfg.parallel.pp, cfg.parallel.tp)
         self._owns_ray = _ensure_ray(self.topo.world_size)
         self.actors: list = []

@@ -40,7 +40,7 @@ from pp_runtime.workers import worker_timeout_s
 
 
 def _build_worker(cfg: EngineConfig, source: object, topo: Topology,
-                  timeout_s: float = 60.0) -> tuple[object, ControlChannel]:
+                  timeout_s: float) -> tuple[object, ControlChannel]:
     """Join the world (env:// from torchrun), create the TP and control groups, load the shard."""
     from stages.layers import TPContext
     from stages.worker import StageWorker, WorkerSpec
@@ -71,7 +71,7 @@ class TorchrunExecutor:
 
     def __init__(self, cfg: EngineConfig, source: object) -> None:
         self.topo = Topology(cfg.parallel.pp, cfg.parallel.tp)
-        self.timeout_s = worker_timeout_s(60.0)
+        self.timeout_s = worker_timeout_s()
         self.worker, self.control = _build_worker(cfg, source, self.topo, self.timeout_s)
         self.last = self.topo.rank(self.topo.pp - 1, 0)
         self._in_flight: deque[tuple[MicroBatch, list[int] | None]] = deque()
@@ -228,7 +228,7 @@ def _note_signals() -> list[int]:
 def worker_loop(cfg: EngineConfig, source: object) -> None:
     """Every rank but 0: mirror rank 0's set-up collectives, then run plans until told to stop."""
     topo = Topology(cfg.parallel.pp, cfg.parallel.tp)
-    worker, control = _build_worker(cfg, source, topo, worker_timeout_s(60.0))
+    worker, control = _build_worker(cfg, source, topo, worker_timeout_s())
     dist.all_gather_object([None] * topo.world_size, worker.memory_profile(), group=control.group)
     sizes = [0]
     dist.broadcast_object_list(sizes, src=0, group=control.group)

@@ -10,12 +10,20 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
+from pp_runtime.field_checks import check_int
+
 SCHEDULER_POLICIES = ("sarathi", "orca", "prefill_first", "request_level")
 CHUNK_BUDGETS = ("flops", "tokens")
 ADMISSIONS = ("fcfs", "longest_first")
 KV_ADMISSIONS = ("reserve", "optimistic")
 DTYPES = ("float32", "bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _boolean(obj: object, *names: str) -> None:
+    for name in names:  # "yes" / "no" would both be truthy
+        if not isinstance(getattr(obj, name), bool):
+            raise ValueError(f"{type(obj).__name__}.{name} must be true or false, got {getattr(obj, name)!r}")
 
 
 def _positive(obj: object, *names: str) -> None:
@@ -251,8 +259,7 @@ class SchedulerConfig:
             raise ValueError("SchedulerConfig.step_costs must be empty or 3 finite numbers ≥ 0 (prompt key, "
                              f"decode row, decode key), got {self.step_costs!r}")
         object.__setattr__(self, "step_costs", tuple(self.step_costs))  # a list (from JSON, YAML) compares equal to none
-        if not isinstance(self.tile_align, bool):  # "yes" / "no" would both be truthy
-            raise ValueError(f"SchedulerConfig.tile_align must be true or false, got {self.tile_align!r}")
+        _boolean(self, "tile_align")
         if self.policy == "sarathi" and self.tile_align and self.chunk_size < self.max_batch_size:
             raise ValueError(f"SchedulerConfig.chunk_size={self.chunk_size} must be ≥ max_batch_size="
                              f"{self.max_batch_size} with tile_align (decodes alone would exceed C)")
@@ -326,9 +333,7 @@ class CacheConfig:
             _positive(self, "memory_budget_bytes")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"CacheConfig.kv_dtype must be {' or '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        for name in ("prefault", "enable_prefix_caching"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"CacheConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        _boolean(self, "prefault", "enable_prefix_caching")
 
 
 GGUF_WEIGHTS = ("native", "dequantize")
@@ -367,8 +372,7 @@ class DeviceConfig:
             raise ValueError(f"DeviceConfig.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.attention not in ("torch", "xformers", "auto"):
             raise ValueError(f"DeviceConfig.attention must be torch, xformers or auto, got {self.attention!r}")
-        if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 0:
-            raise ValueError(f"DeviceConfig.threads must be an integer ≥ 0, got {self.threads!r}")
+        check_int("DeviceConfig.threads", self.threads, 0)
         if self.gguf_weights not in GGUF_WEIGHTS:
             raise ValueError(f"DeviceConfig.gguf_weights must be {' or '.join(GGUF_WEIGHTS)}, got {self.gguf_weights!r}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
@@ -377,8 +381,7 @@ class DeviceConfig:
         if self.matmul_precision != "highest" and (self.device, self.dtype) != ("cpu", "float32"):
             raise ValueError(f"DeviceConfig.matmul_precision {self.matmul_precision} is for float32 models on CPU (got device "
                              f"{self.device}, dtype {self.dtype})")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"DeviceConfig.cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        _boolean(self, "cuda_graphs")
         if self.cuda_graphs and self.device != "cuda":
             raise ValueError(f"DeviceConfig.cuda_graphs needs device cuda, got {self.device!r}")
         if self.cuda_graphs and self.attention == "xformers":

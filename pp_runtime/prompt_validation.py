@@ -12,6 +12,7 @@ import math
 import numbers
 from typing import Sequence
 
+from pp_runtime.field_checks import is_int
 from pp_runtime.request import SamplingParams
 
 
@@ -21,7 +22,7 @@ def as_prompts(prompts: object) -> list:
     if isinstance(prompts, str):
         return [prompts]
     flat = as_token_list(prompts)
-    if isinstance(flat, list) and flat and all(isinstance(t, int) and not isinstance(t, bool) for t in flat):
+    if isinstance(flat, list) and flat and all(is_int(t) for t in flat):
         return [prompts]
     return list(prompts)
 

@@ -7,10 +7,10 @@ and those tokens are recomputed as one longer prefill, so nothing is lost.
 from __future__ import annotations
 
 import enum
-import math
-import numbers
 import time
 from dataclasses import dataclass, field
+
+from pp_runtime.field_checks import is_int, is_number
 
 
 @dataclass(frozen=True)
@@ -29,15 +29,15 @@ class SamplingParams:
         """Checks every field by name; numpy scalars become Python numbers, top_k -1 (vLLM's
         other spelling of "off") 0, stop_token_ids None no stops, and a list of them a tuple."""
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+        if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number ≥ 0, got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer ≥ 0 (0 or -1: off), got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):  # "false" would be truthy
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
@@ -45,7 +45,7 @@ class SamplingParams:
         if isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__"):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         stops = tuple(stops)
-        if not all(_is_int(t) and t >= 0 for t in stops):
+        if not all(is_int(t) and t >= 0 for t in stops):
             raise ValueError(f"stop_token_ids must be integers ≥ 0 (token ids), got {list(stops)!r}")
         set_("max_tokens", int(self.max_tokens))
         set_("temperature", float(self.temperature))
@@ -53,14 +53,6 @@ class SamplingParams:
         set_("top_k", max(0, int(self.top_k)))
         set_("seed", None if self.seed is None else int(self.seed))
         set_("stop_token_ids", tuple(int(t) for t in stops))  # hashable, plain ints
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 class Phase(enum.Enum):

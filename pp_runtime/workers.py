@@ -18,14 +18,15 @@ from pp_runtime.config import EngineConfig
 
 
 TIMEOUT_ENV = "PP_RUNTIME_WORKER_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 60.0
 
 
-def worker_timeout_s(default: float) -> float:
+def worker_timeout_s() -> float:
     """Seconds without an answer after which a worker counts as hung: ``PP_RUNTIME_WORKER_TIMEOUT_S``
-    where set (a model whose steps take minutes needs more; a test, less), else ``default``."""
+    where set (a model whose steps take minutes needs more; a test, less), else DEFAULT_TIMEOUT_S."""
     text = os.environ.get(TIMEOUT_ENV)
     if text is None:
-        return default
+        return DEFAULT_TIMEOUT_S
     try:
         value = float(text)
     except ValueError:
