@@ -54,7 +54,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         if lines is None:
             for o in outs:
                 if o.finish_reason != "error":
-                    o.text = tok.decode(o.token_ids)
+                    o.text = tok.decode_output(o.token_ids)
         else:  # a JSONL "prompt" text gets its output's text back, as LLM.generate gives it
             outs = [llm.with_text(o, x.prompt) for o, x in zip(outs, lines)]
         rows = [o.to_json() for o in outs]
@@ -113,6 +113,21 @@ def _write_run_dir(run_dir: str, llm: object, rows: list[dict] | None) -> None:
         detail = e.strerror if isinstance(e, OSError) and e.strerror else e
         raise ValueError(f"--run-dir {run_dir}: could not write ({detail}); the results were written "
                          "already") from None
+    if not llm.broken:
+        write_plots("--run-dir", run_dir)
+
+
+def write_plots(flag: str, out: str) -> None:
+    """The report's PNGs into a run or bench directory (DESIGN.md §3.4), as `pp-runtime report
+    OUT` would write them: the data files are written already, so a plot that fails says so in
+    one line and costs nothing else."""
+    from pp_runtime.report import make_report
+    try:
+        make_report([out])
+    except (OSError, ValueError) as e:
+        detail = e.strerror if isinstance(e, OSError) and e.strerror else e
+        raise ValueError(f"{flag} {out}: plots not written ({detail}); the run's files were written "
+                         "already") from None
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -147,7 +162,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         write_results(str(run_dir / "results.jsonl"), [o.to_json() for o in e.outputs])
         raise
     print(format_table(comparison))
-    print(f"run directories and comparison.json in {out}")
+    write_plots("--out", out)
+    print(f"run directories, comparison.json and plots in {out}")
     return 0
 
 
@@ -170,7 +186,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     out = a.out or str(Path("runs") / f"sim_{config.stem}")
     check_writable("--out", out, is_dir=True)
     run_simulation(str(config), out, progress=not a.quiet)
-    print(f"simulated run directories and comparison.json in {out}")
+    write_plots("--out", out)
+    print(f"simulated run directories, comparison.json and plots in {out}")
     return 0
 
 

@@ -1,9 +1,10 @@
 """Joining the Ray cluster named by RAY_ADDRESS, or starting an embedded local Ray.
 
-    owns_ray = _ensure_ray(world_size)   # True: this process started Ray and shuts it down
+    owns_ray = _ensure_ray(world_size, verbose)   # True: this process started Ray and shuts it down
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 
@@ -12,14 +13,17 @@ import ray
 from launch.deferred_signals import _deferred_signals
 
 
-def _ensure_ray(world_size: int) -> bool:
-    """Join RAY_ADDRESS's cluster, or start an embedded local Ray; True when we started it."""
+def _ensure_ray(world_size: int, verbose: bool) -> bool:
+    """Join RAY_ADDRESS's cluster, or start an embedded local Ray; True when we started it.
+    Not verbose (`--quiet`, the library's default): Ray's driver logs only errors, not its
+    start-up lines (the local instance started, the token-authentication notice)."""
     if ray.is_initialized():
         return False
+    level = logging.INFO if verbose else logging.ERROR
     address = os.environ.get("RAY_ADDRESS")
     if address:
         _check_reachable(address)
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False, logging_level=level)
         return True
     # address="local": always a fresh embedded instance, never an unrelated cluster that happens
     # to run on this machine (plain ray.init() would join it). A Ctrl-C in the middle of starting
@@ -27,7 +31,8 @@ def _ensure_ray(world_size: int) -> bool:
     # is up, then shut the node down and deliver it.
     with _deferred_signals() as interrupted:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False,
-                 log_to_driver=False, _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0})
+                 log_to_driver=False, _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0},
+                 logging_level=level)
     if interrupted:
         ray.shutdown()
         raise KeyboardInterrupt

@@ -63,11 +63,12 @@ def _release(actors: list, pg: object) -> None:
 
 
 class RayExecutor(WorkerHealth):
-    def __init__(self, cfg: EngineConfig, source: object, timeout_s: float | None = None) -> None:
+    def __init__(self, cfg: EngineConfig, source: object, timeout_s: float | None = None,
+                 verbose: bool = False) -> None:
         from stages.worker import WorkerSpec
         self.cfg, self.timeout_s = cfg, worker_timeout_s() if timeout_s is None else timeout_s
         self.topo = Topology(cfg.parallel.pp, cfg.parallel.tp)
-        self._owns_ray = _ensure_ray(self.topo.world_size)
+        self._owns_ray = _ensure_ray(self.topo.world_size, verbose)
         self.actors: list = []
         self.pg = None
         self.failed = False  # a worker died or hung: skip the graceful part of shutdown

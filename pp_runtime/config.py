@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
-from pp_runtime.field_checks import check_int
+from pp_runtime.field_checks import check_int, is_int
 
 SCHEDULER_POLICIES = ("sarathi", "orca", "prefill_first", "request_level")
 CHUNK_BUDGETS = ("flops", "tokens")
@@ -82,6 +82,9 @@ class ModelConfig(HeadSizes):
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 2048
+    # Layers attend to the last sliding_window tokens only (Mistral); attention here is exact
+    # inside one window, so no sequence may be longer. None: full attention.
+    sliding_window: int | None = None
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     bos_token_id: int | None = None
@@ -99,6 +102,13 @@ class ModelConfig(HeadSizes):
                              f"num_heads does not divide hidden_size")
         if self.rope_theta <= 0:
             raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta}")
+        if self.sliding_window is not None and not (is_int(self.sliding_window) and self.sliding_window > 0):
+            raise ValueError(f"ModelConfig.sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+
+    @property
+    def max_len(self) -> int:
+        """The longest sequence this runtime computes exactly: the positions, or one sliding window."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
     def params_per_token_flops(self, lm_head: bool = True) -> int:
         """Parameters touched per token by the linear layers (FLOPs/token = 2 × this); without

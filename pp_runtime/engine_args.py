@@ -55,7 +55,7 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
     budget = None if memory_budget_gb is None and device == "cuda" else \
         int((4.0 if memory_budget_gb is None else memory_budget_gb) * (1 << 30))
     # None means the default; anything else (0 included) is SchedulerConfig's to check by name
-    max_len = mcfg.max_position_embeddings if max_model_len is None else max_model_len
+    max_len = mcfg.max_len if max_model_len is None else max_model_len
     cfg = EngineConfig(
         model_path=source.path, parallel=parallel,
         scheduler=SchedulerConfig(scheduler, chunk_size, 1 if max_batch_size is None else max_batch_size, tile_align,
@@ -68,4 +68,7 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
     if max_len > mcfg.max_position_embeddings:
         raise ValueError(f"max_model_len={max_len} exceeds the model's {mcfg.max_position_embeddings} "
                          "positions (max_position_embeddings)")
+    if max_len > mcfg.max_len:
+        raise ValueError(f"max_model_len={max_len} exceeds the model's sliding window of {mcfg.sliding_window} "
+                         "tokens (sliding_window): attention here is exact within one window only")
     return cfg, source

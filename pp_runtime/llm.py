@@ -87,7 +87,7 @@ class LLM:
         parallel, max_len = self.config.parallel, self.config.scheduler.max_model_len
         self.launcher = launcher or ("local" if parallel.world_size == 1 else "ray")
         with keep_sigterm_handler():
-            self.executor = make_executor(self.launcher, self.config, self.source)
+            self.executor = make_executor(self.launcher, self.config, self.source, verbose)
         try:
             self.memory = plan_memory(self.executor.memory_profiles(), block_size, max_len)
             if self.memory.num_blocks * block_size < max_len:
@@ -202,7 +202,7 @@ class LLM:
     def with_text(self, out: RequestOutput, prompt: object) -> RequestOutput:
         """``out`` with the text of its tokens where its prompt was text (and it did not fail)."""
         if isinstance(prompt, str) and out.finish_reason != "error":
-            out.text = self.tokenizer.decode(out.token_ids)
+            out.text = self.tokenizer.decode_output(out.token_ids)
         return out
 
     def generate_stream(self, prompts: Sequence[list[int] | str],

@@ -81,6 +81,20 @@ def _annotate_bars(ax: Axes, fig: Figure, bars: list[tuple[TimingRecord, float, 
                     clip_on=True)
 
 
+def merged_spans(spans: list[tuple[float, float]], gap_s: float) -> list[tuple[float, float]]:
+    """(start, width) spans in time order, each run of spans less than ``gap_s`` apart drawn as
+    one (unchanged when gap_s is 0)."""
+    if gap_s <= 0:
+        return spans
+    out: list[list[float]] = []
+    for start, width in sorted(spans):
+        if out and start - (out[-1][0] + out[-1][1]) < gap_s:
+            out[-1][1] = max(out[-1][1], start + width - out[-1][0])
+        else:
+            out.append([start, width])
+    return [(a, w) for a, w in out]
+
+
 def plot_gantt(run: Run, path: Path, t_max: float | None = None, window_note: str = "") -> str:
     """Gantt chart of the run (or of [0, t_max] seconds since run_start) to path."""
     t0 = run.run_start
@@ -91,18 +105,29 @@ def plot_gantt(run: Run, path: Path, t_max: float | None = None, window_note: st
     span = t_max if t_max is not None else max(r.t_end for r in records) - t0
     gaps = {(g.stage, g.mb): g.seconds for g in stage_gaps(run.records, t0)}
     kinds_seen: set[str] = set()
+    px_s = span / (0.85 * fig.get_figwidth() * DPI)  # seconds per pixel of the axes (~85% of the width)
+    by_row: dict[tuple[int, int], list[TimingRecord]] = defaultdict(list)
+    for r in records:
+        by_row[(r.stage, r.tp_rank)].append(r)
     for stage, rank, y, h in rows:
-        mine = [r for r in records if r.stage == stage and r.tp_rank == rank]
+        mine = by_row[(stage, rank)]
+        # A row with more bars than pixels (a long simulated run) is drawn at pixel resolution:
+        # bars of a kind closer than a pixel merge, else drawing 10^5 bars takes minutes.
+        merge_s = px_s if len(mine) > span / px_s else 0.0
         by_kind: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for r in mine:
             by_kind[microbatch_kind(r)].append((r.t_start - t0, r.t_end - r.t_start))
+        edges = 0.0 if merge_s else 0.4  # white separators would paint over bars a pixel wide
         for kind, spans in by_kind.items():
             kinds_seen.add(kind)
-            ax.broken_barh(spans, (y, h), facecolors=KIND_COLORS[kind], edgecolors="white", linewidths=0.4)
+            ax.broken_barh(merged_spans(spans, merge_s), (y, h), facecolors=KIND_COLORS[kind], edgecolors="white",
+                           linewidths=edges)
         if rank == 0:
             # the idle gap before each micro-batch is exactly what the bubble accounting counts
+            # (at pixel resolution only gaps of a pixel or more: merged, the many short ones would
+            # hatch the busy time between them)
             idle = [(r.t_start - t0 - gaps[(stage, r.mb)], gaps[(stage, r.mb)]) for r in mine
-                    if gaps.get((stage, r.mb), 0.0) > 0]
+                    if gaps.get((stage, r.mb), 0.0) > merge_s]
             ax.broken_barh(idle, (y, h), facecolors="none", edgecolors=IDLE_COLOR, hatch="////", linewidths=0)
             _annotate_bars(ax, fig, [(r, r.t_start - t0, r.t_end - r.t_start) for r in mine], y + h / 2, span)
     ax.set_yticks([y + h / 2 for _, _, y, h in rows],

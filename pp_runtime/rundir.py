@@ -4,7 +4,7 @@
     summary = write_run_dir("runs/x", llm, extra={"workload": {...}})
 
 stage_timings.jsonl, summary.json, trace.json, results.jsonl and workers.json; the report's
-PNGs are added by ``pp-runtime report``.
+PNGs are added by the commands (launch/commands.py: write_plots) or ``pp-runtime report``.
 """
 from __future__ import annotations
 

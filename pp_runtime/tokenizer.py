@@ -36,6 +36,12 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_output(self, ids: list[int]) -> str:
+        """The text of generated tokens, as vLLM's detokenizer gives it: a character whose bytes
+        are not all generated (the output ended mid-character at max_tokens) is left out rather
+        than ending the text in U+FFFD."""
+        return self.decode(ids).rstrip("\ufffd")
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not self.chat_template:
             raise ValueError("this model has no chat template; drop --chat")

@@ -36,13 +36,13 @@ def worker_timeout_s() -> float:
     return value
 
 
-def make_executor(launcher: str, cfg: EngineConfig, source: object) -> object:
+def make_executor(launcher: str, cfg: EngineConfig, source: object, verbose: bool = False) -> object:
     if launcher == "local":
         from pp_runtime.executor import LocalExecutor
         return LocalExecutor(cfg, source)
     if launcher == "ray":  # launch/ owns Ray; pp_runtime itself never imports it
         from launch.ray_executor import RayExecutor
-        return RayExecutor(cfg, source)
+        return RayExecutor(cfg, source, verbose=verbose)
     if launcher == "torchrun":
         if "RANK" not in os.environ:
             raise ValueError("--launcher torchrun runs under torchrun: "

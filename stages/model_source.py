@@ -101,20 +101,50 @@ def _hf_config(folder: Path, c: dict) -> ModelConfig:
         raise ModelError(f"model_type {arch!r} in {folder}/config.json is not supported ({', '.join(HF_ARCHS)})")
     _check_supported(folder, c, arch)
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    eos = c.get("eos_token_id")
-    max_len = c.get("max_position_embeddings", 2048)
-    if c.get("sliding_window"):  # exact only inside one window: cap the length there
-        max_len = min(max_len, c["sliding_window"])
     return ModelConfig(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
         num_layers=c["num_hidden_layers"], num_heads=c["num_attention_heads"],
         num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], head_dim=c.get("head_dim") or 0,
         rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-        rms_norm_eps=c.get("rms_norm_eps", 1e-6), max_position_embeddings=max_len,
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6), max_position_embeddings=c.get("max_position_embeddings", 2048),
+        sliding_window=_sliding_window(c, arch),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2",
         bos_token_id=c.get("bos_token_id"),
-        eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]), architecture=arch)
+        eos_token_ids=_eos_ids(folder, c), architecture=arch)
+
+
+def _sliding_window(c: dict, arch: str) -> int | None:
+    """The window of the layers that attend to a sliding window, None when none does. Mistral
+    slides in every layer whenever sliding_window is set; Qwen2 only with use_sliding_window, and
+    then in layers from max_window_layers on (transformers' layer_types), so a Qwen2 config that
+    carries a window with use_sliding_window false attends fully."""
+    window = c.get("sliding_window")
+    if not window:
+        return None
+    if arch == "qwen2" and not (c.get("use_sliding_window")
+                                and c.get("max_window_layers", 0) < c["num_hidden_layers"]):
+        return None
+    return int(window)
+
+
+def _eos_ids(folder: Path, c: dict) -> tuple[int, ...]:
+    """config.json's eos_token_id, then generation_config.json's (what transformers' generate and
+    vLLM stop at: instruct models often list their end-of-turn token only there)."""
+    ids: list[int] = []
+    sources = [c]
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        try:
+            sources.append(json.loads(gen.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelError(f"{gen} is not valid JSON ({e})") from None
+    for src in sources:
+        eos = src.get("eos_token_id") if isinstance(src, dict) else None
+        for t in eos if isinstance(eos, list) else [] if eos is None else [eos]:
+            if t not in ids:
+                ids.append(t)
+    return tuple(ids)
 
 
 def _check_supported(folder: Path, c: dict, arch: str) -> None:

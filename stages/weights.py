@@ -99,7 +99,12 @@ def _read_param(name: str, source: object, cfg: ModelConfig, ctx: TPContext, cat
         full_in = cfg.q_size if module == "o_proj" else cfg.intermediate_size
         return source.read(name, cols=shard_range(full_in, ctx))
     if module in ("embed_tokens", "lm_head"):  # vocab parallel: rows
-        if module == "lm_head" and not source.has(name):  # tied embeddings
+        if module == "lm_head" and cfg.tie_word_embeddings:
+            # Tied: the head is the embedding on every split, as when one stage holds both (one
+            # tensor) and as vLLM loads it; an lm_head.weight the checkpoint also carries is not read.
             name = "model.embed_tokens.weight"
+        elif module == "lm_head" and not source.has(name):
+            raise ModelError(f"the checkpoint has no {name}, and the config says tie_word_embeddings is "
+                             "false: no LM head to load")
         return source.read(name, rows=shard_range(cfg.vocab_size, ctx))
     return source.read(name)

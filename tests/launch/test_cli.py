@@ -123,6 +123,7 @@ def test_generate_stdout_and_run_dir(hf_models: dict, tmp_path: Path, capsys: py
     assert (summary["pp"], summary["tp"], summary["chunk_size"]) == (1, 1, 256)
     assert summary["num_requests"] == 2 and summary["decode_tokens"] == 3
     assert isinstance(summary["max_batch_size"], int) and 1 <= summary["max_batch_size"] <= 64
+    assert all((run_dir / f).stat().st_size > 0 for f in ("gantt.png", "bubble_cdf.png", "trace.json"))
 
 
 def test_prefix_caching_flag_shares_a_system_prompt(hf_models: dict, tmp_path: Path,
@@ -367,6 +368,25 @@ def test_unwritable_run_dir_keeps_the_results(hf_models: dict, jsonl: Path, tmp_
     assert_usage_error(rc, err, "--run-dir")
     assert "No space left on device" in err and "results were written" in err
     assert json.loads(out_file.read_text())["finish_reason"] == "length"
+    # the plots come last: one that cannot be drawn keeps the results and the run's files
+    import pp_runtime.report
+    monkeypatch.undo()
+    monkeypatch.setattr(pp_runtime.report, "make_report", lambda dirs: full_disk(dirs[0], None))
+    out_file.unlink()
+    rc, out, err = run_main(["generate", "--model", str(hf_models["llama"]), *FAST, "--quiet", "--input", str(jsonl),
+                             "--output", str(out_file), "--run-dir", str(tmp_path / "run")], capsys)
+    assert_usage_error(rc, err, "--run-dir")
+    assert "plots not written (No space left on device)" in err
+    assert json.loads(out_file.read_text())["finish_reason"] == "length"
+    assert (tmp_path / "run" / "summary.json").is_file() and not (tmp_path / "run" / "gantt.png").exists()
+
+
+def test_quiet_ray_run_prints_nothing_but_its_results(hf_models: dict, jsonl: Path, tmp_path: Path) -> None:
+    """--quiet under Ray: no progress, and none of Ray's start-up lines either."""
+    proc = run_script(["generate", "--model", str(hf_models["llama"]), *FAST, "--quiet", "--input", str(jsonl),
+                       "--pp", "2", "--launcher", "ray"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "" and json.loads(proc.stdout)["finish_reason"] == "length"
 
 
 def test_worker_death_outside_a_run_is_one_line(monkeypatch: pytest.MonkeyPatch,
@@ -448,14 +468,14 @@ def test_text_prompts_use_the_folder_tokenizer(tok_model: Path, tmp_path: Path,
     base = ["generate", "--model", str(tok_model), "--max-tokens", "5", "--quiet", *FAST]
     rc, out, err = run_main([*base, "--prompt", "hello world w7", "--prompt", "hello huge"], capsys)
     assert rc == 0, err
-    assert out.splitlines() == [tok.decode(plain.token_ids),
+    assert out.splitlines() == [tok.decode_output(plain.token_ids),
                                 "error: prompt_token_ids[2] = 300 is outside the vocabulary [0, 256)"]
     rc, out, err = run_main([*base, "--chat", "--prompt", "hello"], capsys)
-    assert rc == 0 and out.splitlines() == [tok.decode(chatted.token_ids)]
+    assert rc == 0 and out.splitlines() == [tok.decode_output(chatted.token_ids)]
     # --prompt with --output: JSONL rows that also carry the text
     rc, out, err = run_main([*base, "--prompt", "hello world w7", "--output", str(tmp_path / "o.jsonl")], capsys)
     row = json.loads((tmp_path / "o.jsonl").read_text())
-    assert rc == 0 and out == "" and row["token_ids"] == plain.token_ids and row["text"] == tok.decode(plain.token_ids)
+    assert rc == 0 and out == "" and row["token_ids"] == plain.token_ids and row["text"] == tok.decode_output(plain.token_ids)
 
     # JSONL "prompt" text: the same tokens as the ids it encodes to
     inp = tmp_path / "in.jsonl"
@@ -464,7 +484,7 @@ def test_text_prompts_use_the_folder_tokenizer(tok_model: Path, tmp_path: Path,
     rc, out, err = run_main(["generate", "--model", str(tok_model), "--input", str(inp), "--quiet", *FAST], capsys)
     rows = [json.loads(x) for x in out.splitlines()]
     assert rc == 0 and [r["token_ids"] for r in rows] == [plain.token_ids] * 2
-    assert rows[0]["text"] == tok.decode(plain.token_ids) and "text" not in rows[1]  # text in, text out
+    assert rows[0]["text"] == tok.decode_output(plain.token_ids) and "text" not in rows[1]  # text in, text out
 
 
 def test_chat_template_helpers(tok_model: Path) -> None:

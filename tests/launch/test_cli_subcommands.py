@@ -13,12 +13,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_simulate_then_report(tmp_path: Path) -> None:
+    """simulate writes the report's PNGs itself (DESIGN.md §3.4); report writes them again."""
     out = tmp_path / "sim"
     assert main(["simulate", "--config", str(REPO / "configs/sim/smoke.yaml"), "--out", str(out), "--quiet"]) == 0
     comp = json.loads((out / "comparison.json").read_text())
     assert {"sarathi", "orca"} <= set(comp["schedulers"])
     for name in ("sarathi", "orca"):
-        assert all((out / name / f).exists() for f in ("stage_timings.jsonl", "summary.json", "trace.json"))
+        assert all((out / name / f).exists() for f in ("stage_timings.jsonl", "summary.json", "trace.json",
+                                                        "gantt.png"))
+    assert (out / "bubble_cdf.png").stat().st_size > 0
+    (out / "bubble_cdf.png").unlink()
     assert main(["report", str(out)]) == 0
     assert (out / "bubble_cdf.png").stat().st_size > 0 and (out / "sarathi" / "gantt.png").exists()
 
@@ -78,6 +82,7 @@ def test_bench_run_dir_is_its_out(tmp_path: Path, capsys: pytest.CaptureFixture)
     comp = json.loads((out / "comparison.json").read_text())
     assert comp["base"] == "orca" and set(comp["schedulers"]) == {"orca"}
     assert (out / "orca" / "summary.json").is_file() and not (out / "sarathi").exists()
+    assert (out / "orca" / "gantt.png").stat().st_size > 0 and (out / "bubble_by_cause.png").stat().st_size > 0
 
 
 def test_report_gantt_window_and_a_bad_directory(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -138,7 +138,7 @@ def test_text_prompts_come_back_with_text(llm: LLM, prompts: list[list[int]]) ->
     ``outputs[0].text``); token-id prompts get no text, bad requests none either."""
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     text, ids, bad = llm.generate([TEXTS[0], prompts[1], ""], params)
-    assert text.token_ids == ids.token_ids and text.text == llm.tokenizer.decode(text.token_ids) and text.text
+    assert text.token_ids == ids.token_ids and text.text == llm.tokenizer.decode_output(text.token_ids) and text.text
     assert ids.text is None and bad.finish_reason == "error" and bad.text is None
     assert bad.error == "empty prompt: the text has no tokens"
     finals = [o for o in llm.generate_stream([TEXTS[0]], params) if o.finished]
@@ -158,6 +158,10 @@ def test_tokenizer_matches_transformers(llm: LLM) -> None:
         assert ours.apply_chat_template(messages, add_generation_prompt=gen) == \
             ref.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True, return_dict=False)
     assert ours.decode(ours.encode("Hello, world!")) == "Hello, world!"
+    # an output cut mid-character (max_tokens) ends before that character, as vLLM's text does
+    ids = ours.encode("ok 😀", add_special_tokens=False)
+    assert ours.decode(ids[:-1]).endswith("\ufffd") and ours.decode_output(ids[:-1]) == "ok "
+    assert ours.decode_output(ids) == "ok 😀"
 
 
 def test_cli_chat_answers_paris(llm: LLM, capsys: pytest.CaptureFixture) -> None:
@@ -188,7 +192,7 @@ def test_cli_text_prompts(llm: LLM, prompts: list[list[int]], tmp_path: Path,
     assert main(argv) == 0
     printed = capsys.readouterr().out
     for ids in expected:  # EOS may end a --prompt run early; these continuations are longer than 8
-        assert llm.tokenizer.decode(ids) in printed
+        assert llm.tokenizer.decode_output(ids) in printed
 
 
 def test_tp_must_divide_heads(llm: LLM, capsys: pytest.CaptureFixture) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,3 +179,41 @@ def test_matmul_precision_is_checked_by_name() -> None:
         DeviceConfig("cuda", "float32", matmul_precision="int8")
     with pytest.raises(ValueError, match="matmul_precision medium is for float32 models on CPU"):
         DeviceConfig("cuda", matmul_precision="medium")
+
+
+def test_a_tied_head_is_the_embedding_on_every_split(hf_models: dict, tmp_path: Path) -> None:
+    """A config that ties the head to the embedding, over a checkpoint that also carries a
+    different lm_head.weight: the embedding is the head whether one stage holds both or the
+    last stage holds the head alone (greedy tokens must not depend on pp); an untied config
+    without lm_head.weight is an error, not a silent tie."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from stages.model_source import ModelError
+    tied = tmp_path / "tied"
+    shutil.copytree(hf_models["llama"], tied)  # untied: its lm_head.weight differs from the embedding
+    cfg = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps(cfg | {"tie_word_embeddings": True}))
+    prompt = mixed_prompts(lengths=(20,))[0]
+    one = make_worker(str(tied))
+    spec = lambda s: WorkerSpec(resolve_model(str(tied)), s, 0, ParallelConfig(2), CacheConfig(BLOCK, 1 << 26),
+                                DeviceConfig("cpu", "float32", "torch"))
+    stages = [StageWorker(spec(s), TPContext(), None) for s in range(2)]
+    for s in stages:
+        s.allocate_cache(8)
+    c = SeqChunk(0, 0, tuple(prompt), tuple(range(5)), True, None)
+    with torch.inference_mode():
+        meta = build_metadata((c,), BLOCK, one.device)
+        expected = one.model.logits(one.model(torch.tensor(prompt), meta, one.kv_caches))
+        got = stages[1].model.logits(stages[1].model(stages[0].model(torch.tensor(prompt), meta,
+                                                                      stages[0].kv_caches), meta, stages[1].kv_caches))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+    headless = tmp_path / "headless"
+    shutil.copytree(hf_models["llama"], headless)
+    (st,) = headless.glob("*.safetensors")
+    save_file({k: v for k, v in load_file(st).items() if k != "lm_head.weight"}, st, metadata={"format": "pt"})
+    with pytest.raises(ModelError, match="no lm_head.weight, and the config says tie_word_embeddings is false"):
+        make_worker(str(headless))
