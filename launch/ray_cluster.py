@@ -1,6 +1,11 @@
 """Joining the Ray cluster named by RAY_ADDRESS, or starting an embedded local Ray.
 
-    owns_ray = _ensure_ray(world_size, verbose)   # True: this process started Ray and shuts it down
+    acquire_ray(world_size, verbose)   # each RayExecutor, as it starts
+    release_ray()                      # as it shuts down: the last one stops a Ray we started
+
+Ray is one per process, so the executors alive in it share it: the first starts (or joins) it,
+and it is stopped when the last of them is gone, never under another one's workers. A Ray the
+caller initialised itself is left running.
 """
 from __future__ import annotations
 
@@ -11,6 +16,26 @@ import socket
 import ray
 
 from launch.deferred_signals import _deferred_signals
+
+
+_users = 0  # RayExecutors alive in this process
+_started = False  # whether this module started (or joined) the Ray they use
+
+
+def acquire_ray(world_size: int, verbose: bool) -> None:
+    global _users, _started
+    if _ensure_ray(world_size, verbose):
+        _started = True
+    _users += 1
+
+
+def release_ray() -> None:
+    global _users, _started
+    _users = max(_users - 1, 0)
+    if _users == 0 and _started:
+        _started = False
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 def _ensure_ray(world_size: int, verbose: bool) -> bool:

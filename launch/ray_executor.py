@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launch.deferred_signals import _deferred_signals
 from launch.placement import place_stages, stage_bundles
-from launch.ray_cluster import _ensure_ray
+from launch.ray_cluster import acquire_ray, release_ray
 from launch.stage_actor import StageActor
 from launch.worker_health import WorkerHealth
 from pp_runtime.batch import MicroBatch
@@ -68,7 +68,10 @@ class RayExecutor(WorkerHealth):
         from stages.worker import WorkerSpec
         self.cfg, self.timeout_s = cfg, worker_timeout_s() if timeout_s is None else timeout_s
         self.topo = Topology(cfg.parallel.pp, cfg.parallel.tp)
-        self._owns_ray = _ensure_ray(self.topo.world_size, verbose)
+        acquire_ray(self.topo.world_size, verbose)
+        # released by shutdown, or when the executor is dropped unshut (after _release below:
+        # finalizers run newest first)
+        self._ray_hold = weakref.finalize(self, release_ray)
         self.actors: list = []
         self.pg = None
         self.failed = False  # a worker died or hung: skip the graceful part of shutdown
@@ -204,6 +207,4 @@ class RayExecutor(WorkerHealth):
             remove_placement_group(self.pg)
             self.pg = None
             self._finalizer.detach()
-        if self._owns_ray and ray.is_initialized():
-            ray.shutdown()
-            self._owns_ray = False
+        self._ray_hold()  # once: a finalizer runs at most once

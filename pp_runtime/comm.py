@@ -54,8 +54,8 @@ class P2P:
     """Activation transfer over torch.distributed: recv from the previous stage, send to the next.
 
     Sends are asynchronous; a stage runs micro-batches in issue order, so its receiver posts
-    matching receives in the same order. Handles are kept until the next send so the tensor
-    stays alive while in transit.
+    matching receives in the same order. A send's tensor stays referenced until it completes
+    (see ``retire_sends``).
     """
 
     def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device) -> None:
@@ -68,8 +68,7 @@ class P2P:
         return buf
 
     def send_forward(self, tensor: torch.Tensor) -> None:
-        while self._pending and self._pending[0][0].is_completed():
-            self._pending.popleft()
+        retire_sends(self._pending, None)
         t = tensor.contiguous()
         self._pending.append((dist.isend(t, dst=self.next_rank), t))
 
@@ -113,8 +112,7 @@ class ControlChannel:
         head = torch.empty(8 + min(n, self.CAPACITY - 8), dtype=torch.uint8)
         head[:8].view(torch.int64)[0] = n
         head[8:] = data[:head.numel() - 8]
-        while self._pending and self._pending[0][0].is_completed():
-            self._pending.popleft()
+        retire_sends(self._pending, self.timeout)
         parts = (head,) if n <= self.CAPACITY - 8 else (head, data[self.CAPACITY - 8:])
         for t in parts:
             self._pending.append((self.group.send([t], dst, tag), t))
@@ -143,6 +141,20 @@ class ControlChannel:
 
 def _wait(work: object, timeout: datetime.timedelta | None) -> None:
     work.wait() if timeout is None else work.wait(timeout)
+
+
+# Sends kept in flight before the oldest is waited for: a few micro-batches' worth, so a sender
+# runs ahead of a busy receiver without waiting, yet holds a bounded number of tensors.
+MAX_PENDING_SENDS = 8
+
+
+def retire_sends(pending: collections.deque, timeout: datetime.timedelta | None) -> None:
+    """Drop the (work, tensor) pairs of sends that completed, waiting for the oldest beyond
+    MAX_PENDING_SENDS. gloo reports a send completed only once it has been waited for, so
+    ``is_completed`` alone kept every tensor a stage ever sent (stage 0 of a pp = 2 deployment
+    grew by one activation a micro-batch for as long as it lived)."""
+    while pending and (len(pending) >= MAX_PENDING_SENDS or pending[0][0].is_completed()):
+        _wait(pending.popleft()[0], timeout)
 
 
 class _Inbox:

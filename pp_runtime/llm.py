@@ -14,6 +14,7 @@ KeyboardInterrupt (Ctrl-C; the CLI turns SIGTERM into one) cancels them and kill
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import replace
 from typing import Callable, Iterator, Sequence
@@ -117,6 +118,8 @@ class LLM:
         self.engine: Engine | None = None
         self._active: dict[str, list[Request]] = {}  # request id -> the current run's requests (abort)
         self._open: Iterator | None = None  # the run under way (a stream may be left half-read)
+        self._open_thread: int | None = None  # the thread that started it
+        self._start_lock = threading.Lock()
         if fit:  # measured on these workers, before the first request is served
             try:
                 calibrate(self, verbose)
@@ -289,11 +292,16 @@ class LLM:
 
     def _start(self, reqs: list[Request], arrivals: Sequence[float] | None = None) -> Iterator[list[Request]]:
         """A new run, as a generator of engine steps. A run left half-read (an abandoned stream)
-        is closed first: the pipeline must be idle before a new scheduler drives it."""
-        if self._open is not None:
-            self._open.close()
-        self._open = self._steps(reqs, arrivals)
-        return self._open
+        is closed first: the pipeline must be idle before a new scheduler drives it. One run at a
+        time: a call from another thread while one runs is refused, not interleaved."""
+        with self._start_lock:
+            if self._open is not None and self._open_thread != threading.get_ident():
+                raise RuntimeError("this LLM is running a generate() call from another thread: an LLM runs one "
+                                   "call at a time (pass all the prompts to one call, or use an LLM per thread)")
+            if self._open is not None:
+                self._open.close()
+            self._open, self._open_thread = self._steps(reqs, arrivals), threading.get_ident()
+            return self._open
 
     def _steps(self, reqs: list[Request], arrivals: Sequence[float] | None) -> Iterator[list[Request]]:
         """One run (``run_loop.steps``), with this LLM's bookkeeping around it: a fresh engine,
@@ -318,7 +326,7 @@ class LLM:
             raise
         finally:
             self._active = {}
-            self._open = None
+            self._open = self._open_thread = None
             self.last_run = RunRecord(reqs, self.engine, start_wall, time.time(), start, time.perf_counter())
 
     def shutdown(self) -> None:

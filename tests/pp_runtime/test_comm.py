@@ -14,7 +14,7 @@ import datetime  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-from pp_runtime.comm import ControlChannel  # noqa: E402
+from pp_runtime.comm import MAX_PENDING_SENDS, ControlChannel  # noqa: E402
 
 
 def group(store: object, rank: int, timeout_s: float) -> object:
@@ -58,3 +58,42 @@ def test_forever_outlives_the_groups_timeout() -> None:
     assert b.recv(0, forever=True) == "late" and time.monotonic() - started >= 1.4
     with pytest.raises(RuntimeError):  # without forever, the group's timeout ends the wait
         b.recv(0)
+
+
+def test_a_long_lived_sender_holds_a_bounded_number_of_sends() -> None:
+    """gloo reports a send completed only once waited for: a sender that only dropped completed
+    sends kept every message it ever sent alive."""
+    a, b = pair()
+    for i in range(50):
+        a.send(("plan", i), 1)
+        assert b.recv(0) == ("plan", i)
+        assert len(a._pending) <= MAX_PENDING_SENDS
+    a.flush()
+    assert not a._pending
+
+
+class GlooLikeWork:
+    """A send handle as gloo's: not completed until someone waits for it."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self, timeout: object = None) -> bool:
+        self.done = True
+        return True
+
+
+def test_activation_sends_are_retired_on_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pp_runtime.comm import P2P
+    sent: list[torch.Tensor] = []
+    monkeypatch.setattr(dist, "isend", lambda t, dst: sent.append(t) or GlooLikeWork())
+    link = P2P(None, 1, torch.device("cpu"))
+    for i in range(100):
+        link.send_forward(torch.full((4, 8), float(i)))
+        assert len(link._pending) <= MAX_PENDING_SENDS
+    assert [int(t[0, 0]) for _, t in link._pending] == list(range(100 - len(link._pending), 100))
+    link.flush()
+    assert not link._pending and len(sent) == 100

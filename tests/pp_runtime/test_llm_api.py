@@ -123,6 +123,32 @@ def test_abort_from_another_thread_during_generate(llm: LLM) -> None:
     assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 4
 
 
+def test_a_call_from_another_thread_during_a_run_is_refused_by_name(llm: LLM) -> None:
+    """An LLM runs one call at a time: a second thread's generate() while one runs is a clear
+    error (it used to close the running generator: 'generator already executing'), and the run
+    under way finishes untouched."""
+    ps = prompts()
+    expected = [fields(o) for o in llm.generate(ps, GREEDY)]
+    errors: list[BaseException] = []
+
+    def other_thread() -> None:
+        try:
+            llm.generate(ps[:1], GREEDY)
+        except BaseException as e:  # noqa: BLE001 - whatever it is, the test shows it
+            errors.append(e)
+
+    def on_finish(req: object) -> None:
+        if not errors:
+            t = threading.Thread(target=other_thread)
+            t.start()
+            t.join(60)
+    reqs = [llm.make_request(str(i), p, GREEDY) for i, p in enumerate(ps)]
+    outs = llm.run(reqs, on_finish=on_finish)
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+    assert "running a generate() call from another thread" in str(errors[0])
+    assert [fields(o) for o in outs] == expected
+
+
 def test_stream_left_early_cancels_the_rest_and_the_llm_stays_usable(llm: LLM) -> None:
     ps = prompts()
     expected = [fields(o) for o in llm.generate(ps, GREEDY)]
