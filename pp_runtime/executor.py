@@ -72,6 +72,16 @@ class LocalExecutor:
                 raise WorkerError(f"worker stage {s} tp_rank 0 (in this process) failed: {first}") from e
         return tokens
 
+    def reset_pipeline(self) -> None:
+        """After a run interrupted mid-step (Ctrl-C): drop the plans still queued and the
+        activations handed halfway. The stages live in this process, so that is all an interrupt
+        leaves behind (a KeyboardInterrupt lands between Python bytecodes, never inside an op),
+        and the next run starts on an idle pipeline with the weights still loaded."""
+        self._queue.clear()
+        for w in self.workers:
+            if w.link.outbox is not None:
+                w.link.outbox.clear()
+
     def drain_timings(self) -> list[list]:
         """Per worker (rank order): [(mb_id, t_ready, t_start, t_end)] since the last drain."""
         return [w.drain_timings() for w in self.workers]

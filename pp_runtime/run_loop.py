@@ -4,8 +4,9 @@
         ...
 
 Every request comes out finished: a dead worker finishes the rest with its error
-(``worker_died``), a KeyboardInterrupt with "cancelled" and the workers killed
-(``interrupted``), a run closed early with "cancelled" once the pipeline is drained (``drain``).
+(``worker_died``), a KeyboardInterrupt with "cancelled" and the workers killed, or, in this
+process, the pipeline reset (``interrupted``), a run closed early with "cancelled" once the
+pipeline is drained (``drain``).
 ``progress_bar`` is ``LLM.run``'s count of finished requests.
 """
 from __future__ import annotations
@@ -53,9 +54,12 @@ def worker_died(llm: LLM, reqs: list[Request], e: WorkerError) -> list[Request]:
 
 def interrupted(llm: LLM, reqs: list[Request]) -> RunInterrupted:
     finish_rest(reqs, "cancelled", INTERRUPTED)
-    llm.broken = "a run was interrupted"
     workers = llm.executor.workers_info()
-    kill_workers(llm.executor)
+    if hasattr(llm.executor, "reset_pipeline"):  # stages in this process: the LLM stays usable
+        llm.executor.reset_pipeline()
+    else:  # a worker elsewhere may hold half a plan, waiting for activations that never come
+        llm.broken = "a run was interrupted"
+        kill_workers(llm.executor)
     return RunInterrupted([RequestOutput.from_request(r) for r in reqs], llm.engine.scheduler.cfg.policy, workers)
 
 

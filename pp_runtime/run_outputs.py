@@ -19,8 +19,10 @@ from pp_runtime.request import Request, RequestOutput
 class RunInterrupted(KeyboardInterrupt):
     """``LLM.run`` stopped by a KeyboardInterrupt. ``outputs``: every request of the run, in order,
     the finished ones with their tokens and the rest ``cancelled`` (with the tokens they had);
-    ``scheduler`` and ``workers`` say what ran. The LLM's workers are already shut down: an
-    interrupt can land between the stages' copies of one plan, so the pipeline is not reusable."""
+    ``scheduler`` and ``workers`` say what ran. Workers in other processes (Ray, torchrun) are
+    already shut down: an interrupt can land between the stages' copies of one plan, so that
+    pipeline is not reusable. An in-process pipeline (``launcher="local"``) is reset instead, and
+    the LLM takes the next call."""
 
     def __init__(self, outputs: list[RequestOutput], scheduler: str, workers: list[dict]) -> None:
         cancelled = sum(o.finish_reason == "cancelled" for o in outputs)

@@ -272,6 +272,39 @@ def test_stage_failure_ends_the_run_with_its_error_and_marks_the_llm_broken(monk
             m.generate([[5, 6, 7]], GREEDY)
 
 
+@pytest.mark.parametrize("where", ("mid_step", "on_finish"))
+def test_ctrl_c_on_an_in_process_llm_keeps_it_usable(llm: LLM, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """A KeyboardInterrupt (Ctrl-C in a notebook) inside a stage, after stage 0 handed its
+    activations on, or in the caller's callback: the run ends with every request's output
+    (RunInterrupted), and the in-process pipeline is reset rather than discarded, so the next
+    call gives the same tokens without reloading the weights."""
+    from pp_runtime.run_outputs import RunInterrupted
+    ps = prompts()
+    expected = [fields(o) for o in llm.generate(ps, GREEDY)]
+    reqs = [llm.make_request(str(i), p, GREEDY) for i, p in enumerate(ps)]
+    on_finish = None
+    if where == "mid_step":
+        worker, calls = llm.executor.workers[1], []
+        real = worker.execute
+
+        def interrupted_step(wire: tuple) -> list[int] | None:
+            calls.append(1)
+            if len(calls) == 6:
+                raise KeyboardInterrupt
+            return real(wire)
+        monkeypatch.setattr(worker, "execute", interrupted_step)
+    else:
+        def on_finish(req: object) -> None:
+            raise KeyboardInterrupt
+    with pytest.raises(RunInterrupted) as e:
+        llm.run(reqs, on_finish=on_finish)
+    monkeypatch.undo()
+    outs = e.value.outputs
+    assert len(outs) == len(ps) and "cancelled" in {o.finish_reason for o in outs}
+    assert not llm.broken
+    assert [fields(o) for o in llm.generate(ps, GREEDY)] == expected
+
+
 def test_llm_after_shutdown_says_so() -> None:
     from pp_runtime.executor import WorkerError
     with LLM(model="llama-tiny", launcher="local", memory_budget_gb=0.05) as m:
