@@ -282,6 +282,9 @@ class LLM:
                     raise run_loop.interrupted(self, reqs) from None
         finally:
             bar.close()
+            # an on_finish that raised leaves the run here: drained now (the rest cancelled, their
+            # blocks freed), not held until the next call (a no-op for a run that ended)
+            steps.close()
         return [RequestOutput.from_request(r) for r in reqs]
 
     def _requests(self, prompts: Sequence[list[int] | str],

@@ -305,6 +305,22 @@ def test_ctrl_c_on_an_in_process_llm_keeps_it_usable(llm: LLM, monkeypatch: pyte
     assert [fields(o) for o in llm.generate(ps, GREEDY)] == expected
 
 
+def test_a_callback_that_raises_ends_its_run_at_once(llm: LLM) -> None:
+    """The caller's exception comes out, and the run is drained there: no blocks stay held until
+    the next call, which runs as usual."""
+    ps = prompts()
+    expected = [fields(o) for o in llm.generate(ps, GREEDY)]
+
+    def on_finish(req: object) -> None:
+        raise ValueError("the caller's own bug")
+    reqs = [llm.make_request(str(i), p, GREEDY) for i, p in enumerate(ps)]
+    with pytest.raises(ValueError, match="the caller's own bug"):
+        llm.run(reqs, on_finish=on_finish)
+    assert llm._open is None and all(r.finished for r in reqs) and not llm.engine.in_flight
+    assert llm.blocks.num_free == llm.blocks.num_blocks
+    assert [fields(o) for o in llm.generate(ps, GREEDY)] == expected
+
+
 def test_llm_after_shutdown_says_so() -> None:
     from pp_runtime.executor import WorkerError
     with LLM(model="llama-tiny", launcher="local", memory_budget_gb=0.05) as m:
