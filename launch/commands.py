@@ -63,7 +63,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         # take the results with it.
         failed = []
         for write in (lambda: _emit_results(a, outs, rows, texts=lines is None),
-                      lambda: a.run_dir and _write_run_dir(a.run_dir, llm, rows if lines is None or llm.broken else None)):
+                      lambda: a.run_dir and _write_run_dir(a.run_dir, llm, rows if lines is None or llm.broken else None,
+                                                           plots=interrupted is None)):
             try:
                 write()
             except ValueError as e:  # the other destination is still written
@@ -97,9 +98,10 @@ def _emit_results(a: argparse.Namespace, outs: list, rows: list[dict], texts: bo
             print(json.dumps(r))
 
 
-def _write_run_dir(run_dir: str, llm: object, rows: list[dict] | None) -> None:
-    """Timings, summary and plots into --run-dir; ``rows`` (decoded texts, or a broken run's
-    results) go beside them as results.jsonl."""
+def _write_run_dir(run_dir: str, llm: object, rows: list[dict] | None, plots: bool) -> None:
+    """Timings, summary and (unless ``plots`` is False: an interrupted run leaves at once) plots
+    into --run-dir; ``rows`` (decoded texts, or a broken run's results) go beside them as
+    results.jsonl."""
     from pp_runtime.executor import WorkerError
     from pp_runtime.jsonl import write_results
     from pp_runtime.rundir import write_run_dir
@@ -113,7 +115,7 @@ def _write_run_dir(run_dir: str, llm: object, rows: list[dict] | None) -> None:
         detail = e.strerror if isinstance(e, OSError) and e.strerror else e
         raise ValueError(f"--run-dir {run_dir}: could not write ({detail}); the results were written "
                          "already") from None
-    if not llm.broken:
+    if plots and not llm.broken:
         write_plots("--run-dir", run_dir)
 
 
@@ -124,8 +126,11 @@ def write_plots(flag: str, out: str) -> None:
     from pp_runtime.report import make_report
     try:
         make_report([out])
-    except (OSError, ValueError) as e:
-        detail = e.strerror if isinstance(e, OSError) and e.strerror else e
+    except Exception as e:  # noqa: BLE001 - a plot's failure, whatever it is, must not hide the run's files
+        if isinstance(e, OSError) and e.strerror:
+            detail = e.strerror
+        else:
+            detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         raise ValueError(f"{flag} {out}: plots not written ({detail}); the run's files were written "
                          "already") from None
 

@@ -68,7 +68,8 @@ class StageActor:
         device = torch.device("cuda", 0) if spec.device.device == "cuda" else torch.device("cpu")
         prev_rank = self.topo.rank(stage - 1, tp_rank) if stage > 0 else None
         next_rank = self.topo.rank(stage + 1, tp_rank) if stage < self.topo.pp - 1 else None
-        self.worker = StageWorker(spec, TPContext(tp_rank, self.topo.tp, group), P2P(prev_rank, next_rank, device))
+        link = P2P(prev_rank, next_rank, device, depth=self.topo.pp)
+        self.worker = StageWorker(spec, TPContext(tp_rank, self.topo.tp, group), link)
         info = self.worker.info()
         info["node"] = ray.get_runtime_context().get_node_id()
         info["hostname"] = socket.gethostname()

@@ -56,11 +56,11 @@ def _build_worker(cfg: EngineConfig, source: object, topo: Topology,
     # all-reduces; the control channel's, a step's tokens
     tp_group = init_distributed(topo, rank, "nccl" if cuda else "gloo", "env://", max(300.0, timeout_s))
     control = ControlChannel(dist.new_group(backend="gloo"),  # created on every rank, same order
-                             datetime.timedelta(seconds=timeout_s))
+                             datetime.timedelta(seconds=timeout_s), depth=topo.pp)
     stage, tp_rank = topo.coords(rank)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     link = P2P(topo.rank(stage - 1, tp_rank) if stage else None,
-               topo.rank(stage + 1, tp_rank) if stage < topo.pp - 1 else None, device)
+               topo.rank(stage + 1, tp_rank) if stage < topo.pp - 1 else None, device, depth=topo.pp)
     worker = StageWorker(WorkerSpec(source, stage, tp_rank, cfg.parallel, cfg.cache, cfg.device),
                          TPContext(tp_rank, topo.tp, tp_group), link)
     return worker, control

@@ -11,6 +11,7 @@ import collections
 import datetime
 import pickle
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -55,12 +56,13 @@ class P2P:
 
     Sends are asynchronous; a stage runs micro-batches in issue order, so its receiver posts
     matching receives in the same order. A send's tensor stays referenced until it completes
-    (see ``retire_sends``).
+    (``Sends``).
     """
 
-    def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device) -> None:
+    def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device, depth: int = 1) -> None:
+        """``depth``: micro-batches in flight in the pipeline (pp), which bounds the sends kept."""
         self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
-        self._pending: collections.deque = collections.deque()
+        self._sends = Sends(depth, None)
 
     def recv_forward(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=self.device)
@@ -68,13 +70,11 @@ class P2P:
         return buf
 
     def send_forward(self, tensor: torch.Tensor) -> None:
-        retire_sends(self._pending, None)
         t = tensor.contiguous()
-        self._pending.append((dist.isend(t, dst=self.next_rank), t))
+        self._sends.add(self.next_rank, lambda: dist.isend(t, dst=self.next_rank), t)
 
     def flush(self) -> None:
-        while self._pending:
-            self._pending.popleft()[0].wait()
+        self._sends.flush()
 
 
 # A plan is awaited with no deadline: an idle deployment waits for its next run for as long as
@@ -99,11 +99,12 @@ class ControlChannel:
 
     CAPACITY = 1 << 16  # bytes a receive is posted with; a plan of 24 sequences is a few KB
 
-    def __init__(self, group: object, timeout: datetime.timedelta | None = None) -> None:
+    def __init__(self, group: object, timeout: datetime.timedelta | None = None, depth: int = 1) -> None:
         """``timeout``: how long a receive (not marked ``forever``) or a flush waits before gloo
-        raises; None: the group's own (new_group's default is 30 minutes, not the world's)."""
+        raises; None: the group's own (new_group's default is 30 minutes, not the world's).
+        ``depth``: micro-batches in flight (pp), which bounds the sends kept per peer."""
         self.group, self.timeout = group, timeout
-        self._pending: collections.deque = collections.deque()
+        self._sends = Sends(depth, timeout)
         self._inboxes: dict[tuple[int, int], _Inbox] = {}
 
     def send(self, obj: object, dst: int, tag: int = 0) -> None:
@@ -112,10 +113,9 @@ class ControlChannel:
         head = torch.empty(8 + min(n, self.CAPACITY - 8), dtype=torch.uint8)
         head[:8].view(torch.int64)[0] = n
         head[8:] = data[:head.numel() - 8]
-        retire_sends(self._pending, self.timeout)
         parts = (head,) if n <= self.CAPACITY - 8 else (head, data[self.CAPACITY - 8:])
         for t in parts:
-            self._pending.append((self.group.send([t], dst, tag), t))
+            self._sends.add(dst, lambda t=t: self.group.send([t], dst, tag), t)
 
     def recv(self, src: int, tag: int = 0, forever: bool = False) -> object:
         """The next object from ``src``; ``forever``: no deadline for it to start (an idle
@@ -135,26 +135,43 @@ class ControlChannel:
         return pickle.loads(data.numpy().tobytes())
 
     def flush(self) -> None:
-        while self._pending:
-            _wait(self._pending.popleft()[0], self.timeout)
+        self._sends.flush()
 
 
 def _wait(work: object, timeout: datetime.timedelta | None) -> None:
     work.wait() if timeout is None else work.wait(timeout)
 
 
-# Sends kept in flight before the oldest is waited for: a few micro-batches' worth, so a sender
-# runs ahead of a busy receiver without waiting, yet holds a bounded number of tensors.
-MAX_PENDING_SENDS = 8
+class Sends:
+    """Asynchronous sends in flight, per peer, each (work, tensor) kept until it completes (the
+    tensor must outlive the transfer). gloo reports a send completed only once it has been
+    waited for, so dropping completed ones alone kept every tensor a stage ever sent (stage 0 of
+    a pp = 2 deployment grew by an activation a micro-batch for as long as it lived). So past
+    ``cap`` sends to one peer the oldest is waited for. A gloo send completes once its peer has
+    posted the matching receive, and every peer posts its receive for micro-batch k by the time
+    micro-batch k + depth is issued (at most depth are in flight; a control inbox posts the next
+    receive as it takes one), so with cap > 2 · depth (two sends a message at most) the wait is
+    for a send whose receive is posted: it returns at once, and no two ranks wait on each other.
+    Per peer, because rank 0 of torchrun sends each plan to every rank."""
 
+    def __init__(self, depth: int, timeout: datetime.timedelta | None) -> None:
+        self.cap, self.timeout = 2 * depth + 4, timeout
+        self._by_peer: dict[int, collections.deque] = collections.defaultdict(collections.deque)
 
-def retire_sends(pending: collections.deque, timeout: datetime.timedelta | None) -> None:
-    """Drop the (work, tensor) pairs of sends that completed, waiting for the oldest beyond
-    MAX_PENDING_SENDS. gloo reports a send completed only once it has been waited for, so
-    ``is_completed`` alone kept every tensor a stage ever sent (stage 0 of a pp = 2 deployment
-    grew by one activation a micro-batch for as long as it lived)."""
-    while pending and (len(pending) >= MAX_PENDING_SENDS or pending[0][0].is_completed()):
-        _wait(pending.popleft()[0], timeout)
+    def add(self, peer: int, send: Callable[[], object], tensor: torch.Tensor) -> None:
+        """``send()`` starts the transfer of ``tensor`` and returns its work handle."""
+        pending = self._by_peer[peer]
+        while pending and (len(pending) >= self.cap or pending[0][0].is_completed()):
+            _wait(pending.popleft()[0], self.timeout)
+        pending.append((send(), tensor))
+
+    def held(self, peer: int) -> int:
+        return len(self._by_peer[peer])
+
+    def flush(self) -> None:
+        for pending in self._by_peer.values():
+            while pending:
+                _wait(pending.popleft()[0], self.timeout)
 
 
 class _Inbox:

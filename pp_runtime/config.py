@@ -170,7 +170,8 @@ class ParallelConfig:
         if self.partition is not None and sum(self.partition) != model.num_layers:
             raise ValueError(f"partition {list(self.partition)} sums to {sum(self.partition)}, "
                              f"model has {model.num_layers} layers")
-        for name in ("num_heads", "num_kv_heads"):
+        # every TP-split dimension, checked before any worker loads a weight
+        for name in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
             if getattr(model, name) % self.tp:
                 raise ValueError(f"tp={self.tp} does not divide the model's {name}={getattr(model, name)}")
 

@@ -9,10 +9,12 @@
 
 Every request comes out, with tokens or with a reason: a bad one with finish_reason "error",
 an aborted one "cancelled"; a dead worker finishes the rest with its error, and a
-KeyboardInterrupt (Ctrl-C; the CLI turns SIGTERM into one) cancels them and kills the workers.
+KeyboardInterrupt (Ctrl-C; the CLI turns SIGTERM into one) cancels them and kills the workers
+(an in-process pipeline is reset instead, and the LLM takes the next call).
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 import time
@@ -114,11 +116,13 @@ class LLM:
                 print(note, file=sys.stderr)
         self._tokenizer = None
         self._next_seq = 0
-        self.broken: str | None = None  # set when a worker died or a run was interrupted: workers are gone
+        # set when a worker died, the LLM was shut down, or a run of workers in other processes was
+        # interrupted: the workers are gone
+        self.broken: str | None = None
         self.engine: Engine | None = None
         self._active: dict[str, list[Request]] = {}  # request id -> the current run's requests (abort)
         self._open: Iterator | None = None  # the run under way (a stream may be left half-read)
-        self._open_thread: int | None = None  # the thread that started it
+        self._run_thread: int | None = None  # the thread inside run() (generate), if any
         self._start_lock = threading.Lock()
         if fit:  # measured on these workers, before the first request is served
             try:
@@ -212,7 +216,8 @@ class LLM:
                         params: SamplingParams | Sequence[SamplingParams] | None = None,
                         ids: Sequence[str] | None = None) -> Iterator[StreamOutput]:
         """Outputs as they come. After every pipeline step: a partial output (``finished`` False,
-        every token so far) for each request that got tokens, then a final one (``finished`` True,
+        every token so far, and for a text prompt its text so far) for each request that got
+        tokens, then a final one (``finished`` True,
         equal to ``generate``'s) for each request that finished; every request ends with exactly one
         final output. ``abort(request_id)`` inside the loop (or from another thread) cancels a
         request; leaving the loop early cancels the rest once the stream is closed or the next run
@@ -220,6 +225,8 @@ class LLM:
         prompts = as_prompts(prompts)
         reqs = self._requests(prompts, params, ids)
         prompt_of = {r.seq_id: p for r, p in zip(reqs, prompts)}
+        # a text prompt's partial outputs carry the text so far, decoded incrementally
+        texts = {r.seq_id: self.tokenizer.text_stream() for r, p in zip(reqs, prompts) if isinstance(p, str)}
         steps = self._start(reqs)
         sent: dict[int, int] = {}  # seq id -> tokens already streamed
         done: set[int] = set()  # seq ids whose final output went out
@@ -230,7 +237,10 @@ class LLM:
                 for req in self.engine.scheduler.running:
                     if len(req.output_token_ids) > sent.get(req.seq_id, 0):
                         sent[req.seq_id] = len(req.output_token_ids)
-                        yield StreamOutput.partial(req)
+                        out = StreamOutput.partial(req)
+                        if req.seq_id in texts:
+                            out.text = texts[req.seq_id].update(out.token_ids)
+                        yield out
                 for req in finished:
                     done.add(req.seq_id)
                     yield self.with_text(StreamOutput.final(req), prompt_of[req.seq_id])
@@ -262,6 +272,16 @@ class LLM:
         A KeyboardInterrupt comes out as ``RunInterrupted``, carrying every request's output."""
         if arrivals is not None:
             arrivals = check_arrivals(arrivals, len(reqs))
+        with self._start_lock:
+            self._check_one_caller()
+            outer, self._run_thread = self._run_thread, threading.get_ident()  # outer: a run() in on_finish
+        try:
+            return self._run(reqs, progress, on_finish, arrivals)
+        finally:
+            self._run_thread = outer
+
+    def _run(self, reqs: list[Request], progress: bool, on_finish: Callable[[Request], None] | None,
+             arrivals: Sequence[float] | None) -> list[RequestOutput]:
         bar = run_loop.progress_bar(len(reqs), progress)
         steps = self._start(reqs, arrivals)
         try:
@@ -295,16 +315,23 @@ class LLM:
 
     def _start(self, reqs: list[Request], arrivals: Sequence[float] | None = None) -> Iterator[list[Request]]:
         """A new run, as a generator of engine steps. A run left half-read (an abandoned stream)
-        is closed first: the pipeline must be idle before a new scheduler drives it. One run at a
-        time: a call from another thread while one runs is refused, not interleaved."""
+        is closed first: the pipeline must be idle before a new scheduler drives it."""
         with self._start_lock:
-            if self._open is not None and self._open_thread != threading.get_ident():
-                raise RuntimeError("this LLM is running a generate() call from another thread: an LLM runs one "
-                                   "call at a time (pass all the prompts to one call, or use an LLM per thread)")
+            self._check_one_caller()
             if self._open is not None:
                 self._open.close()
-            self._open, self._open_thread = self._steps(reqs, arrivals), threading.get_ident()
+            self._open = self._steps(reqs, arrivals)
             return self._open
+
+    def _check_one_caller(self) -> None:
+        """One call at a time: a call from another thread while a generate() runs there, or while
+        a stream is inside a step there, is refused rather than interleaved with it (a stream
+        merely left half-read is closed by the next run, whatever its thread)."""
+        busy = self._run_thread not in (None, threading.get_ident()) or (
+            self._open is not None and inspect.getgeneratorstate(self._open) == inspect.GEN_RUNNING)
+        if busy:
+            raise RuntimeError("this LLM is running a generate() call from another thread: an LLM runs one "
+                               "call at a time (pass all the prompts to one call, or use an LLM per thread)")
 
     def _steps(self, reqs: list[Request], arrivals: Sequence[float] | None) -> Iterator[list[Request]]:
         """One run (``run_loop.steps``), with this LLM's bookkeeping around it: a fresh engine,
@@ -329,7 +356,7 @@ class LLM:
             raise
         finally:
             self._active = {}
-            self._open = self._open_thread = None
+            self._open = None
             self.last_run = RunRecord(reqs, self.engine, start_wall, time.time(), start, time.perf_counter())
 
     def shutdown(self) -> None:

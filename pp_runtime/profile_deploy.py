@@ -50,6 +50,9 @@ def check_fits(llm: object, grid: Grid) -> Layout:
     if grid.max_len() > model.max_position_embeddings:
         raise ValueError(f"grid needs {grid.max_len()} positions, the model has "
                          f"max_position_embeddings={model.max_position_embeddings}")
+    if grid.max_len() > model.max_len:
+        raise ValueError(f"grid needs {grid.max_len()} positions, the model's sliding window is "
+                         f"{model.sliding_window} (sliding_window)")
     layout = Layout(grid)
     if layout.num_blocks > llm.memory.num_blocks:
         raise ValueError(f"grid needs {layout.num_blocks} KV blocks, the deployment has {llm.memory.num_blocks}: "

@@ -29,8 +29,8 @@ STREAM_CLOSED = "the stream was closed before this request finished"
 def steps(llm: LLM, reqs: list[Request], offsets: list[float]) -> Iterator[list[Request]]:
     """One run, one engine step at a time: yields the requests finished by each (first those
     finished with an error already). Every request comes out finished: a dead worker finishes
-    the rest with its error, a KeyboardInterrupt with 'cancelled' (and the workers are killed),
-    closing the generator early with 'cancelled' (and the pipeline drained)."""
+    the rest with its error, a KeyboardInterrupt with 'cancelled' (and the workers are killed, or
+    an in-process pipeline reset), closing the generator early with 'cancelled' (and the pipeline drained)."""
     try:
         llm.executor.drain_timings()  # drop records of earlier runs
         yield [r for r in reqs if r.finished]

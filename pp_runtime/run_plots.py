@@ -105,7 +105,7 @@ def plot_gantt(run: Run, path: Path, t_max: float | None = None, window_note: st
     span = t_max if t_max is not None else max(r.t_end for r in records) - t0
     gaps = {(g.stage, g.mb): g.seconds for g in stage_gaps(run.records, t0)}
     kinds_seen: set[str] = set()
-    px_s = span / (0.85 * fig.get_figwidth() * DPI)  # seconds per pixel of the axes (~85% of the width)
+    px_s = max(span, 1e-12) / (0.85 * fig.get_figwidth() * DPI)  # seconds per pixel of the axes (~85% wide)
     by_row: dict[tuple[int, int], list[TimingRecord]] = defaultdict(list)
     for r in records:
         by_row[(r.stage, r.tp_rank)].append(r)

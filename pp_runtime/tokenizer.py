@@ -42,6 +42,9 @@ class Tokenizer:
         than ending the text in U+FFFD."""
         return self.decode(ids).rstrip("\ufffd")
 
+    def text_stream(self) -> "TextStream":
+        return TextStream(self)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not self.chat_template:
             raise ValueError("this model has no chat template; drop --chat")
@@ -53,6 +56,30 @@ class Tokenizer:
         except jinja2.TemplateError as e:  # a template's raise_exception(), or a broken template
             raise ValueError(f"chat template: {e}") from None
         return self.encode(text, add_special_tokens=False)
+
+
+class TextStream:
+    """The text of a growing output, decoded a few tokens at a time (vLLM's incremental
+    detokenizer): each update decodes only the tokens since the last emitted character, with the
+    few before them as context, since a tokenizer may decode a token differently at the start of
+    a text (SentencePiece drops a word's leading space there). A character whose bytes are not all
+    generated yet is held back, as ``decode_output`` leaves it out.
+
+        stream = tok.text_stream()
+        stream.update(ids_so_far)   # the text so far; ids_so_far only grows
+    """
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok, self.text = tok, ""
+        self._prefix = self._read = 0  # ids[prefix:read]: context already in text; ids[read:]: not yet
+
+    def update(self, ids: list[int]) -> str:
+        context = self.tok.decode(ids[self._prefix:self._read])
+        full = self.tok.decode(ids[self._prefix:])
+        if len(full) > len(context) and not full.endswith("\ufffd"):
+            self.text += full[len(context):]
+            self._prefix, self._read = self._read, len(ids)
+        return self.text
 
 
 @functools.lru_cache(maxsize=8)

@@ -113,6 +113,9 @@ def measure(worker: StageWorker, grid: Grid, progress: bool = False, seed: int =
     if grid.max_len() > cfg.max_position_embeddings:
         raise ValueError(f"grid needs {grid.max_len()} positions, the model has "
                          f"max_position_embeddings={cfg.max_position_embeddings}")
+    if grid.max_len() > cfg.max_len:  # past a sliding window attention here is not the model's
+        raise ValueError(f"grid needs {grid.max_len()} positions, the model's sliding window is "
+                         f"{cfg.sliding_window} (sliding_window)")
     if grid.block_size != worker.block_size:
         raise ValueError(f"grid block_size={grid.block_size} differs from the worker's {worker.block_size}")
     layout = Layout(grid)

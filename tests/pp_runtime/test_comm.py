@@ -14,7 +14,7 @@ import datetime  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-from pp_runtime.comm import MAX_PENDING_SENDS, ControlChannel  # noqa: E402
+from pp_runtime.comm import ControlChannel, Sends  # noqa: E402
 
 
 def group(store: object, rank: int, timeout_s: float) -> object:
@@ -34,7 +34,8 @@ def pair(timeout_s: float = 10.0) -> tuple[ControlChannel, ControlChannel]:
     t.start()
     groups[0] = group(store0, 0, timeout_s)
     t.join()
-    return ControlChannel(groups[0]), ControlChannel(groups[1])
+    # depth 2: up to 8 sends a peer unreceived (the first test sends 7 before receiving any)
+    return ControlChannel(groups[0], depth=2), ControlChannel(groups[1], depth=2)
 
 
 @pytest.mark.parametrize("size", [0, 100, ControlChannel.CAPACITY - 8, ControlChannel.CAPACITY - 7, 300_000])
@@ -67,33 +68,52 @@ def test_a_long_lived_sender_holds_a_bounded_number_of_sends() -> None:
     for i in range(50):
         a.send(("plan", i), 1)
         assert b.recv(0) == ("plan", i)
-        assert len(a._pending) <= MAX_PENDING_SENDS
+        assert a._sends.held(1) <= a._sends.cap == 8
     a.flush()
-    assert not a._pending
+    assert a._sends.held(1) == 0
 
 
 class GlooLikeWork:
     """A send handle as gloo's: not completed until someone waits for it."""
 
-    def __init__(self) -> None:
-        self.done = False
+    def __init__(self, log: list, peer: int) -> None:
+        self.done, self.log, self.peer = False, log, peer
 
     def is_completed(self) -> bool:
         return self.done
 
     def wait(self, timeout: object = None) -> bool:
         self.done = True
+        self.log.append(self.peer)
         return True
+
+
+def test_sends_are_bounded_per_peer() -> None:
+    """Rank 0 of torchrun sends every plan to every rank: the bound is per peer, so a send to one
+    rank never waits on another rank's receive (one shared bound made rank 0 wait, at pp = 8, for
+    a rank to take the plan before last; at pp >= 13 ranks waited on each other)."""
+    waited: list[int] = []
+    sends = Sends(depth=4, timeout=None)
+    assert sends.cap == 12
+    for i in range(5):
+        sends.add(1, lambda: GlooLikeWork(waited, 1), torch.zeros(2))
+    for i in range(100):
+        sends.add(2, lambda: GlooLikeWork(waited, 2), torch.full((2,), float(i)))
+        assert sends.held(2) <= sends.cap
+    assert set(waited) == {2} and sends.held(1) == 5
+    assert [int(t[0]) for _, t in sends._by_peer[2]] == list(range(100 - sends.held(2), 100))
+    sends.flush()
+    assert sends.held(1) == sends.held(2) == 0 and waited.count(1) == 5
 
 
 def test_activation_sends_are_retired_on_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
     from pp_runtime.comm import P2P
     sent: list[torch.Tensor] = []
-    monkeypatch.setattr(dist, "isend", lambda t, dst: sent.append(t) or GlooLikeWork())
-    link = P2P(None, 1, torch.device("cpu"))
+    waited: list[int] = []
+    monkeypatch.setattr(dist, "isend", lambda t, dst: sent.append(t) or GlooLikeWork(waited, dst))
+    link = P2P(None, 1, torch.device("cpu"), depth=2)
     for i in range(100):
         link.send_forward(torch.full((4, 8), float(i)))
-        assert len(link._pending) <= MAX_PENDING_SENDS
-    assert [int(t[0, 0]) for _, t in link._pending] == list(range(100 - len(link._pending), 100))
+        assert link._sends.held(1) <= link._sends.cap == 8
     link.flush()
-    assert not link._pending and len(sent) == 100
+    assert link._sends.held(1) == 0 and len(sent) == 100 and len(waited) == 100

@@ -39,3 +39,17 @@ def test_kv_dtype_suits_the_model(kv: str, device: str, dtype: str, error: str |
     else:
         with pytest.raises(ValueError, match=error):
             check_kv_dtype(kv, device, dtype)
+
+
+@pytest.mark.parametrize("field, value, heads", [("num_heads", 3, dict(num_heads=3, num_kv_heads=1, head_dim=16)),
+                                                 ("num_kv_heads", 3, dict(num_heads=6, num_kv_heads=3, head_dim=16)),
+                                                 ("intermediate_size", 129, {}), ("vocab_size", 251, {})])
+def test_tp_must_divide_every_split_dimension_named(field: str, value: int, heads: dict) -> None:
+    """Checked before any worker starts: a vocabulary of 251 used to fail inside the workers'
+    weight loading as 'dimension 251 is not divisible by tp=2', naming no field."""
+    from pp_runtime.config import ModelConfig, ParallelConfig
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+    ParallelConfig(1, 2).check_model(ModelConfig(**shape))
+    shape.update({field: value, **heads})
+    with pytest.raises(ValueError, match=f"tp=2 does not divide the model's {field}={value}"):
+        ParallelConfig(1, 2).check_model(ModelConfig(**shape))

@@ -147,6 +147,16 @@ def test_a_call_from_another_thread_during_a_run_is_refused_by_name(llm: LLM) ->
     assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
     assert "running a generate() call from another thread" in str(errors[0])
     assert [fields(o) for o in outs] == expected
+    # a stream merely left half-read in another thread does not hold the LLM: the next run closes it
+    holder: list = []
+
+    def read_a_little() -> None:
+        stream = llm.generate_stream(ps, SamplingParams(max_tokens=50, ignore_eos=True))
+        holder.append((stream, next(stream)))
+    t = threading.Thread(target=read_a_little)
+    t.start()
+    t.join(60)
+    assert holder and [fields(o) for o in llm.generate(ps, GREEDY)] == expected
 
 
 def test_stream_left_early_cancels_the_rest_and_the_llm_stays_usable(llm: LLM) -> None:

@@ -141,8 +141,13 @@ def test_text_prompts_come_back_with_text(llm: LLM, prompts: list[list[int]]) ->
     assert text.token_ids == ids.token_ids and text.text == llm.tokenizer.decode_output(text.token_ids) and text.text
     assert ids.text is None and bad.finish_reason == "error" and bad.text is None
     assert bad.error == "empty prompt: the text has no tokens"
-    finals = [o for o in llm.generate_stream([TEXTS[0]], params) if o.finished]
-    assert [o.text for o in finals] == [text.text]
+    items = list(llm.generate_stream([TEXTS[0], prompts[1]], SamplingParams(max_tokens=24, ignore_eos=True)))
+    finals = {o.request_id: o for o in items if o.finished}
+    assert finals["0"].text == llm.tokenizer.decode_output(finals["0"].token_ids) and finals["1"].text is None
+    # a text prompt's partial outputs carry the text so far: it only grows, toward the final text
+    partial = [o.text for o in items if not o.finished and o.request_id == "0"]
+    assert len(partial) >= 2 and all(o.text is None for o in items if o.request_id == "1")
+    assert all(a == b[:len(a)] for a, b in zip(partial, partial[1:] + [finals["0"].text]))
 
 
 def test_tokenizer_matches_transformers(llm: LLM) -> None:
@@ -162,6 +167,12 @@ def test_tokenizer_matches_transformers(llm: LLM) -> None:
     ids = ours.encode("ok 😀", add_special_tokens=False)
     assert ours.decode(ids[:-1]).endswith("\ufffd") and ours.decode_output(ids[:-1]) == "ok "
     assert ours.decode_output(ids) == "ok 😀"
+    # streamed a token at a time, the text holds the emoji back until its last byte arrives
+    ids = ours.encode("Paris, 😀 and Rome — ünïcode", add_special_tokens=False)
+    stream = ours.text_stream()
+    texts = [stream.update(ids[:n]) for n in range(1, len(ids) + 1)]
+    assert texts[-1] == ours.decode_output(ids) and not any(t.endswith("\ufffd") for t in texts)
+    assert all(a == b[:len(a)] for a, b in zip(texts, texts[1:]))
 
 
 def test_cli_chat_answers_paris(llm: LLM, capsys: pytest.CaptureFixture) -> None:
