@@ -63,8 +63,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         # take the results with it.
         failed = []
         for write in (lambda: _emit_results(a, outs, rows, texts=lines is None),
-                      lambda: a.run_dir and _write_run_dir(a.run_dir, llm, rows if lines is None or llm.broken else None,
-                                                           plots=interrupted is None)):
+                      lambda: a.run_dir and _write_run_dir(a.run_dir, llm, rows, plots=interrupted is None)):
             try:
                 write()
             except ValueError as e:  # the other destination is still written
@@ -98,19 +97,17 @@ def _emit_results(a: argparse.Namespace, outs: list, rows: list[dict], texts: bo
             print(json.dumps(r))
 
 
-def _write_run_dir(run_dir: str, llm: object, rows: list[dict] | None, plots: bool) -> None:
+def _write_run_dir(run_dir: str, llm: object, rows: list[dict], plots: bool) -> None:
     """Timings, summary and (unless ``plots`` is False: an interrupted run leaves at once) plots
-    into --run-dir; ``rows`` (decoded texts, or a broken run's results) go beside them as
-    results.jsonl."""
+    into --run-dir; ``rows``, what --output got (texts included), go beside them as results.jsonl."""
     from pp_runtime.executor import WorkerError
     from pp_runtime.jsonl import write_results
     from pp_runtime.rundir import write_run_dir
     try:
         if not llm.broken:  # timings live on the workers; a dead one has none to give
             write_run_dir(run_dir, llm)
-        if rows is not None:
-            Path(run_dir).mkdir(parents=True, exist_ok=True)
-            write_results(str(Path(run_dir) / "results.jsonl"), rows)
+        Path(run_dir).mkdir(parents=True, exist_ok=True)  # (what write_run_dir wrote lacks the texts)
+        write_results(str(Path(run_dir) / "results.jsonl"), rows)
     except (OSError, WorkerError) as e:
         detail = e.strerror if isinstance(e, OSError) and e.strerror else e
         raise ValueError(f"--run-dir {run_dir}: could not write ({detail}); the results were written "

@@ -110,8 +110,8 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-admission", choices=KV_ADMISSIONS, default="optimistic",
                    help="when a waiting request may start: optimistic (default, vLLM's: once its prompt "
                         "fits the free KV blocks now, preempting the newest when blocks run out and "
-                        "recomputing it later) or reserve (once every running request's prompt + max_tokens "
-                        "fits the KV cache beside its own: never a preemption, but where memory binds fewer "
+                        "recomputing it later) or reserve (once every running request's prompt + max_tokens - 1 "
+                        "tokens fit the KV cache beside its own: never a preemption, but where memory binds fewer "
                         "run at once and the rest wait: TTFT p50 up to 20x)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share the K/V of whole blocks of prompt that an earlier request computed (a system "

@@ -74,7 +74,8 @@ def _parse_line(line: str | bytes, lineno: int, defaults: SamplingParams | None)
         return ParsedLine(rid, None, None, f"line {lineno}: needs prompt_token_ids (a list of ints) or prompt (text)")
     base = defaults or SamplingParams()
     kwargs = {f: getattr(base, f) for f in SAMPLING_FIELDS}
-    kwargs.update({f: obj[f] for f in SAMPLING_FIELDS if f in obj})
+    # null is "not given" (the default), as OpenAI-style clients send it
+    kwargs.update({f: obj[f] for f in SAMPLING_FIELDS if obj.get(f) is not None})
     error = _field_error(kwargs)
     if error:
         return ParsedLine(rid, prompt, None, f"line {lineno}: {error}")

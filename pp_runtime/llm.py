@@ -49,7 +49,8 @@ PRECISION_NEEDS = {"medium": ("bf16_linears", "a CPU with AVX512-BF16"),
 def admission_note(sched: SchedulerConfig, num_blocks: int) -> str:
     """How many requests may run, and what admits them (B above is the paper's count of
     full-length requests, which neither admission caps at: each counts blocks)."""
-    rule = (f"a request starts once its and the running requests' prompt + max_tokens fit the {num_blocks} blocks"
+    rule = (f"a request starts once its and the running requests' prompt + max_tokens - 1 tokens fit the "
+            f"{num_blocks} blocks"
             if sched.kv_admission == "reserve" else "a request starts once its prompt fits the free blocks; the "
             "newest is preempted when blocks run out")
     return (f"kv admission {sched.kv_admission}: {rule}; at most {sched.max_batch_size} a micro-batch, "

@@ -13,9 +13,15 @@ from dataclasses import dataclass, field
 from pp_runtime.field_checks import is_int, is_number
 
 
-@dataclass(frozen=True)
+# Seeds torch's generators take (torch.Generator.manual_seed): a seed outside would be reduced,
+# two seeds then drawing the same tokens
+SEED_RANGE = (-(1 << 63), 1 << 64)
+
+
+@dataclass(frozen=True, kw_only=True)  # by name: SamplingParams(2) read as n=2 in older vLLM
 class SamplingParams:
-    """How to pick each new token. temperature 0 means greedy; seed makes sampling reproducible."""
+    """How to pick each new token. temperature 0 (or under 1e-5, as vLLM) means greedy; seed makes
+    sampling reproducible."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -37,8 +43,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer ≥ 0 (0 or -1: off), got {self.top_k!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):  # "false" would be truthy
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         stops = () if self.stop_token_ids is None else self.stop_token_ids

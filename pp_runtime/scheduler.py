@@ -39,16 +39,22 @@ _SEED_MIX = 0x9E3779B97F4A7C15
 
 
 def sample_seed(base: int, position: int) -> int:
-    """Seed of the token sampled at ``position``: depends on nothing but the request and position,
-    so a seeded request samples the same tokens however it was batched, chunked or preempted."""
-    return (base * _SEED_MIX + position * 0x2545F4914F6CDD1D) % (1 << 62)
+    """Seed (62 bits) of the token sampled at ``position``: depends on nothing but the request and
+    position, so a seeded request samples the same tokens however it was batched, chunked or
+    preempted. Every 64 bits of the seed count (taking it mod 2^62 made seeds 2^62 apart draw
+    the same tokens); seeds are in SamplingParams' SEED_RANGE, whose ends meet mod 2^64 as torch's do."""
+    return _mix64((base * _SEED_MIX + position * 0x2545F4914F6CDD1D) % (1 << 64)) >> 2
 
 
 def unseeded_base(engine_seed: int, seq_id: int) -> int:
     """A request without a seed samples from the engine's seed and its sequence id, scrambled
-    (splitmix64's finaliser) so that it does not draw what a request seeded with a small number
-    draws: seed 0 and the first unseeded request shared one stream before."""
-    x = (engine_seed * 1_000_003 + seq_id + _SEED_MIX) % (1 << 64)
+    so that it does not draw what a request seeded with a small number draws: seed 0 and the
+    first unseeded request shared one stream before."""
+    return _mix64((engine_seed * 1_000_003 + seq_id + _SEED_MIX) % (1 << 64))
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit ints that spreads every input bit."""
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 % (1 << 64)
     x = (x ^ (x >> 27)) * 0x94D049BB133111EB % (1 << 64)
     return x ^ (x >> 31)

@@ -10,9 +10,14 @@ import torch
 from pp_runtime.batch import SampleSpec
 
 
+# Temperatures below this are greedy, as in vLLM: dividing by them only turns ties and
+# near-ties into coin flips, and such a request would lose greedy's same-tokens-everywhere promise.
+SAMPLING_EPS = 1e-5
+
+
 def is_greedy(s: SampleSpec) -> bool:
     """Whether ``sample`` takes this row's argmax."""
-    return not (s.temperature > 0 and s.top_k != 1)
+    return not (s.temperature >= SAMPLING_EPS and s.top_k != 1)
 
 
 def sample_hidden(model: torch.nn.Module, h: torch.Tensor, specs: list[SampleSpec]) -> list[int]:

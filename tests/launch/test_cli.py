@@ -482,10 +482,12 @@ def test_text_prompts_use_the_folder_tokenizer(tok_model: Path, tmp_path: Path,
     inp = tmp_path / "in.jsonl"
     inp.write_text(json.dumps({"id": "text", "prompt": "hello world w7", "max_tokens": 5}) + "\n" +
                    json.dumps({"id": "ids", "prompt_token_ids": [1, 252, 253, 7], "max_tokens": 5}) + "\n")
-    rc, out, err = run_main(["generate", "--model", str(tok_model), "--input", str(inp), "--quiet", *FAST], capsys)
+    rc, out, err = run_main(["generate", "--model", str(tok_model), "--input", str(inp), "--quiet", *FAST,
+                             "--run-dir", str(tmp_path / "run")], capsys)
     rows = [json.loads(x) for x in out.splitlines()]
     assert rc == 0 and [r["token_ids"] for r in rows] == [plain.token_ids] * 2
     assert rows[0]["text"] == tok.decode_output(plain.token_ids) and "text" not in rows[1]  # text in, text out
+    assert [json.loads(x) for x in (tmp_path / "run" / "results.jsonl").read_text().splitlines()] == rows
 
 
 def test_chat_template_helpers(tok_model: Path) -> None:

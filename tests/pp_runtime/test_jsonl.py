@@ -20,7 +20,8 @@ def test_full_line() -> None:
     p = parse_line(line(id="r1", prompt_token_ids=[1, 2, 3], max_tokens=5, temperature=0.5, top_p=0.9,
                         top_k=7, seed=3, stop_token_ids=[9, 10], ignore_eos=True), 1)
     assert p.error is None and p.request_id == "r1" and p.prompt == [1, 2, 3]
-    assert p.params == SamplingParams(5, 0.5, 0.9, 7, 3, (9, 10), True)
+    assert p.params == SamplingParams(max_tokens=5, temperature=0.5, top_p=0.9, top_k=7, seed=3,
+                                     stop_token_ids=(9, 10), ignore_eos=True)
 
 
 def test_defaults_and_generated_id() -> None:
@@ -49,8 +50,9 @@ def test_text_prompt() -> None:
     (dict(top_p=-0.2), "top_p must be in (0, 1], got -0.2"),
     (dict(top_k=-2), "top_k must be an integer ≥ 0 (0 or -1: off), got -2"),
     (dict(top_k=2.5), "top_k must be an integer ≥ 0 (0 or -1: off), got 2.5"),
-    (dict(seed="x"), "seed must be an integer, got 'x'"),
-    (dict(seed=1.5), "seed must be an integer, got 1.5"),
+    (dict(seed="x"), "seed must be an integer in [-2**63, 2**64), got 'x'"),
+    (dict(seed=1.5), "seed must be an integer in [-2**63, 2**64), got 1.5"),
+    (dict(seed=2 ** 64), f"seed must be an integer in [-2**63, 2**64), got {2 ** 64}"),
     (dict(stop_token_ids=5), "stop_token_ids must be a list of integers, got 5"),
     (dict(stop_token_ids="ab"), "stop_token_ids must be a list of integers, got 'ab'"),
     (dict(stop_token_ids=[1, "a"]), "stop_token_ids must be integers ≥ 0 (token ids), got [1, 'a']"),
@@ -64,9 +66,15 @@ def test_bad_sampling_values(fields: dict, message: str) -> None:
 
 
 def test_vllm_spellings_of_the_defaults_are_taken() -> None:
-    """top_k -1 (vLLM's "off" before 0) and stop_token_ids null mean what their defaults do."""
+    """top_k -1 (vLLM's "off" before 0) and null for any field (as OpenAI-style clients send a
+    field left unset) mean what the defaults do."""
     p = parse_line(line(id="v", prompt_token_ids=[1], top_k=-1, stop_token_ids=None), 1)
     assert p.error is None and p.params == SamplingParams()
+    nulls = {f: None for f in ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")}
+    p = parse_line(line(id="n", prompt_token_ids=[1], **nulls), 1, SamplingParams(max_tokens=7))
+    assert p.error is None and p.params == SamplingParams(max_tokens=7)
+    with pytest.raises(TypeError):  # by name only: older vLLM read SamplingParams(2) as n=2
+        SamplingParams(2)
 
 
 def test_sampling_params_take_numpy_scalars_and_check_ignore_eos() -> None:

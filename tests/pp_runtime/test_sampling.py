@@ -109,6 +109,14 @@ def test_unseeded_requests_follow_engine_seed(hf_models: dict) -> None:
     assert run(hf_models["llama"], prompts, [params(None)] * 3, seed=2) != a
 
 
+def test_every_bit_of_a_seed_counts() -> None:
+    """Seeds 2^62 apart drew the same tokens (the per-token seed was taken mod 2^62)."""
+    from pp_runtime.scheduler import sample_seed
+    for base in (0, 1, 12345):
+        seeds = {sample_seed(s, pos) for s in (base, base + 2 ** 62, base + 2 ** 63, -base - 1) for pos in (0, 7)}
+        assert len(seeds) == 8 and all(0 <= s < 2 ** 62 for s in seeds)
+
+
 def test_unseeded_requests_do_not_draw_what_small_seeds_do(hf_models: dict) -> None:
     # The first two requests of a run, unseeded, beside the same prompt seeded 0 and 1: each
     # draws its own tokens (the first unseeded one and seed 0 used to share one stream).

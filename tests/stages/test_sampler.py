@@ -36,10 +36,18 @@ def test_greedy_is_argmax(logits: torch.Tensor) -> None:
 
 
 def test_tiny_temperature_tends_to_greedy(logits: torch.Tensor) -> None:
-    # Also exercises the overflow guard: logits / 1e-30 would be ±inf without the shift to 0.
-    # 1e-300 rounds to 0 in float32 (a NaN at the maximum: 0 / 0) but not in float64.
-    for t in (1e-3, 1e-30, 1e-300, 5e-324):
+    # Also exercises the overflow guard: logits / 1e-4 would be ±inf without the shift to 0.
+    for t in (1e-3, 1e-4):
         assert set(draws(logits, temperature=t)) == {int(logits.argmax())}
+
+
+def test_temperature_under_1e_5_is_greedy() -> None:
+    """As in vLLM: an exact tie at the top goes to the first token, as greedy's argmax, not to a
+    coin flip (which T = 1e-6 made of it)."""
+    tie = torch.tensor([0.0, 3.0, 3.0, 1.0])
+    for t in (1e-6, 1e-30, 5e-324):
+        assert set(draws(tie, temperature=t)) == {1}
+    assert set(draws(tie, temperature=1e-3)) == {1, 2}  # above it: sampled
 
 
 def test_seeds_reproducible_and_independent_of_batch(logits: torch.Tensor) -> None:
