@@ -53,7 +53,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             outs, interrupted = e.outputs, e
         if lines is None:
             for o in outs:
-                if o.finish_reason != "error":
+                if o.finish_reason != "error" and o.text is None:  # else cut at a stop string already
                     o.text = tok.decode_output(o.token_ids)
         else:  # a JSONL "prompt" text gets its output's text back, as LLM.generate gives it
             outs = [llm.with_text(o, x.prompt) for o, x in zip(outs, lines)]

@@ -193,6 +193,12 @@ class LLM:
         if error is None and isinstance(prompt, str) and not ids:  # not "prompt_token_ids …" for a text
             error = "empty prompt: the text has no tokens"
         error = error or validate_prompt(ids, self.source.config.vocab_size)
+        if error is None and req.params.stop:
+            try:
+                from pp_runtime.tokenizer import StopStrings
+                req.stop_check = StopStrings(self.tokenizer, req.params.stop, req.params.include_stop_str_in_output)
+            except ValueError as e:
+                error = f"stop strings need the model's tokenizer ({e})"
         if error:
             req.finish("error", error)
         return req
@@ -209,7 +215,7 @@ class LLM:
 
     def with_text(self, out: RequestOutput, prompt: object) -> RequestOutput:
         """``out`` with the text of its tokens where its prompt was text (and it did not fail)."""
-        if isinstance(prompt, str) and out.finish_reason != "error":
+        if isinstance(prompt, str) and out.finish_reason != "error" and out.text is None:  # not cut at a stop string
             out.text = self.tokenizer.decode_output(out.token_ids)
         return out
 
@@ -240,7 +246,7 @@ class LLM:
                         sent[req.seq_id] = len(req.output_token_ids)
                         out = StreamOutput.partial(req)
                         if req.seq_id in texts:
-                            out.text = texts[req.seq_id].update(out.token_ids)
+                            out.text = _held_back(texts[req.seq_id].update(out.token_ids), req.params)
                         yield out
                 for req in finished:
                     done.add(req.seq_id)
@@ -373,3 +379,11 @@ class LLM:
             self.broken = self.broken or SHUT_DOWN
         else:
             self.shutdown()
+
+
+def _held_back(text: str, params: SamplingParams) -> str:
+    """A streamed text without its last characters that may begin a stop string (as vLLM's stream
+    holds them back): the final text, cut before the stop string, then still extends every partial."""
+    if not params.stop or params.include_stop_str_in_output:
+        return text
+    return text[:max(0, len(text) - max(map(len, params.stop)) + 1)]

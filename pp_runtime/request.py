@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pp_runtime.field_checks import is_int, is_number
 
@@ -30,10 +31,15 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # vLLM's stop strings: generation stops once the output's text holds one; the text ends
+    # before it (or after it, with include_stop_str_in_output), the tokens at the one completing it
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         """Checks every field by name; numpy scalars become Python numbers, top_k -1 (vLLM's
-        other spelling of "off") 0, stop_token_ids None no stops, and a list of them a tuple."""
+        other spelling of "off") 0, stop_token_ids None no stops, and a list of them a tuple;
+        stop: one string or a list of them."""
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
@@ -59,6 +65,12 @@ class SamplingParams:
         set_("top_k", max(0, int(self.top_k)))
         set_("seed", None if self.seed is None else int(self.seed))
         set_("stop_token_ids", tuple(int(t) for t in stops))  # hashable, plain ints
+        strings = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) and s for s in strings):
+            raise ValueError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}")
+        set_("stop", tuple(strings))
 
 
 class Phase(enum.Enum):
@@ -94,6 +106,11 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     token_times: list[float] = field(default_factory=list)
+    # stop strings (params.stop): called with the request after each new token, True once its text
+    # holds one, and then it sets ``text`` (the output's text, cut there); the scheduler needs no
+    # tokenizer for it
+    stop_check: Callable[["Request"], bool] | None = field(default=None, repr=False)
+    text: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -160,7 +177,7 @@ class RequestOutput:
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
         lat = None if req.finish_time is None else req.finish_time - req.arrival_time
         return cls(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids),
-                   req.finish_reason or "error", req.error, ttft, lat, num_cached_tokens=req.num_cached_tokens)
+                   req.finish_reason or "error", req.error, ttft, lat, req.text, num_cached_tokens=req.num_cached_tokens)
 
     def to_json(self) -> dict:
         out = {"id": self.request_id, "token_ids": self.token_ids, "finish_reason": self.finish_reason,

@@ -365,6 +365,8 @@ class Scheduler:
         p = req.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
+        if req.stop_check is not None and req.stop_check(req):
+            return "stop"
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
             return "length"
         return None

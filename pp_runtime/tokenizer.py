@@ -82,6 +82,28 @@ class TextStream:
         return self.text
 
 
+class StopStrings:
+    """A request's stop strings (SamplingParams.stop), checked token by token as its text grows
+    (a TextStream): the earliest one found ends the request, its text cut before it (after it
+    with ``include``). Only the text's new end is searched, so a check costs what the new
+    token's decoding does."""
+
+    def __init__(self, tok: Tokenizer, stops: tuple[str, ...], include: bool) -> None:
+        self.stream, self.stops, self.include = TextStream(tok), stops, include
+        self._searched = 0  # text before this was searched already, minus what a stop could straddle
+
+    def __call__(self, req: object) -> bool:
+        text = self.stream.update(req.output_token_ids)
+        start = max(0, self._searched - max(map(len, self.stops)) + 1)
+        self._searched = len(text)
+        found = [(i, s) for s in self.stops if (i := text.find(s, start)) >= 0]
+        if not found:
+            return False
+        i, s = min(found)  # the earliest in the text; of two starting there, the shorter
+        req.text = text[:i + len(s)] if self.include else text[:i]
+        return True
+
+
 @functools.lru_cache(maxsize=8)
 def _compile_template(template: str) -> object:
     """The environment transformers renders chat templates in: sandboxed (templates come from

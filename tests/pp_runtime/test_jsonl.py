@@ -65,6 +65,15 @@ def test_bad_sampling_values(fields: dict, message: str) -> None:
     assert p.error == f"line 4: {message}"
 
 
+def test_stop_strings() -> None:
+    p = parse_line(line(id="s", prompt_token_ids=[1], stop=["\n\n", "END"], include_stop_str_in_output=True), 1)
+    assert p.error is None and p.params.stop == ("\n\n", "END") and p.params.include_stop_str_in_output
+    assert parse_line(line(id="s", prompt_token_ids=[1], stop="END"), 1).params.stop == ("END",)
+    for bad in ([""], [3], {"a": 1}, 5):
+        p = parse_line(line(id="s", prompt_token_ids=[1], stop=bad), 2)
+        assert p.error == f"line 2: stop must be a string or a list of non-empty strings, got {bad!r}"
+
+
 def test_vllm_spellings_of_the_defaults_are_taken() -> None:
     """top_k -1 (vLLM's "off" before 0) and null for any field (as OpenAI-style clients send a
     field left unset) mean what the defaults do."""

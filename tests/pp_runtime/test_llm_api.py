@@ -331,6 +331,30 @@ def test_a_callback_that_raises_ends_its_run_at_once(llm: LLM) -> None:
     assert [fields(o) for o in llm.generate(ps, GREEDY)] == expected
 
 
+def test_stop_strings_on_a_model_without_a_tokenizer_fail_alone(llm: LLM) -> None:
+    outs = llm.generate(prompts()[:2], [SamplingParams(max_tokens=3, stop=["x"]), GREEDY])
+    assert outs[0].finish_reason == "error" and outs[0].error.startswith("stop strings need the model's tokenizer")
+    assert outs[1].finish_reason == "length"
+
+
+def test_a_stop_check_finishes_the_request_at_that_token(llm: LLM) -> None:
+    """The scheduler calls a request's stop_check after each new token (no tokenizer in it): the
+    request stops there, its text set by the check, and its blocks are freed."""
+    ps = prompts()
+    full = llm.generate(ps[:2], GREEDY)
+    reqs = [llm.make_request(str(i), p, GREEDY) for i, p in enumerate(ps[:2])]
+
+    def third_token(req: object) -> bool:
+        if len(req.output_token_ids) < 3:
+            return False
+        req.text = "cut"
+        return True
+    reqs[0].stop_check = third_token
+    outs = llm.run(reqs)
+    assert (outs[0].finish_reason, outs[0].token_ids, outs[0].text) == ("stop", full[0].token_ids[:3], "cut")
+    assert fields(outs[1]) == fields(full[1]) and llm.blocks.num_free == llm.blocks.num_blocks
+
+
 def test_llm_after_shutdown_says_so() -> None:
     from pp_runtime.executor import WorkerError
     with LLM(model="llama-tiny", launcher="local", memory_budget_gb=0.05) as m:

@@ -175,6 +175,31 @@ def test_tokenizer_matches_transformers(llm: LLM) -> None:
     assert all(a == b[:len(a)] for a, b in zip(texts, texts[1:]))
 
 
+def test_stop_strings_end_the_output_there(llm: LLM) -> None:
+    """vLLM's stop strings: the request stops at the token that completes one, its text ends
+    before it (or after it, with include_stop_str_in_output); the earliest of several wins, one
+    split over tokens is found, and the tokens are a prefix of the unstopped output."""
+    params = lambda **kw: SamplingParams(max_tokens=24, ignore_eos=True, **kw)  # noqa: E731
+    full = llm.generate(TEXTS[0], params())[0]
+    cut = full.text.index(" ", 6)  # a word boundary inside the output, away from its first token
+    stop = full.text[cut:cut + 3]  # three characters across that boundary
+    out = llm.generate(TEXTS[0], params(stop=["never in this text", stop]))[0]
+    assert out.finish_reason == "stop" and out.text == full.text[:cut]
+    assert out.token_ids == full.token_ids[:len(out.token_ids)] and len(out.token_ids) < len(full.token_ids)
+    assert stop in llm.tokenizer.decode_output(out.token_ids)  # the tokens end at the one completing it
+    assert stop not in llm.tokenizer.decode_output(out.token_ids[:-1])
+    kept = llm.generate(TEXTS[0], params(stop=stop, include_stop_str_in_output=True))[0]
+    assert kept.text == full.text[:cut + 3] and kept.token_ids == out.token_ids
+    # streamed: partial texts hold back what may begin the stop string, so each extends to the final
+    items = list(llm.generate_stream(TEXTS[0], params(stop=stop)))
+    texts = [o.text for o in items]
+    assert items[-1].finished and texts[-1] == out.text and all(a == b[:len(a)] for a, b in zip(texts, texts[1:]))
+    # token-id prompts too: the text cut at the stop string comes with the output
+    ids = llm.tokenizer.encode(TEXTS[0])
+    by_ids = llm.generate([ids], params(stop=[stop]))[0]
+    assert by_ids.token_ids == out.token_ids and by_ids.text == out.text
+
+
 def test_cli_chat_answers_paris(llm: LLM, capsys: pytest.CaptureFixture) -> None:
     assert main(["generate", "--chat", "--prompt", QUESTION]) == 0
     out = capsys.readouterr().out
