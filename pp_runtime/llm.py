@@ -214,8 +214,11 @@ class LLM:
         return [self.with_text(o, p) for o, p in zip(self.run(reqs, progress), prompts)]
 
     def with_text(self, out: RequestOutput, prompt: object) -> RequestOutput:
-        """``out`` with the text of its tokens where its prompt was text (and it did not fail)."""
-        if isinstance(prompt, str) and out.finish_reason != "error" and out.text is None:  # not cut at a stop string
+        """``out`` with the text of its tokens where its prompt was text (and it did not fail), and
+        none where it was token ids (a stop string's cut text is not kept for those either)."""
+        if not isinstance(prompt, str):  # token ids in, token ids out, however the request ended
+            out.text = None
+        elif out.finish_reason != "error" and out.text is None:  # else cut at a stop string already
             out.text = self.tokenizer.decode_output(out.token_ids)
         return out
 

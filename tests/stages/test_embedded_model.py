@@ -194,10 +194,11 @@ def test_stop_strings_end_the_output_there(llm: LLM) -> None:
     items = list(llm.generate_stream(TEXTS[0], params(stop=stop)))
     texts = [o.text for o in items]
     assert items[-1].finished and texts[-1] == out.text and all(a == b[:len(a)] for a, b in zip(texts, texts[1:]))
-    # token-id prompts too: the text cut at the stop string comes with the output
+    # token-id prompts too (token ids in, token ids out: no text, however they end)
     ids = llm.tokenizer.encode(TEXTS[0])
-    by_ids = llm.generate([ids], params(stop=[stop]))[0]
-    assert by_ids.token_ids == out.token_ids and by_ids.text == out.text
+    by_ids = llm.generate([ids, ids], [params(stop=[stop]), params(stop=["never in this text"])])
+    assert by_ids[0].token_ids == out.token_ids and by_ids[1].token_ids == full.token_ids
+    assert [o.finish_reason for o in by_ids] == ["stop", "length"] and by_ids[0].text is by_ids[1].text is None
 
 
 def test_cli_chat_answers_paris(llm: LLM, capsys: pytest.CaptureFixture) -> None:
