@@ -77,11 +77,18 @@ def sources_tag() -> str:
     return f"{crc:08x}"
 
 
-# One build per kind of CPU and per source text, compiled from a copy of the sources inside its
-# own folder: ninja rebuilds every object when build.ninja names other source paths, so builds named
+def torch_tag(torch_dir: Path | None = None) -> str:
+    """A checksum of where torch is installed (this one by default): build.ninja names its include
+    folders, so two environments (two virtualenvs, one cache) building into one folder rebuilt it
+    in turn, each start of the other's ~2 min."""
+    return f"{zlib.crc32(str(torch_dir or Path(torch.__file__).parent).encode()):08x}"
+
+
+# One build per kind of CPU, source text and torch install, compiled from a copy of the sources inside
+# its own folder: ninja rebuilds every object when build.ninja names other source paths, so builds named
 # by checkout path rebuilt (~1 min) for every new path holding the same sources: each upload of
 # `ray job submit --working-dir .`, on every node. Two checkouts of one text now share a build.
-_NAME = f"pp_runtime_cpu_kernels_{host_tag()}_{sources_tag()}"
+_NAME = f"pp_runtime_cpu_kernels_{host_tag()}_{sources_tag()}_{torch_tag()}"
 _lock = threading.Lock()
 _module: object | None = None
 _failed: str | None = None

@@ -160,7 +160,8 @@ def test_each_kind_of_cpu_gets_its_own_build(tmp_path: Path) -> None:
     zen4 = tag("AMD EPYC", "fpu sse avx2 fma avx512f avx512_bf16")
     assert zen4 == tag("AMD EPYC", "fpu sse avx2 fma avx512f avx512_bf16")
     assert len({zen4, tag("AMD EPYC", "fpu sse avx2 fma"), tag("Intel Xeon", "fpu sse avx2 fma avx512f avx512_bf16")}) == 3
-    assert cpu_kernels._NAME.endswith(f"{host_tag()}_{cpu_kernels.sources_tag()}")  # these sources' build
+    # these sources' build, for this torch install
+    assert cpu_kernels._NAME.endswith(f"{host_tag()}_{cpu_kernels.sources_tag()}_{cpu_kernels.torch_tag()}")
     assert host_tag(str(tmp_path / "missing")) == host_tag(str(tmp_path / "absent"))
 
 
@@ -176,7 +177,10 @@ def test_builds_compile_a_copy_named_by_its_text(tmp_path: Path) -> None:
     cpu_kernels._copy_sources(src)
     assert (src / "vec.h").read_bytes() == (cpu_kernels._CSRC / "vec.h").read_bytes()
     assert all(p.stat().st_mtime_ns == stamps[p.name] for p in src.iterdir() if p.name != "vec.h")
-    assert len(cpu_kernels.sources_tag()) == 8 and cpu_kernels._NAME.endswith(cpu_kernels.sources_tag())
+    assert len(cpu_kernels.sources_tag()) == 8 and cpu_kernels.sources_tag() in cpu_kernels._NAME
+    # named by where torch is installed too: two virtualenvs sharing one cache rebuilt one folder in turn
+    assert cpu_kernels.torch_tag() == cpu_kernels.torch_tag(Path(torch.__file__).parent)
+    assert cpu_kernels.torch_tag(Path("/a/.venv/lib/torch")) != cpu_kernels.torch_tag(Path("/b/.venv/lib/torch"))
 
 
 def test_each_build_takes_its_own_paths(isa: str) -> None:
