@@ -225,6 +225,17 @@ def _note_signals() -> list[int]:
     return caught
 
 
+def _signal_noted(caught: list[int], grace_s: float = 1.0) -> bool:
+    """Whether this rank was signalled too, given the moment for its handler to run: a group's
+    Ctrl-C reaches every rank at once, but rank 0's exit can fail a wait here before this rank's
+    handler has run (a CI run saw it once), which then read as a crash. A sleep runs
+    pending handlers; a rank 0 that really crashed costs this rank a second before it says so."""
+    deadline = time.monotonic() + grace_s
+    while not caught and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return bool(caught)
+
+
 def worker_loop(cfg: EngineConfig, source: object) -> None:
     """Every rank but 0: mirror rank 0's set-up collectives, then run plans until told to stop."""
     topo = Topology(cfg.parallel.pp, cfg.parallel.tp)
@@ -272,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pp-runtime[rank {os.environ['RANK']}]: error: {e}", file=sys.stderr)
         return 2
     except (RuntimeError, OSError) as e:  # e.g. rank 0 gone: its store or socket closed under us
-        if caught:  # rank 0 went because it was told to: nothing here to report
+        if _signal_noted(caught):  # rank 0 went because it was told to: nothing here to report
             return 128 + caught[0]
         text = str(e).strip()
         print(f"pp-runtime[rank {os.environ['RANK']}]: error: {type(e).__name__}: "
