@@ -65,11 +65,15 @@ def _gantt_rows(records: list[TimingRecord]) -> list[tuple[int, int, float, floa
     return rows
 
 
-def _annotate_bars(ax: Axes, fig: Figure, bars: list[tuple[TimingRecord, float, float]], y_mid: float,
-                   span_s: float) -> None:
-    # Label a bar only when its text fits inside it; width in pixels comes from the figure
-    # size (the axes take ~85% of it), cheap enough for runs with thousands of bars.
-    px_per_s = 0.85 * fig.get_figwidth() * DPI / max(span_s, 1e-12)
+def _axes_pixels(fig: Figure) -> float:
+    """The time axis' width in pixels, from the figure size (the axes take ~85% of it): cheap
+    enough for runs with thousands of bars."""
+    return 0.85 * fig.get_figwidth() * DPI
+
+
+def _annotate_bars(ax: Axes, bars: list[tuple[TimingRecord, float, float]], y_mid: float,
+                   px_per_s: float) -> None:
+    # Label a bar only when its text fits inside it.
     fontsize = 7
     char_px = fontsize * 0.62 * DPI / 72
     for r, x, w in bars:
@@ -105,7 +109,8 @@ def plot_gantt(run: Run, path: Path, t_max: float | None = None, window_note: st
     span = t_max if t_max is not None else max(r.t_end for r in records) - t0
     gaps = {(g.stage, g.mb): g.seconds for g in stage_gaps(run.records, t0)}
     kinds_seen: set[str] = set()
-    px_s = max(span, 1e-12) / (0.85 * fig.get_figwidth() * DPI)  # seconds per pixel of the axes (~85% wide)
+    pixels = _axes_pixels(fig)
+    px_s = max(span, 1e-12) / pixels  # seconds a pixel
     by_row: dict[tuple[int, int], list[TimingRecord]] = defaultdict(list)
     for r in records:
         by_row[(r.stage, r.tp_rank)].append(r)
@@ -113,7 +118,7 @@ def plot_gantt(run: Run, path: Path, t_max: float | None = None, window_note: st
         mine = by_row[(stage, rank)]
         # A row with more bars than pixels (a long simulated run) is drawn at pixel resolution:
         # bars of a kind closer than a pixel merge, else drawing 10^5 bars takes minutes.
-        merge_s = px_s if len(mine) > span / px_s else 0.0
+        merge_s = px_s if len(mine) > pixels else 0.0
         by_kind: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for r in mine:
             by_kind[microbatch_kind(r)].append((r.t_start - t0, r.t_end - r.t_start))
@@ -129,7 +134,7 @@ def plot_gantt(run: Run, path: Path, t_max: float | None = None, window_note: st
             idle = [(r.t_start - t0 - gaps[(stage, r.mb)], gaps[(stage, r.mb)]) for r in mine
                     if gaps.get((stage, r.mb), 0.0) > merge_s]
             ax.broken_barh(idle, (y, h), facecolors="none", edgecolors=IDLE_COLOR, hatch="////", linewidths=0)
-            _annotate_bars(ax, fig, [(r, r.t_start - t0, r.t_end - r.t_start) for r in mine], y + h / 2, span)
+            _annotate_bars(ax, [(r, r.t_start - t0, r.t_end - r.t_start) for r in mine], y + h / 2, 1 / px_s)
     ax.set_yticks([y + h / 2 for _, _, y, h in rows],
                   [f"stage {s}" if rk == 0 else f"tp rank {rk}" for s, rk, _, _ in rows])
     for tick, (_, rk, _, _) in zip(ax.get_yticklabels(), rows):
