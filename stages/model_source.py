@@ -82,11 +82,15 @@ def locate_packaged_file(package: str, filename: str) -> str:
     raise ModelError(f"package {package} has no file {filename}")
 
 
-def hf_config(folder: Path) -> ModelConfig:
+def _read_json(path: Path) -> object:
     try:
-        c = json.loads((folder / "config.json").read_text())
+        return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelError(f"{folder / 'config.json'} is not valid JSON ({e})") from None
+        raise ModelError(f"{path} is not valid JSON ({e})") from None
+
+
+def hf_config(folder: Path) -> ModelConfig:
+    c = _read_json(folder / "config.json")
     if not isinstance(c, dict):
         raise ModelError(f"{folder / 'config.json'} must hold a JSON object, got a {type(c).__name__}")
     try:
@@ -135,10 +139,7 @@ def _eos_ids(folder: Path, c: dict) -> tuple[int, ...]:
     sources = [c]
     gen = folder / "generation_config.json"
     if gen.is_file():
-        try:
-            sources.append(json.loads(gen.read_text()))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelError(f"{gen} is not valid JSON ({e})") from None
+        sources.append(_read_json(gen))
     for src in sources:
         eos = src.get("eos_token_id") if isinstance(src, dict) else None
         for t in eos if isinstance(eos, list) else [] if eos is None else [eos]:
