@@ -12,7 +12,9 @@ run"). Here each is one launch and one pass:
 * ``rope_(x, positions, cos, sin)``   x (T, heads, D), rows of any stride, rotated in place
 * ``silu_mul(gu)``                    (T, 2I) = [gate | up] -> silu(gate) · up (T, I)
 * ``write_kv_(k, v, kc, vc, slots)``  a step's K and V rows into the paged caches (two
-                                      ``index_copy_`` in torch, more where the cache is narrower)
+                                      ``index_copy_`` in torch, more where the cache is narrower);
+                                      ``keep=n`` also returns the first n rows as the cache holds
+                                      them (a fresh prefill's keys, eight eager kernels a layer)
 
 Each rounds where the eager ops round (fp32 math inside, the dtype at the same points as the
 reference implementations: ``x.float()`` normalised and cast back before the weight, SiLU cast
@@ -140,18 +142,24 @@ def kv_fits(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 
 def write_kv_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              slots: torch.Tensor) -> None:
+              slots: torch.Tensor, keep: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Row t of k and v into slot ``slots[t]`` (flat: block · BS + offset) of the caches, in the
     cache's dtype; into fp16 or fp8 clamped to its finite range first (±65504, ±448), as the eager
     write (an inf key would make every score of its row NaN; e4m3 has no inf, and torch's cast
-    makes an out-of-range value NaN)."""
+    makes an out-of-range value NaN). ``keep`` > 0: also the first ``keep`` rows of K and V as the
+    cache now holds them, (keep, H_kv, D) each in k's dtype (``_narrow(x, cache dtype).to(k.dtype)``),
+    from the same pass: an fp8 cache's fresh prefill attends to them. On an H200 the eager round
+    trip (to fp32, clamp, to fp8, back) took 5.3 ms of a 2048-token LLaMA-7B step (BENCHMARKS.md)."""
     t, row = k.shape[0], k.shape[1] * k.shape[2]
+    kept = tuple(torch.empty((keep, *k.shape[1:]), dtype=k.dtype, device=k.device) for _ in range(2)) if keep else None
     if t == 0:
-        return
+        return kept
     narrower = k_cache.dtype == torch.float8_e4m3fn or (k_cache.dtype == torch.float16 and k.dtype != torch.float16)
     top = torch.finfo(k_cache.dtype).max if narrower else 0.0
-    _kernels()["write_kv"][(t, 2)](k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), row,
-                                   TOP=top, BLOCK=_pow2(row), num_warps=4)
+    rk, rv = kept or (k, v)  # unused where KEEP is off: any pointer of k's type
+    _kernels()["write_kv"][(t, 2)](k, v, k_cache, v_cache, slots, rk, rv, k.stride(0), v.stride(0), row, keep,
+                                   TOP=top, KEEP=bool(keep), BLOCK=_pow2(row), num_warps=4)
+    return kept
 
 
 # ---- the eager ops each kernel replaces: the probe's reference, and the tests' --------------
@@ -203,9 +211,10 @@ def _probe(dtype: torch.dtype, device: torch.device) -> str | None:
     got["silu_mul"], want["silu_mul"] = silu_mul(x), eager_silu_mul(x)
     kc, vc = (torch.zeros(3, 2, 2, 16, dtype=dtype, device=device) for _ in range(2))  # (NB, BS, H_kv, D)
     slots = torch.tensor([5, 0, 2, 3, 1], device=device)
-    write_kv_(qk[:, :2], qk[:, 1:], kc, vc, slots)
+    got["write_kv_ keep"] = write_kv_(qk[:, :2], qk[:, 1:], kc, vc, slots, keep=3)
     got["write_kv_"] = (kc.view(6, 2, 16)[slots], vc.view(6, 2, 16)[slots])
     want["write_kv_"] = (qk[:, :2], qk[:, 1:])
+    want["write_kv_ keep"] = (qk[:3, :2], qk[:3, 1:])
     for name in got:
         try:
             torch.testing.assert_close(got[name], want[name], **tol)
@@ -272,9 +281,10 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_g, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * n + i, (a * u).to(dtype), mask=real)
 
 
-def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, row,
-                     TOP: tl.constexpr, BLOCK: tl.constexpr):
-    """One token's K row (program (t, 0)) or V row (t, 1), cast to the cache's dtype, to its slot."""
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, rk_ptr, rv_ptr, stride_k, stride_v, row, keep,
+                     TOP: tl.constexpr, KEEP: tl.constexpr, BLOCK: tl.constexpr):
+    """One token's K row (program (t, 0)) or V row (t, 1), cast to the cache's dtype, to its slot;
+    with KEEP, rows t < keep also to rk/rv (contiguous) as the cache holds them, in k's dtype."""
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
     real = i < row
@@ -282,10 +292,15 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v,
     if tl.program_id(1) == 0:
         x = tl.load(k_ptr + t * stride_k + i, mask=real, other=0.0).to(tl.float32)  # exact from any of DTYPES
         dst = kc_ptr + slot * row + i
+        kept = rk_ptr + t * row + i
     else:
         x = tl.load(v_ptr + t * stride_v + i, mask=real, other=0.0).to(tl.float32)
         dst = vc_ptr + slot * row + i
+        kept = rv_ptr + t * row + i
     if TOP > 0:  # a wider dtype into fp16, or any into fp8: clamped to its finite range
         # NaN kept, as torch's clamp: PTX max/min would return the other operand
         x = tl.minimum(tl.maximum(x, -TOP, propagate_nan=tl.PropagateNan.ALL), TOP, propagate_nan=tl.PropagateNan.ALL)
-    tl.store(dst, x.to(kc_ptr.dtype.element_ty), mask=real)
+    c = x.to(kc_ptr.dtype.element_ty)
+    tl.store(dst, c, mask=real)
+    if KEEP:  # the cache's value in k's dtype, rounded as torch's .to() rounds it (fp8 -> bf16: exact)
+        tl.store(kept, c.to(tl.float32).to(rk_ptr.dtype.element_ty), mask=real & (t < keep))

@@ -19,20 +19,22 @@ from stages.attention.metadata import AttentionMetadata
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             meta: AttentionMetadata) -> None:
+             meta: AttentionMetadata, keep: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Store the new tokens' K/V (T, H_kv, D) in the paged caches (NB, BS, H_kv, D), rounded to
-    the cache's dtype where it is narrower (``CacheConfig.kv_dtype``)."""
+    the cache's dtype where it is narrower (``CacheConfig.kv_dtype``). ``keep``: where the fused
+    CUDA write runs, also the first ``keep`` rows of K and V as the cache holds them, in k's dtype
+    (else None: the caller rounds them itself)."""
     if (cpu_kernels.usable(k) and triton_elementwise.heads_contiguous(k) and triton_elementwise.heads_contiguous(v)
             and k_cache.is_contiguous() and v_cache.is_contiguous()):
         # one call for both, ~1 us a layer where two index_copy_ took ~40 (a 32-row decode step)
         cpu_kernels.write_kv_(k, v, k_cache, v_cache, meta.slot_mapping)
-        return
+        return None
     if triton_elementwise.takes(k) and triton_elementwise.kv_fits(k, v, k_cache, v_cache):
-        triton_elementwise.write_kv_(k, v, k_cache, v_cache, meta.slot_mapping)  # one kernel for both
-        return
+        return triton_elementwise.write_kv_(k, v, k_cache, v_cache, meta.slot_mapping, keep)  # one kernel for both
     h, d = k.shape[1:]
     for x, cache in ((k, k_cache), (v, v_cache)):
         byte_view(cache).view(-1, h, d).index_copy_(0, meta.slot_mapping, byte_view(_narrow(x, cache.dtype)))
+    return None
 
 
 def _narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -107,12 +109,15 @@ class TorchAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q (T, H, D), k/v (T, H_kv, D) -> (T, H, D)."""
-        write_kv(k, v, k_cache, v_cache, meta)
-        out = torch.empty_like(q)
         h_kv, d = k.shape[1:]
-        row = 0
         kernels = self._use_paged_kernel(q)
         paged = kernels and d % cpu_kernels.TILE == 0
+        # a fresh prefill attends to its own K/V as the cache holds them (rounded where it is
+        # narrower, as every later chunk and decode reads them): the write hands them back
+        rounds = not paged and k_cache.dtype != k.dtype and any(meta.fresh_prefill)
+        kept = write_kv(k, v, k_cache, v_cache, meta, sum(meta.q_lens[:meta.num_prefills]) if rounds else 0)
+        out = torch.empty_like(q)
+        row = 0
         for i in range(meta.num_prefills):
             n, ctx = meta.q_lens[i], meta.ctx_lens[i]
             if paged:  # causal blocks only, K/V read in place (the chunk's own were just written)
@@ -122,8 +127,10 @@ class TorchAttention:
                 continue
             qi = q[row:row + n].transpose(0, 1).unsqueeze(0)  # (1, H, n, D)
             if meta.fresh_prefill[i]:  # nothing cached: attend to the chunk itself, plain causal
-                # as the cache holds them (an fp16 cache rounds them), as the kernels read them
-                ki, vi = (_narrow(t[row:row + n], k_cache.dtype).to(q.dtype) for t in (k, v))
+                if kept is not None:
+                    ki, vi = (t[row:row + n] for t in kept)
+                else:  # as the cache holds them (an fp16 cache rounds them), as the kernels read them
+                    ki, vi = (_narrow(t[row:row + n], k_cache.dtype).to(q.dtype) for t in (k, v))
                 mask, causal = None, True
             else:  # whole blocks of the context, then trimmed to its length
                 table = meta.prefill_tables[i]

@@ -74,10 +74,14 @@ def cases(name: str, device: str) -> list[tuple[str, torch.Tensor, torch.Tensor]
         ref_k, ref_v = kc.clone(), vc.clone()
         slots = torch.randperm(16, generator=gen)[:t].to(device)
         assert te.kv_fits(k, v, kc, vc)
-        te.write_kv_(k, v, kc, vc, slots)
+        keep = t - 1  # every row but the last (a chunk's tokens before a decode's)
+        kept = te.write_kv_(k, v, kc, vc, slots, keep=keep)
         for ref, x in ((ref_k, k), (ref_v, v)):  # the eager write (stages/attention/torch_backend.py)
             byte_view(ref).view(-1, hkv, d).index_copy_(0, slots, byte_view(_narrow(x, ref.dtype)))
         out += [(f"write_kv_ k {t}x{hkv}x{d} into {cache}", kc, ref_k), (f"write_kv_ v {t}x{hkv}x{d} into {cache}", vc, ref_v)]
+        # what a fresh prefill attends to: the eager round trip (torch_backend's fallback)
+        out += [(f"write_kv_ keeps {w} {keep} of {t} rows, {cache}", got, _narrow(x[:keep], kc.dtype).to(x.dtype))
+                for w, got, x in (("k", kept[0], k), ("v", kept[1], v))]
     return out
 
 
@@ -85,8 +89,9 @@ def round_bf16_to_nearest() -> None:
     """The interpreter narrows fp32 to bf16 by cutting the low 16 bits (its own converter, numpy
     having no bf16), where a GPU rounds to nearest even; half of all casts then differ by an ulp.
     Its fp32 -> fp8 e4m3 drops a rounding's carry into the exponent (126.96 -> 64, not 128) and
-    makes NaN 384, where a GPU's cvt.rn.satfinite rounds to nearest even and keeps NaN. Cast both
-    as torch does, the GPU's rounding, so that the comparison is exact."""
+    makes NaN 384, where a GPU's cvt.rn.satfinite rounds to nearest even and keeps NaN (and its
+    e4m3 -> fp32 makes NaN a number). Cast those as torch does, the GPU's way, so that the
+    comparison is exact."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -110,6 +115,9 @@ def round_bf16_to_nearest() -> None:
                    rounding_mode: object) -> interpreter.TensorHandle:
         if src.dtype.scalar == tl.float32 and dst_type.scalar in narrow:
             return torch_cast(src, dst_type)
+        if src.dtype.scalar == tl.float8e4nv and dst_type.scalar == tl.float32:  # its NaN widened as torch does
+            wide = torch.from_numpy(np.ascontiguousarray(src.data)).view(torch.float8_e4m3fn).float()
+            return interpreter.TensorHandle(wide.numpy(), dst_type.scalar)
         return to_fp(self, src, dst_type, rounding_mode)
 
     interpreter.InterpreterBuilder.cast_impl = rounded
@@ -132,18 +140,22 @@ def interpret_cases() -> None:
 def model_with_and_without(folder: Path) -> None:
     """The wiring (stages/layers.py, model.py): a random LLaMA in bf16 on CPU tensors, where the
     CPU kernels (fp32 only) leave every op to the CUDA path; chunked prefill logits with the
-    kernels taking CPU tensors, against the eager ops."""
+    kernels taking CPU tensors, against the eager ops; with a bf16 cache and an fp8 one (whose
+    fresh prefill attends to the K/V the fused write hands back, else to the eager round trip)."""
     from tests.conftest import make_hf_model
     from tests.stages.test_model import run_chunks
     te.takes = lambda x: te.enabled and x.dtype in te.DTYPES  # the interpreter runs on CPU tensors
-    logits = {}
-    for on in (True, False):
-        te.enabled = on
-        w = bf16_worker(make_hf_model("llama", folder), "cpu")
-        with torch.inference_mode():
-            logits[on] = run_chunks(w, mixed_prompts(lengths=(20,))[0], 7, tuple(range(8)))
-    # bit for bit here; 1% of the largest logit still fails a kernel that truncates where eager rounds (~5%)
-    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=1e-2 * float(logits[False].abs().max()))
+    model = make_hf_model("llama", folder)
+    for kv_dtype in ("auto", "fp8"):
+        logits = {}
+        for on in (True, False):
+            te.enabled = on
+            w = bf16_worker(model, "cpu", kv_dtype=kv_dtype)
+            with torch.inference_mode():
+                logits[on] = run_chunks(w, mixed_prompts(lengths=(20,))[0], 7, tuple(range(8)))
+        # bit for bit here; 1% of the largest logit still fails a kernel that truncates where eager rounds (~5%)
+        torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=1e-2 * float(logits[False].abs().max()),
+                                   msg=lambda m: f"kv {kv_dtype}: {m}")
 
 
 def test_kernels_interpreted(tmp_path: Path) -> None:
@@ -224,14 +236,14 @@ def test_model_with_and_without_the_kernels_on_cuda(hf_models: dict, dtype: str,
     torch.testing.assert_close(fused, eager, rtol=0, atol=tol * float(eager.abs().max()))
 
 
-def bf16_worker(folder: Path, device: str, dtype: str = "bfloat16") -> object:
+def bf16_worker(folder: Path, device: str, dtype: str = "bfloat16", kv_dtype: str = "auto") -> object:
     """A one-stage worker of the HF model in ``folder`` (test_model's block size), its cache for 32 blocks."""
     from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
     from stages.layers import TPContext
     from stages.model_source import resolve_model
     from stages.worker import StageWorker, WorkerSpec
     from tests.stages.test_model import BLOCK
-    spec = WorkerSpec(resolve_model(str(folder)), 0, 0, ParallelConfig(1), CacheConfig(BLOCK, 1 << 26),
+    spec = WorkerSpec(resolve_model(str(folder)), 0, 0, ParallelConfig(1), CacheConfig(BLOCK, 1 << 26, kv_dtype),
                       DeviceConfig(device, dtype, "torch"))
     w = StageWorker(spec, TPContext(), None)
     w.allocate_cache(32)
@@ -262,14 +274,15 @@ def test_kernels_compile_for_an_h200(dt: str) -> None:
                                    "stride_t": "i32", "heads": "i32"}, {"HEADS": 64, "HALF": 64}, 8)
     compile_for_hopper(k["silu_mul"], {"gu_ptr": f"*{dt}", "out_ptr": f"*{dt}", "stride_g": "i32", "n": "i32"},
                        {"BLOCK": 1024}, 4)
-    ptx = compile_for_hopper(k["write_kv"], {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "kc_ptr": "*fp16", "vc_ptr": "*fp16",
-                                             "slot_ptr": "*i64", "stride_k": "i32", "stride_v": "i32", "row": "i32"},
-                             {"TOP": 65504.0, "BLOCK": 4096}, 4)
+    kv_sig = {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "slot_ptr": "*i64", "rk_ptr": f"*{dt}", "rv_ptr": f"*{dt}",
+              "stride_k": "i32", "stride_v": "i32", "row": "i32", "keep": "i32"}
+    ptx = compile_for_hopper(k["write_kv"], {**kv_sig, "kc_ptr": "*fp16", "vc_ptr": "*fp16"},
+                             {"TOP": 65504.0, "KEEP": False, "BLOCK": 4096}, 4)
     assert "max.NaN" in ptx and "min.NaN" in ptx
-    ptx = compile_for_hopper(k["write_kv"], {"k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "kc_ptr": "*fp8e4nv",
-                                             "vc_ptr": "*fp8e4nv", "slot_ptr": "*i64", "stride_k": "i32",
-                                             "stride_v": "i32", "row": "i32"}, {"TOP": 448.0, "BLOCK": 4096}, 4)
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # round to nearest even, as torch's cast
+    for keep in (False, True):  # a fresh prefill's rows kept as the cache holds them
+        ptx = compile_for_hopper(k["write_kv"], {**kv_sig, "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv"},
+                                 {"TOP": 448.0, "KEEP": keep, "BLOCK": 4096}, 4)
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # round to nearest even, as torch's cast
     decode_sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "table_ptr": "*i64", "lens_ptr": "*i64",
                   "out_ptr": f"*{dt}", "part_ptr": "*fp32", "scale": "fp32",
                   **{s: "i32" for s in ("stride_qb", "stride_qh", "stride_kblk", "stride_kslot", "stride_kh",
@@ -277,9 +290,10 @@ def test_kernels_compile_for_an_h200(dt: str) -> None:
     for splits in (1, 8):  # the output written directly; partials for the merge
         compile_for_hopper(triton_decode._kernel(triton_decode._paged_decode_kernel), decode_sig,
                            {"G": 1, "G_PAD": 1, "D": 128, "BS": 16, "TOKENS": 32, "S": splits, "ALIGN": 16}, 2)
-    compile_for_hopper(triton_decode._kernel(triton_decode._paged_decode_kernel),  # an fp8 cache
-                       {**decode_sig, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"},
-                       {"G": 1, "G_PAD": 1, "D": 128, "BS": 16, "TOKENS": 32, "S": 1, "ALIGN": 16}, 2)
+    for warps in (1, 2):  # an fp8 cache: 1 warp where choose_warps takes it
+        compile_for_hopper(triton_decode._kernel(triton_decode._paged_decode_kernel),
+                           {**decode_sig, "k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv"},
+                           {"G": 1, "G_PAD": 1, "D": 128, "BS": 16, "TOKENS": 32, "S": 1, "ALIGN": 16}, warps)
     compile_for_hopper(triton_decode._kernel(triton_decode._merge_kernel),
                        {"part_ptr": "*fp32", "out_ptr": f"*{dt}",
                         "stride_ob": "i32", "stride_oh": "i32"}, {"H": 32, "D": 128, "S": 8, "S_PAD": 8}, 4)
