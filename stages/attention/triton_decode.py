@@ -63,7 +63,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     ``out`` where given (any strides with contiguous head rows: a slice of the layer's output).
     ``splits`` > 1 cuts each decode's keys into that many spans, one program each, merged by a
     second kernel (flash-decoding); 0 picks it (``choose_splits``). ``tokens``, ``num_warps`` (0:
-    2 for a step's product of up to 4K elements, else 4), ``num_stages`` and ``aligned`` (tell
+    ``choose_warps``), ``num_stages`` and ``aligned`` (tell
     Triton that K/V rows start 16-element aligned, so that it loads them in 16-byte vectors) are
     tuning knobs for benchmarks/cuda_paged_decode.py."""
     b, h, d = q.shape
@@ -74,12 +74,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # thread of 4 warps; LLaMA-7B: 32 keys, 8 KB of K a step) down to 16 keys (G_PAD · D > 256:
     # 16 keys of 8 heads of 128 make 16K elements, which spill; H200-measured shapes did not)
     tokens = tokens or max(16, 4096 // (g_pad * d))
-    # 2 warps: on an H200 (LLaMA-7B's heads, 32 keys a step) 1.28x faster than 4 at 64 decodes x
-    # 512 keys, and as fast or faster at 16 x 2048 and 4 x 4096 (docs/BENCHMARKS.md); a larger
-    # product (8 heads of 128 share a KV head) keeps 4, unmeasured with fewer threads to hold it
-    num_warps = num_warps or (2 if g_pad * d * tokens <= 4096 else 4)
     # the table's width bounds every context without reading lens back from the device
     splits = splits or choose_splits(b * h_kv, tables.shape[1] * bs, tokens, q.device)
+    num_warps = num_warps or choose_warps(g_pad * d * tokens, k_cache.dtype, b * h_kv * splits, splits, q.device)
     out = torch.empty_like(q) if out is None else out
     # each span's unnormalised output, running max and denominator, (B, H, S, D) then (B, H, S)
     # twice, in one allocation: a host-bound step pays each allocation and launch a layer
@@ -106,6 +103,19 @@ def choose_splits(programs: int, max_keys: int, tokens: int, device: torch.devic
     # at most 64: the merge holds a (decode, head)'s spans as one (S, D) tile in registers
     splits = min(-(-8 * _sm_count(device) // programs), max_keys // (16 * tokens), 64)
     return 1 << max(splits, 1).bit_length() - 1
+
+
+def choose_warps(product: int, cache_dtype: torch.dtype, programs: int, splits: int, device: torch.device) -> int:
+    """Warps a program: 2 where a step's fp32 product is up to 4K elements (on an H200 with
+    LLaMA-7B's heads, 32 keys a step: 1.28x faster than 4 at 64 decodes x 512 keys, as fast or
+    faster at 16 x 2048 and 4 x 4096); 1 over an fp8 cache with many programs in few spans (64 x
+    512: 0.201 -> 0.173 ms, 0.204 -> 0.156 in another call, 16 x 2048 in 2 spans: 0.214 -> 0.190;
+    in the 2048 + 64 step 6.0 -> 4.3 ms; but 4 x 4096 in 8 spans 0.128 -> 0.148 and 4 x 512, 128
+    programs, 0.093 -> 0.106); a larger product (8 heads of 128 share a KV head) keeps 4,
+    unmeasured with fewer threads to hold it (docs/BENCHMARKS.md)."""
+    if product > 4096:
+        return 4
+    return 1 if cache_dtype == torch.float8_e4m3fn and splits <= 2 and programs >= 4 * _sm_count(device) else 2
 
 
 @functools.cache

@@ -118,6 +118,19 @@ def test_choose_splits_fills_the_sms_with_spans_of_whole_steps() -> None:
     assert triton_decode.choose_splits(1, 1 << 20, 16, cpu) == 64  # the merge's tile bounds it
 
 
+def test_choose_warps_takes_one_over_fp8_with_many_programs_in_few_spans() -> None:
+    """The H200's measured shapes (LLaMA-7B's heads, 32 keys a step: a 4K product): 1 warp over an
+    fp8 cache at 64 x 512 and 16 x 2048 (2 spans), 2 at 4 x 4096 (8 spans) and 4 x 512 (128
+    programs), 2 over a bf16 cache everywhere; 4 for a product past 4K."""
+    cpu, fp8, bf16 = torch.device("cpu"), torch.float8_e4m3fn, torch.bfloat16
+    for b, keys in ((64, 512), (16, 2048), (4, 4096), (4, 512)):
+        splits = triton_decode.choose_splits(b * 32, keys, 32, cpu)
+        want = 1 if (b, keys) in ((64, 512), (16, 2048)) else 2
+        assert triton_decode.choose_warps(4096, fp8, b * 32 * splits, splits, cpu) == want, (b, keys)
+        assert triton_decode.choose_warps(4096, bf16, b * 32 * splits, splits, cpu) == 2
+    assert triton_decode.choose_warps(16384, fp8, 4096, 1, cpu) == 4
+
+
 @pytest.mark.gpu(1)
 @pytest.mark.parametrize("splits", (1, 3, 0), ids=("whole", "3-spans", "chosen"))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
