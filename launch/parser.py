@@ -119,9 +119,10 @@ def add_engine_args_to(p: argparse.ArgumentParser) -> None:
                         "on by default, as in vLLM; --no-enable-prefix-caching turns it off)")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--cuda-graphs", action="store_true",
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="on CUDA, replay decode-only steps as captured CUDA graphs, padded to a few batch sizes "
-                        "(vLLM's default; the host issues a step's kernels once per shape, not per step)")
+                        "(the host issues a step's kernels once per shape, not per step). Default, as vLLM's: on "
+                        "with CUDA, torch attention and tp 1; --no-cuda-graphs runs every step eagerly")
     p.add_argument("--attention", choices=("torch", "xformers", "auto"), default="auto")
     p.add_argument("--memory-budget-gb", type=_positive_float, default=None,
                    help="M_G per worker (CPU default 4)")

@@ -31,7 +31,7 @@ def build_engine_config(model: str | None = None, pp: int = 1, tp: int = 1, sche
                         kv_cache_dtype: str = "auto", matmul_precision: str = "highest",
                         chunk_budget: str = "flops", prefault_kv: bool = False,
                         admission: str = "fcfs", step_costs: Sequence[float] | str = (),
-                        enable_prefix_caching: bool = True, cuda_graphs: bool = False,
+                        enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
                         kv_admission: str = "optimistic") -> tuple[EngineConfig, object]:
     """Resolve the model and validate every setting; raises ValueError naming the bad one.
     max_batch_size None is kept as 1 here and replaced by the LLM's default (LLM._default_batch); step_costs

@@ -78,7 +78,7 @@ class LLM:
                  gguf_weights: str = "native", kv_cache_dtype: str = "auto",
                  matmul_precision: str = "highest", chunk_budget: str = "flops", prefault_kv: bool = False,
                  admission: str = "fcfs", step_costs: Sequence[float] | str = (),
-                 enable_prefix_caching: bool = True, cuda_graphs: bool = False,
+                 enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
                  kv_admission: str = "optimistic") -> None:
         fit = isinstance(step_costs, str) and step_costs == "fit"  # other strings: build_engine_config names them
         self.config, self.source = build_engine_config(

@@ -47,7 +47,7 @@ def _check_engine(engine: Mapping[str, Any]) -> None:
         elif key in ("threads", "seed"):
             check_int(key, value, 0)
         elif key in ("tile_align", "enable_prefix_caching", "cuda_graphs"):
-            if not isinstance(value, bool):
+            if not isinstance(value, bool) and not (key == "cuda_graphs" and value is None):  # None: auto
                 raise ValueError(f"{key} must be true or false, got {value!r}")
         elif key == "memory_budget_gb":
             check_positive_number(key, value)

@@ -16,7 +16,7 @@ from pp_runtime.timing import TimingRecord, build_records, chrome_trace, summari
 
 WORKER_FIELDS = ("stage", "tp_rank", "pid", "node", "device", "hostname", "layers", "weight_bytes",
                  "layer_weight_bytes", "attention", "kv_dtype", "bf16_linears", "int8_linears",
-                 "bf16_attention", "fused_elementwise")
+                 "bf16_attention", "fused_elementwise", "cuda_graphs")
 
 
 def collect_records(llm: object) -> list[TimingRecord]:

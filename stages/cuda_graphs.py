@@ -30,6 +30,15 @@ log = logging.getLogger(__name__)
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # vLLM's kind of ladder
 
 
+def graphs_wanted(asked: bool | None, device: torch.device, tp: int, backend: str) -> bool:
+    """Whether a worker replays its decode-only steps: with the torch backend only (xformers builds
+    its mask from the step's lengths on the host); ``asked`` None (DeviceConfig's default) on CUDA
+    at tp 1 (NCCL's all-reduce under capture is unmeasured: a TP worker replays when asked)."""
+    if backend != "torch":
+        return False
+    return asked if asked is not None else device.type == "cuda" and tp == 1
+
+
 def padded(n: int, sizes: tuple[int, ...] = BATCH_SIZES) -> int | None:
     """The smallest of ``sizes`` holding n rows (None: more than the largest)."""
     return next((s for s in sizes if s >= n), None)

@@ -63,7 +63,8 @@ def build_worker(model: str | None, device: str = "cpu", dtype: str = "float32",
         raise ValueError("device cuda requested but CUDA is not available")
     check_kv_dtype(kv_dtype, device, dtype)
     spec = WorkerSpec(resolve_model(model), 0, 0, ParallelConfig(1, 1), CacheConfig(block_size, None, kv_dtype),
-                      DeviceConfig(device, dtype, attention, threads, gguf_weights, matmul_precision))
+                      DeviceConfig(device, dtype, attention, threads, gguf_weights, matmul_precision,
+                                   cuda_graphs=False))  # profiles time eager forwards
     return StageWorker(spec, TPContext(), None)
 
 

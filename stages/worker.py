@@ -22,7 +22,7 @@ from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
 from stages import cpu_kernels, triton_elementwise
 from stages.attention import build_metadata
 from stages.attention.metadata import AttentionMetadata
-from stages.cuda_graphs import DecodeGraphs
+from stages.cuda_graphs import DecodeGraphs, graphs_wanted
 from stages.layers import TPContext, pack_linears, set_matmul_precision
 from stages.model import StageModel
 from stages.model_source import ModelSource
@@ -166,8 +166,9 @@ class StageWorker:
         self.graphs = None  # they hold the old caches: let them go before the new ones are made
         # CUDA graphs: one block more, the padding rows' scratch (no sequence is ever given it);
         # with the torch backend only (xformers builds its mask from the step's lengths on the host)
-        graphs = self.spec.device.cuda_graphs and self.model.backend.name == "torch"
-        if self.spec.device.cuda_graphs and not graphs:
+        asked = self.spec.device.cuda_graphs
+        graphs = graphs_wanted(asked, self.device, self.tp.size, self.model.backend.name)
+        if asked and not graphs:
             log.warning("stage %d: --cuda-graphs needs --attention torch (xformers was chosen): steps run eagerly",
                         self.spec.stage)
         shape = (num_blocks + graphs, self.block_size, cfg.num_kv_heads // self.tp.size, cfg.head_size)

@@ -142,7 +142,10 @@ def test_prefix_caching_flag_shares_a_system_prompt(hf_models: dict, tmp_path: P
         out[flag] = [json.loads(x)["token_ids"] for x in text.splitlines()]
         summary = json.loads((run_dir / "summary.json").read_text())
         on = flag != ("--no-enable-prefix-caching",)
-        assert summary["enable_prefix_caching"] == on and summary["cuda_graphs"] is False
+        # the setting (None: each worker decides, vLLM's default) and what each worker does
+        assert summary["enable_prefix_caching"] == on and summary["cuda_graphs"] is None
+        workers = json.loads((run_dir / "workers.json").read_text())
+        assert [w["cuda_graphs"] for w in workers] == [False]
         assert summary["prefix_cache_hit_tokens"] == (2 * 32 if on else 0)
     assert out[()] == out[("--enable-prefix-caching",)] == out[("--no-enable-prefix-caching",)]
 
@@ -500,3 +503,12 @@ def test_chat_template_helpers(tok_model: Path) -> None:
     tok.chat_template = "{{ messages[0] | tojson }}"
     assert tok.apply_chat_template([{"role": "user", "content": "<w5>"}]) == tok.encode(
         '{"role": "user", "content": "<w5>"}', add_special_tokens=False)  # not HTML-escaped
+
+
+@pytest.mark.parametrize("flag, want", (((), None), (("--cuda-graphs",), True), (("--no-cuda-graphs",), False)))
+def test_cuda_graphs_flag_defaults_to_the_workers_choice(flag: tuple[str, ...], want: bool | None) -> None:
+    """No flag: None (each worker replays on CUDA at tp 1, vLLM's default); --no-cuda-graphs:
+    every step eager, as vLLM's --enforce-eager."""
+    from launch.parser import build_parser, engine_kwargs
+    a = build_parser().parse_args(["generate", "--model", "m", "--prompt", "hi", *flag])
+    assert engine_kwargs(a)["cuda_graphs"] is want

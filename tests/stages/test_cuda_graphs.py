@@ -13,7 +13,7 @@ from pp_runtime import LLM, SamplingParams
 from pp_runtime.batch import SeqChunk
 from pp_runtime.config import DeviceConfig
 from stages.attention import build_metadata
-from stages.cuda_graphs import BATCH_SIZES, DecodeGraphs, padded
+from stages.cuda_graphs import BATCH_SIZES, DecodeGraphs, graphs_wanted, padded
 from tests.conftest import hf_greedy, mixed_prompts, run_interpreted
 from tests.stages.test_model import BLOCK, make_worker
 
@@ -33,6 +33,24 @@ def test_device_config_cuda_graphs() -> None:
         DeviceConfig("cpu", cuda_graphs=True)
     with pytest.raises(ValueError, match="DeviceConfig.cuda_graphs must be true or false, got 1"):
         DeviceConfig("cuda", cuda_graphs=1)
+    assert DeviceConfig("cpu").cuda_graphs is None and DeviceConfig("cuda", "bfloat16", "xformers").cuda_graphs is None
+
+
+@pytest.mark.parametrize("asked", (None, True, False))
+def test_graphs_wanted_by_default_on_cuda_at_tp_1(asked: bool | None) -> None:
+    """The default (None) replays on CUDA with the torch backend at tp 1, as vLLM's; asked, at any
+    tp; never with xformers, or where turned off."""
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert graphs_wanted(asked, cuda, 1, "torch") is (asked is not False)
+    assert graphs_wanted(asked, cuda, 2, "torch") is (asked is True)
+    assert graphs_wanted(asked, cpu, 1, "torch") is (asked is True)  # True off CUDA: the tests' eager buffers
+    assert not graphs_wanted(asked, cuda, 1, "xformers")
+
+
+def test_cpu_workers_run_eagerly_by_default(hf_models: dict) -> None:
+    with LLM(model=str(hf_models["llama"]), launcher="local", memory_budget_gb=0.5) as llm:
+        assert all(w.graphs is None and not w.info()["cuda_graphs"] for w in llm.executor.workers)
+        assert all(w.kv_caches[0][0].shape[0] == llm.memory.num_blocks for w in llm.executor.workers)
 
 
 def decode_step(rng: random.Random, contexts: list[int], vocab: int) -> tuple[SeqChunk, ...]:
