@@ -4,7 +4,9 @@ A decode-only step of LLaMA-7B on an H200 took 12.6 ms at 4 decodes and 13.1 ms 
 13.5 GB of weights stream in ~3 ms: the host issuing ~13 kernels a layer from Python set the pace
 (docs/BENCHMARKS.md, "The second GPU run"). As vLLM does, each decode-only step is padded to one
 of a few batch sizes and its forward captured once per (size, table width) and then replayed:
-the host then issues a handful of copies into the graph's input buffers and one replay.
+the host then issues a handful of copies into the graph's input buffers and one replay. Measured
+on the H200 (third GPU run): 4 rows 12.3 -> 5.1 ms, 64 rows 13.2 -> 10.7 ms, the replay bit for bit
+an eager step over tables as wide as its shape's (``graphs_wanted``: on by default at tp 1).
 
 Padded rows are decodes of one key in a scratch block that no sequence owns (the worker's cache
 holds one block more than the block manager hands out): they write their K/V there and attend
