@@ -38,6 +38,7 @@ from pp_runtime import LLM, SamplingParams
 from pp_runtime.llm import DEFAULT_MAX_BATCH
 from pp_runtime.timing import percentile
 
+SMOKE_BLOCKS = 20  # --smoke --workload chat: fewer than its 8 requests need at once, so optimistic preempts
 SIDES = ("optimistic_B", "optimistic", "reserve")
 TOPICS = ("the moon", "rivers", "bread", "trains", "the ocean", "music", "winter", "bees", "volcanoes", "chess",
           "coffee", "libraries", "mountains", "bicycles", "clouds", "gardens")
@@ -102,12 +103,22 @@ def main() -> None:
     if a.smoke:
         a.num, a.min_len, a.max_len, a.rounds, a.chunk = 8, 3, 9, 1, 16
         a.new_tokens, a.memory_budget_gb = (24, 0.109) if chat else (4, 0.05)
-        if chat:  # the embedded model: 20 blocks, fewer than 8 requests' prompt + 24 need (preemptions)
+        if chat:  # the embedded model: SMOKE_BLOCKS, fewer than 8 requests' prompt + 24 need (preemptions)
             a.max_model_len = 256
     torch.set_num_threads(a.threads)
-    llm = LLM(model=a.model, chunk_size=a.chunk, threads=a.threads, memory_budget_gb=a.memory_budget_gb,
-              max_model_len=a.max_model_len, prefault_kv=not a.smoke, matmul_precision=a.matmul_precision,
-              kv_cache_dtype=a.kv_cache_dtype, enable_prefix_caching=a.enable_prefix_caching)
+
+    def build() -> LLM:
+        return LLM(model=a.model, chunk_size=a.chunk, threads=a.threads, memory_budget_gb=a.memory_budget_gb,
+                   max_model_len=a.max_model_len, prefault_kv=not a.smoke, matmul_precision=a.matmul_precision,
+                   kv_cache_dtype=a.kv_cache_dtype, enable_prefix_caching=a.enable_prefix_caching)
+    llm = build()
+    if a.smoke and chat and llm.memory.num_blocks != SMOKE_BLOCKS:
+        # the weights' bytes depend on the CPU (GGUF blocks are repacked for its kernels): 0.109 GB
+        # left 20 blocks on an AVX-512 box and 25 on an AVX2 one, where every request fit at once
+        plan, bs = llm.memory, llm.config.cache.block_size
+        a.memory_budget_gb = (plan.weight_bytes + (SMOKE_BLOCKS + 0.5) * bs * plan.kv_bytes_per_token) / 2 ** 30
+        llm.shutdown()
+        llm = build()
     try:
         paper_b = llm.memory.max_batch_b
         prompts = chat_prompts(llm, a.num) if chat else \
