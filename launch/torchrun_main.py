@@ -101,6 +101,20 @@ class TorchrunExecutor:
                                   f"({what})") from None
             raise WorkerError(f"{self._name(culprit)} died during {what}: {text}") from None
 
+    def fault(self) -> WorkerError | None:
+        """After a signal: the rank on this node that died or stopped, as the WorkerError a wait on
+        it would have raised, else None. torchrun's agent SIGTERMs every rank once one has died, and
+        that can reach rank 0 before any wait of its own failed (a CI run on a slow box saw it):
+        the run then ended by the worker's death, not by a user's SIGTERM."""
+        found = _local_fault(self._infos) if self._infos else None
+        if found is None:
+            return None
+        self.failed = True
+        state, rank = found
+        if state == "stopped":
+            return WorkerError(f"{self._name(rank)} did not answer within {self.timeout_s:.0f} s (stopped)")
+        return WorkerError(f"{self._name(rank)} died: its process is gone, and torchrun's agent stopped the run")
+
     def _name(self, rank: int) -> str:
         stage, tp_rank = self.topo.coords(rank)
         info = self._infos[rank] if self._infos else None

@@ -38,7 +38,10 @@ def steps(llm: LLM, reqs: list[Request], offsets: list[float]) -> Iterator[list[
     except WorkerError as e:
         yield worker_died(llm, reqs, e)
     except KeyboardInterrupt:
-        raise interrupted(llm, reqs) from None
+        fault = getattr(llm.executor, "fault", lambda: None)()
+        if fault is None:
+            raise interrupted(llm, reqs) from None
+        yield worker_died(llm, reqs, fault)  # a launcher's signal after a worker died (torchrun's agent)
     except GeneratorExit:
         drain(llm, reqs)
         raise
