@@ -110,9 +110,11 @@ class TorchrunExecutor:
         if found is None:
             return None
         self.failed = True
+        if threading.current_thread() is threading.main_thread():  # as _talking_to: results first
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         state, rank = found
         if state == "stopped":
-            return WorkerError(f"{self._name(rank)} did not answer within {self.timeout_s:.0f} s (stopped)")
+            return WorkerError(f"{self._name(rank)} is stopped (SIGSTOP or a debugger), and the run was signalled")
         return WorkerError(f"{self._name(rank)} died: its process is gone, and torchrun's agent stopped the run")
 
     def _name(self, rank: int) -> str:

@@ -15,6 +15,7 @@ KeyboardInterrupt (Ctrl-C; the CLI turns SIGTERM into one) cancels them and kill
 from __future__ import annotations
 
 import inspect
+import itertools
 import sys
 import threading
 import time
@@ -294,22 +295,30 @@ class LLM:
              arrivals: Sequence[float] | None) -> list[RequestOutput]:
         bar = run_loop.progress_bar(len(reqs), progress)
         steps = self._start(reqs, arrivals)
+
+        def deliver(finished: list[Request]) -> None:
+            bar.update(len(finished))
+            for req in finished:
+                if on_finish:
+                    on_finish(req)
         try:
             try:
                 for finished in steps:
-                    bar.update(len(finished))
-                    for req in finished:
-                        if on_finish:
-                            on_finish(req)
+                    deliver(finished)
             except KeyboardInterrupt as e:
                 if isinstance(e, RunInterrupted):
                     raise
                 try:
-                    steps.throw(e)  # it landed out here (progress bar, on_finish): let the run handle it
+                    finished = steps.throw(e)  # it landed out here (progress bar, on_finish): let the run handle it
                 except RunInterrupted:
                     raise
                 except KeyboardInterrupt:  # the run had not started or had just ended: same outcome
                     raise run_loop.interrupted(self, reqs) from None
+                except StopIteration:
+                    finished = []
+                # the run made it a worker's error (a launcher's signal after a worker died): its requests
+                for batch in itertools.chain([finished], steps):
+                    deliver(batch)
         finally:
             bar.close()
             # an on_finish that raised leaves the run here: drained now (the rest cancelled, their

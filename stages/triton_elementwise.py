@@ -151,6 +151,7 @@ def write_kv_(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     from the same pass: an fp8 cache's fresh prefill attends to them. On an H200 the eager round
     trip (to fp32, clamp, to fp8, back) took 5.3 ms of a 2048-token LLaMA-7B step (BENCHMARKS.md)."""
     t, row = k.shape[0], k.shape[1] * k.shape[2]
+    assert 0 <= keep <= t, (keep, t)  # rows past t would come back unwritten
     kept = tuple(torch.empty((keep, *k.shape[1:]), dtype=k.dtype, device=k.device) for _ in range(2)) if keep else None
     if t == 0:
         return kept
@@ -228,7 +229,7 @@ def _kernels() -> dict[str, object]:
     """Compiled on first use: ``triton.jit`` reads TRITON_INTERPRET here (the tests set it first)."""
     import triton
     return {"norm": triton.jit(_norm_kernel), "rope": triton.jit(_rope_kernel),
-            "silu_mul": triton.jit(_silu_mul_kernel), "write_kv": triton.jit(_write_kv_kernel)}
+            "silu_mul": triton.jit(_silu_mul_kernel), "write_kv": triton.jit(_write_kv_kernel, do_not_specialize=["keep"])}
 
 
 def _norm_kernel(h_ptr, x_ptr, w_ptr, out_ptr, stride_h, stride_x, n, eps,

@@ -111,8 +111,9 @@ def choose_warps(product: int, cache_dtype: torch.dtype, programs: int, splits: 
     faster at 16 x 2048 and 4 x 4096); 1 over an fp8 cache with many programs in few spans (64 x
     512: 0.201 -> 0.173 ms, 0.204 -> 0.156 in another call, 16 x 2048 in 2 spans: 0.214 -> 0.190;
     in the 2048 + 64 step 6.0 -> 4.3 ms; but 4 x 4096 in 8 spans 0.128 -> 0.148 and 4 x 512, 128
-    programs, 0.093 -> 0.106); a larger product (8 heads of 128 share a KV head) keeps 4,
-    unmeasured with fewer threads to hold it (docs/BENCHMARKS.md)."""
+    programs, 0.093 -> 0.106; kernel-alone runs of one variant varied ~15%, so the exclusions are
+    cautious); a larger product (8 heads of 128 share a KV head) keeps 4, unmeasured with fewer
+    threads to hold it (docs/BENCHMARKS.md)."""
     if product > 4096:
         return 4
     return 1 if cache_dtype == torch.float8_e4m3fn and splits <= 2 and programs >= 4 * _sm_count(device) else 2

@@ -45,7 +45,10 @@ def test_cuda_fp8_kv_cache(hf_models: dict) -> None:
 @pytest.mark.parametrize("pp,tp", ((2, 1), (1, 2)))
 def test_nccl_ray_matches_single_gpu(hf_models: dict, pp: int, tp: int) -> None:
     prompts = mixed_prompts()
-    with LLM(model=str(hf_models["llama"]), device="cuda", chunk_size=7, memory_budget_gb=2.0) as one:
+    # a TP worker runs eagerly (CUDA graphs are on by default at tp 1 only): so does the reference,
+    # since a replay sums a decode's keys in other spans (docs/BENCHMARKS.md, "The third GPU run")
+    with LLM(model=str(hf_models["llama"]), device="cuda", chunk_size=7, memory_budget_gb=2.0,
+             cuda_graphs=None if tp == 1 else False) as one:
         expected = [o.token_ids for o in one.generate(prompts, PARAMS)]
     with LLM(model=str(hf_models["llama"]), pp=pp, tp=tp, launcher="ray", device="cuda", chunk_size=7,
              memory_budget_gb=2.0) as llm:

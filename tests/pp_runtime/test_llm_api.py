@@ -315,28 +315,39 @@ def test_ctrl_c_on_an_in_process_llm_keeps_it_usable(llm: LLM, monkeypatch: pyte
     assert [fields(o) for o in llm.generate(ps, GREEDY)] == expected
 
 
-def test_a_signal_after_a_worker_died_reports_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("where", ("mid_step", "on_finish"))
+def test_a_signal_after_a_worker_died_reports_the_worker(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     """torchrun's agent SIGTERMs rank 0 once another rank has died, which can arrive before any
     wait of rank 0's failed: an executor that can tell (``fault``) turns the interrupt into that
-    worker's error, every unfinished request carrying it, and not "cancelled"."""
+    worker's error, every unfinished request carrying it, and not "cancelled"; where the signal
+    lands in the caller's callback, the requests the run then finishes still reach it."""
     from pp_runtime.executor import WorkerError
     with LLM(model="llama-tiny", pp=2, launcher="local", chunk_size=8, max_batch_size=3, memory_budget_gb=0.05,
              max_model_len=128) as m:
-        worker, calls = m.executor.workers[1], []
-        real = worker.execute
+        calls, seen = [], []
+        if where == "mid_step":
+            worker = m.executor.workers[1]
+            real = worker.execute
 
-        def signalled(wire: tuple) -> list[int] | None:
-            calls.append(1)
-            if len(calls) == 4:
+            def signalled(wire: tuple) -> list[int] | None:
+                calls.append(1)
+                if len(calls) == 4:
+                    raise KeyboardInterrupt("SIGTERM")
+                return real(wire)
+            monkeypatch.setattr(worker, "execute", signalled)
+
+        def on_finish(req: object) -> None:
+            seen.append(req.request_id)
+            if where == "on_finish" and len(seen) == 1:
                 raise KeyboardInterrupt("SIGTERM")
-            return real(wire)
-        monkeypatch.setattr(worker, "execute", signalled)
         monkeypatch.setattr(m.executor, "fault", lambda: WorkerError("worker stage 1 tp_rank 0 died: gone"),
                             raising=False)
-        outs = m.generate(prompts(), GREEDY)
+        reqs = [m.make_request(str(i), p, GREEDY) for i, p in enumerate(prompts())]
+        outs = m.run(reqs, on_finish=on_finish)
         assert len(outs) == len(prompts()) and {o.finish_reason for o in outs} <= {"length", "error"}
         assert {o.error for o in outs if o.finish_reason == "error"} == {"worker stage 1 tp_rank 0 died: gone"}
         assert m.broken == "worker stage 1 tp_rank 0 died: gone"
+        assert sorted(seen) == sorted(r.request_id for r in reqs)  # every request reached the callback once
 
 
 def test_a_callback_that_raises_ends_its_run_at_once(llm: LLM) -> None:

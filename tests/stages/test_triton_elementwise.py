@@ -74,7 +74,7 @@ def cases(name: str, device: str) -> list[tuple[str, torch.Tensor, torch.Tensor]
         ref_k, ref_v = kc.clone(), vc.clone()
         slots = torch.randperm(16, generator=gen)[:t].to(device)
         assert te.kv_fits(k, v, kc, vc)
-        keep = t - 1  # every row but the last (a chunk's tokens before a decode's)
+        keep = t if t == 2 else t - 1  # every row (a prefill-only step), or all but a decode's last
         kept = te.write_kv_(k, v, kc, vc, slots, keep=keep)
         for ref, x in ((ref_k, k), (ref_v, v)):  # the eager write (stages/attention/torch_backend.py)
             byte_view(ref).view(-1, hkv, d).index_copy_(0, slots, byte_view(_narrow(x, ref.dtype)))
