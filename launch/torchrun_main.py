@@ -88,11 +88,7 @@ class TorchrunExecutor:
         except RuntimeError as e:
             if not _from_comm(e):  # this rank's own step failed: not a peer's doing
                 raise
-            self.failed = True
-            # torchrun's agent SIGTERMs every rank once one has failed; this run is ending with the
-            # error already and must first write what finished (the agent kills after its grace)
-            if threading.current_thread() is threading.main_thread():  # signal.signal's rule
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            self._failing()
             state, culprit = _local_fault(self._infos) or ("", rank)
             # gloo's "[…/pair.cc:553] Connection closed by peer [addr]:port. This is typically…"
             text = re.sub(r"^\[[^\]]*\]\s*", "", str(e).strip()).split(". ")[0].splitlines()[0]
@@ -109,13 +105,18 @@ class TorchrunExecutor:
         found = _local_fault(self._infos) if self._infos else None
         if found is None:
             return None
-        self.failed = True
-        if threading.current_thread() is threading.main_thread():  # as _talking_to: results first
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self._failing()
         state, rank = found
         if state == "stopped":
             return WorkerError(f"{self._name(rank)} is stopped (SIGSTOP or a debugger), and the run was signalled")
         return WorkerError(f"{self._name(rank)} died: its process is gone, and torchrun's agent stopped the run")
+
+    def _failing(self) -> None:
+        """A rank failed and this run ends with its error. torchrun's agent SIGTERMs every rank once
+        one has failed; what finished must be written first (the agent kills after its grace)."""
+        self.failed = True
+        if threading.current_thread() is threading.main_thread():  # signal.signal's rule
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def _name(self, rank: int) -> str:
         stage, tp_rank = self.topo.coords(rank)
