@@ -59,8 +59,15 @@ import torch
 from stages.cpu_info import host_tag
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "elementwise.cpp", "gemm.cpp", "gemm_quant.cpp",
-            "gemm_few_rows.cpp", "gemm_bf16.cpp", "greedy.cpp", "greedy_int8.cpp", "int8_gemm.cpp", "embedding.cpp")
+# The sources, compiled as three translation units of whole files (a unity build): alone, each .cpp
+# spent ~10 s of its ~15 s parsing torch's headers (bindings.cpp ~22 s, with pybind11), ~190 s of CPU
+# a build, ~100 s on the 2-core boxes, and the tests build up to four ISAs; as three units, ~50 s.
+# Within a unit the files share one scope, so a unit must not hold two files whose helpers share a
+# name: paged_prefill's tile sizes (MR, NR) and the GEMM's, paged_decode's Args and paged_prefill's.
+_UNITS = {"unit_bind_gemm.cpp": ("bindings.cpp", "gemm.cpp", "gemm_quant.cpp", "gemm_few_rows.cpp", "gemm_bf16.cpp",
+                                 "int8_gemm.cpp", "embedding.cpp", "greedy.cpp", "greedy_int8.cpp"),
+          "unit_decode.cpp": ("paged_decode.cpp", "elementwise.cpp"),
+          "unit_prefill.cpp": ("paged_prefill.cpp",)}
 TILE = 16  # paged_prefill's micro-tile width: it takes head sizes that are a multiple of it
 PANEL = 16  # pack_weight's panel width: it packs weights whose output size is a multiple of it
 # the most rows a product keeps fp32 under "medium" (vec.h: kBf16MinTokens): the GEMM's and the prefill
@@ -115,7 +122,7 @@ def _build(name: str, march: str) -> object:
     with build_guard(build_dir):
         src = _copy_sources(build_dir / "src")
         # -fopenmp: at::parallel_for is header code that splits work only under OpenMP
-        return load(name, sources=[str(src / f) for f in _SOURCES],
+        return load(name, sources=[str(src / u) for u in _UNITS],
                     extra_cflags=["-O3", f"-march={march}", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
 
@@ -124,8 +131,9 @@ def _copy_sources(dest: Path) -> Path:
     """csrc/ copied to ``dest``, each file written only where its bytes differ (a new mtime would
     make ninja rebuild); under build_guard's lock, so no build reads a half-written copy."""
     dest.mkdir(parents=True, exist_ok=True)
-    for f in _CSRC.glob("*.[ch]*"):
-        data, target = f.read_bytes(), dest / f.name
+    units = {name: "".join(f'#include "{f}"\n' for f in files).encode() for name, files in _UNITS.items()}
+    for name, data in [(f.name, f.read_bytes()) for f in _CSRC.glob("*.[ch]*")] + list(units.items()):
+        target = dest / name
         if not target.exists() or target.read_bytes() != data:
             tmp = target.with_suffix(target.suffix + ".tmp")
             tmp.write_bytes(data)

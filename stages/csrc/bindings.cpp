@@ -1,5 +1,10 @@
 // The Python module of the CPU kernels (stages/cpu_kernels.py loads it).
-#include <torch/extension.h>
+// Not <torch/extension.h>: it also brings torch's whole C++ frontend (torch/all.h), ~40 of its
+// ~63 s compile here, and the tests build this file once per ISA. aten.h and torch's pybind11
+// casters (at::Tensor, optionals, vectors) are all the bindings use.
+#include <torch/csrc/utils/pybind.h>
+
+#include "aten.h"
 
 #include "kernels.h"
 #include "stack.h"

@@ -171,7 +171,11 @@ def test_builds_compile_a_copy_named_by_its_text(tmp_path: Path) -> None:
     (ninja would rebuild), one that differs is replaced."""
     src = cpu_kernels._copy_sources(tmp_path / "src")
     names = sorted(p.name for p in src.iterdir())
-    assert set(cpu_kernels._SOURCES) <= set(names) and "vec.h" in names
+    assert set(cpu_kernels._UNITS) <= set(names) and "vec.h" in names
+    # the unity build's units hold every source once
+    units = [f for files in cpu_kernels._UNITS.values() for f in files]
+    assert sorted(units) == sorted(p.name for p in cpu_kernels._CSRC.glob("*.cpp"))
+    assert (src / "unit_decode.cpp").read_text() == '#include "paged_decode.cpp"\n#include "elementwise.cpp"\n'
     stamps = {p.name: p.stat().st_mtime_ns for p in src.iterdir()}
     (src / "vec.h").write_text("stale")
     cpu_kernels._copy_sources(src)
