@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/decode_maximal.py --threads 2
     .venv/bin/python benchmarks/decode_maximal.py --gguf-weights dequantize   # fp32 weights in memory
     .venv/bin/python benchmarks/decode_maximal.py --matmul-precision medium   # bf16 products (AVX512-BF16)
-    .venv/bin/python benchmarks/decode_maximal.py --matmul-precision int8     # int8 products (AVX512-VNNI)
+    .venv/bin/python benchmarks/decode_maximal.py --matmul-precision int8     # int8 products (AVX512-VNNI, or AVX2)
     .venv/bin/python benchmarks/decode_maximal.py --smoke --model HF_FOLDER   # CI smoke test
     .venv/bin/python benchmarks/decode_maximal.py --threads 2 --plot table2.png   # and as a figure
     PYTHONPATH=. python3 benchmarks/decode_maximal.py --model llama-7b --device cuda --dtype bfloat16 \

@@ -21,7 +21,7 @@ bf16 matmuls, bf16 activations) against ours at --matmul-precision medium --kv-c
 (bf16 products of > 12 rows with fp32 sums, fp32 activations, fp16 K/V). The target compares the
 fp32 runs; the bf16 pair shows what each side gains from the core's bf16 dot products. The int8
 rounds (GGUF Q4/Q8 linears on int8-rounded activations, llama.cpp's scheme, where the core has
-AVX512-VNNI; elsewhere they compute as fp32; their K/V in --int8-kv-cache-dtype, by default the
+AVX512-VNNI, or AVX2 for Q4 weights; elsewhere they compute as fp32; their K/V in --int8-kv-cache-dtype, by default the
 fp32 cache) show what a user who takes that rounding gets, against HF fp32: torch's own dynamic
 int8 quantization rounds each activation tensor on one scale, which we measured far less
 faithful (docs/BENCHMARKS.md), so it is not the like-for-like baseline.

@@ -21,7 +21,7 @@ class _Parser(argparse.ArgumentParser):
 MATMUL_HELP = ("highest: fp32 products; medium: products of > 12 rows (prefill chunks, decode batches of 13+) "
                "on bf16-rounded inputs with fp32 sums where the CPU has AVX512-BF16, ~1.6x faster linears at "
                "256 rows; int8: GGUF Q4/Q8 linears on int8-rounded inputs (per block of 32) against the "
-               "weights' own codes where the CPU has AVX512-VNNI, ~2x faster linears (fp32 models on CPU)")
+               "weights' own codes where the CPU has AVX512-VNNI (AVX2: Q4 weights), ~2x faster linears (fp32 models on CPU)")
 
 
 def _int(text: str) -> int:

@@ -351,8 +351,8 @@ GGUF_WEIGHTS = ("native", "dequantize")
 # torch.set_float32_matmul_precision's names: "highest" sums fp32 products of fp32 inputs;
 # "medium" lets them take bf16 inputs (fp32 sums), which the CPU GEMM does where AVX512-BF16 is,
 # and so does the prefill attention's two products. Ours beside them: "int8" rounds x to int8 per
-# block of 32 against GGUF weights' own codes (llama.cpp's scheme), where the CPU has AVX512-VNNI,
-# its attention as under "medium"
+# block of 32 against GGUF weights' own codes (llama.cpp's scheme), where the CPU has AVX512-VNNI
+# (or AVX2, for Q4_0/Q4_1 weights), its attention as under "medium"
 MATMUL_PRECISIONS = ("highest", "medium", "int8")
 
 
@@ -370,7 +370,8 @@ class DeviceConfig:
     # fp32 GEMM at 256 rows here); products of up to 12 rows stay fp32. "int8": every linear whose
     # weight is GGUF Q4_0/Q4_1/Q8_0 kept native takes int8 products (x's blocks of 32 rounded to
     # int8 codes with one scale each, exact int32 sums; ~2x the fp32 GEMM at every row count on a
-    # core with AVX512-VNNI); elsewhere both compute as "highest"
+    # core with AVX512-VNNI; on an AVX2 core Q4_0/Q4_1 weights only, 1.6-2.4x); elsewhere both compute
+    # as "highest"
     matmul_precision: str = "highest"
     # CUDA only: decode-only steps padded to a few batch sizes and replayed as captured CUDA
     # graphs (stages/cuda_graphs.py). None, vLLM's default: on where the worker finds CUDA, the

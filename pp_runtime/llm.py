@@ -44,7 +44,7 @@ SHUT_DOWN = "shut down"
 
 # what each reduced --matmul-precision needs, for the line that says it changed nothing
 PRECISION_NEEDS = {"medium": ("bf16_linears", "a CPU with AVX512-BF16"),
-                   "int8": ("int8_linears", "a CPU with AVX512-VNNI and GGUF Q4_0/Q4_1/Q8_0 weights kept native")}
+                   "int8": ("int8_linears", "GGUF Q4_0/Q4_1/Q8_0 weights kept native on a CPU with AVX512-VNNI (AVX2: Q4_0/Q4_1 ones)")}
 
 
 def admission_note(sched: SchedulerConfig, num_blocks: int) -> str:

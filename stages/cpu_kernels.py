@@ -373,9 +373,22 @@ def bf16_products() -> bool:
 
 
 def int8_products() -> bool:
-    """Whether int8_candidates and int8_linear run here (built with AVX512-VNNI and VBMI; matmul
-    precision "int8" uses them, without it computes as "highest")."""
+    """Whether int8_linear runs here (built with AVX512-VNNI and VBMI, or with AVX2: vpmaddubsw;
+    matmul precision "int8" uses it, without it computes as "highest")."""
     return available() and _load().int8_products()
+
+
+def int8_takes(w: torch.Tensor) -> bool:
+    """Whether matmul precision "int8" takes int8_linear for weight ``w``: block-quantized panels
+    whose int8 product is the faster one here (VNNI builds: all; AVX2 builds: Q4_0/Q4_1 ones, their
+    Q8_0 product no faster than the fp32 one)."""
+    return available() and _load().int8_takes(w)
+
+
+def int8_head() -> bool:
+    """Whether int8_candidates runs here (built with AVX512-VNNI and VBMI): the exact greedy head's
+    int8 products over a Q8_0 LM head (stages/greedy.py)."""
+    return available() and _load().int8_head()
 
 
 def isa() -> str:

@@ -81,7 +81,7 @@ def prepare(w: torch.Tensor) -> Int8Head | Bf16Head | None:
     where these kernels have a cheaper product for it, else None (the fp32 product it is)."""
     if w.dim() != 3 or w.device.type != "cpu" or not cpu_kernels.available():
         return None
-    if is_q8(w) and cpu_kernels.int8_products():
+    if is_q8(w) and cpu_kernels.int8_head():
         return Int8Head(w)
     if cpu_kernels.bf16_products():
         return Bf16Head(w)

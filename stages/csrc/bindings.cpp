@@ -62,7 +62,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows -> int8_candidates' u8 codes + 128, block scales, error bounds and each row's largest bound");
   m.def("gather_columns", &gather_columns, "the panels (fp32 or block-quantized) of a weight's output columns ids");
   m.def("panel_rows", &panel_rows, "rows ids of the (V, K) table held by weight panels (fp32 or block-quantized), as float32 (T, K)");
-  m.def("int8_products", &int8_products, "whether int8_candidates and int8_linear run here (AVX512-VNNI and VBMI)");
+  m.def("int8_products", &int8_products, "whether int8_linear runs here (AVX512-VNNI and VBMI, or AVX2)");
+  m.def("int8_takes", &int8_takes, "whether matmul precision int8 takes int8_linear for these panels here (AVX2: Q4 ones)");
+  m.def("int8_head", &int8_head, "whether int8_candidates runs here (AVX512-VNNI and VBMI)");
   m.def("write_kv_", &write_kv_, "new tokens' K/V rows into the paged caches at their slots (fp32 or fp16 caches, CPU)");
   m.def("transpose", &transpose, "contiguous transpose of a contiguous (R, C) matrix (fp32, CPU)");
   bind_layer_stack(m);

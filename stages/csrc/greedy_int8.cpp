@@ -236,7 +236,7 @@ std::vector<at::Tensor> int8_candidates(at::Tensor xu, at::Tensor xs, at::Tensor
     std::sort(rows[r].begin(), rows[r].end());
   }
 #else
-  TORCH_CHECK(false, "int8_candidates: this build has no AVX512-VNNI (int8_products() is false)");
+  TORCH_CHECK(false, "int8_candidates: this build has no AVX512-VNNI (int8_head() is false)");
 #endif
   return union_of(rows, V);
 }
@@ -285,7 +285,7 @@ std::vector<at::Tensor> quantize_blocks(at::Tensor x, at::Tensor block_max) {
   return {xu, xs, eb, bmax};
 }
 
-bool int8_products() {
+bool int8_head() {
 #ifdef PP_VNNI
   return true;
 #else

@@ -48,6 +48,22 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* xs, float* xc) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK), _mm512_cvtsepi32_epi8(c0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * QK + 16), _mm512_cvtsepi32_epi8(c1));
     const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+#elif defined(PP_AVX2)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 v[4], mx = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[i] = _mm256_loadu_ps(xb + 8 * i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float inv = amax > 0 ? 127.f / amax : 0.f;
+    __m256i c[4];  // round to nearest even, as the scalar loop's nearbyint
+    for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+    // packs work within 128-bit halves: dwords 0 4 1 5 2 6 3 7 of the result put k back in order
+    const __m256i p8 = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK),
+                        _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i c4 = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+    const int sum = static_cast<int>(hsum256(_mm256_cvtepi32_ps(c4)));  // |sum| <= 32 * 127: exact in fp32
 #else
     float amax = 0.f;
     for (int k = 0; k < QK; ++k) amax = std::max(amax, std::fabs(xb[k]));
@@ -62,6 +78,17 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* xs, float* xc) {
     xs[b] = amax / 127.f;
     xc[b] = xs[b] * static_cast<float>(sum);
   }
+}
+
+// x's row r as the product takes it: the row itself, or (gated: x holds [gate | up], 2K wide)
+// silu(gate) · up made into act (K floats). Why gated: the down product's input made row by row
+// as it is quantized, from the gate/up product's output, never stored whole: silu_mul's pass wrote
+// 1.5 MB a layer of a 256-token chunk that quantizing read back (docs/BENCHMARKS.md).
+inline const float* input_row(const float* x, int64_t ld, int64_t r, int64_t K, bool gated, float* act) {
+  const float* row = x + r * ld;
+  if (!gated) return row;
+  silu_mul_row(row, row + K, act, K);
+  return act;
 }
 
 #if defined(PP_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
@@ -202,17 +229,6 @@ inline void transpose8x8(const __m256i* r, int8_t* out) {
   }
 }
 
-// x's row r as the product takes it: the row itself, or (gated: x holds [gate | up], 2K wide)
-// silu(gate) · up made into act (K floats). Why gated: the down product's input made row by row
-// as it is quantized, from the gate/up product's output, never stored whole: silu_mul's pass wrote
-// 1.5 MB a layer of a 256-token chunk that quantizing read back (docs/BENCHMARKS.md).
-inline const float* input_row(const float* x, int64_t ld, int64_t r, int64_t K, bool gated, float* act) {
-  const float* row = x + r * ld;
-  if (!gated) return row;
-  silu_mul_row(row, row + K, act, K);
-  return act;
-}
-
 // x quantized straight into row tiles (panels.h: x_code), a tile at a time: its rows quantized
 // row-major into a scratch, then each block's 8 x 8 dwords transposed into place (placed 4 bytes
 // at a time, that step took ~4% of an int8 chunk's forward). Rows past M in the last tile come
@@ -245,6 +261,119 @@ void quantize_tiles(const float* x, int64_t ld, int64_t M, int64_t K, bool gated
       }
     }
   });
+}
+#elif defined(PP_AVX2)
+#define PP_INT8_AVX2 1
+
+// Without VNNI (AVX2 cores: Zen 1-3, Intel before Ice Lake): vpmaddubsw multiplies u8 x s8 byte
+// pairs and adds each pair into an s16 lane, and vpmaddwd against ones adds a 32-bit lane's two
+// s16 into int32: with each column's 4 k in one 32-bit lane (vpdpbusd's order) and x's 4 codes
+// broadcast, the two make vpdpbusd's sum, 8 columns a vector (an fp32 FMA does 8 products, a
+// vpmaddubsw 32). u4 codes (0..15) against x's (|c| <= 127): a pair is at most 3810, so a block's
+// 8 steps add up in s16 (<= 30480) and one vpmaddwd a block widens them. s8 codes: q + 128, as
+// vpdpbusd takes them, would overflow s16 (a pair up to 2 · 255 · 127), so the unsigned operand is
+// |q| (<= 128) and x takes q's sign (vpsignb: |c| <= 127, no wrap); a pair reaches 32512, so each
+// step widens. Both sums are exact, as on VNNI.
+//
+// A panel is unpacked once per call into a scratch of, per block, two halves (columns 0-7, 8-15)
+// of HV vectors each: the code vectors in lane order (s8: 8 of |q|, then 8 of q), then d and m.
+template <bool U4>
+constexpr int64_t HV = U4 ? 8 + 2 : 16 + 2;
+constexpr int TR = 4;  // rows a tile: 4 int32 sums and 4 fp32 outputs a half in registers
+
+// code rows k = 0..3 of 16 columns (a byte a column) -> h0 columns 0-7, h1 columns 8-15, each
+// column's 4 k in one 32-bit lane
+inline void lanes4(const __m128i* l, __m256i& h0, __m256i& h1) {
+  const __m128i a0 = _mm_unpacklo_epi8(l[0], l[1]), a1 = _mm_unpackhi_epi8(l[0], l[1]);  // k 0, 1
+  const __m128i b0 = _mm_unpacklo_epi8(l[2], l[3]), b1 = _mm_unpackhi_epi8(l[2], l[3]);  // k 2, 3
+  h0 = _mm256_set_m128i(_mm_unpackhi_epi16(a0, b0), _mm_unpacklo_epi16(a0, b0));
+  h1 = _mm256_set_m128i(_mm_unpackhi_epi16(a1, b1), _mm_unpacklo_epi16(a1, b1));
+}
+
+template <bool U4>
+void unpack_panel2(const uint8_t* panel, int64_t KB, __m256i* w) {
+  constexpr int64_t QB = U4 ? QB_U4 : QB_S8, H = HV<U4>;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* blk = panel + b * QB;
+    __m256i* o = w + b * 2 * H;
+    for (int j = 0; j < 8; ++j) {  // k = 4j .. 4j + 3
+      __m128i l[4];
+      for (int t = 0; t < 4; ++t) {
+        if constexpr (U4) {  // line p: k = 2p in the low nibbles, 2p + 1 in the high ones
+          const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + DM + 16 * (2 * j + t / 2)));
+          l[t] = _mm_and_si128(t % 2 ? _mm_srli_epi16(v, 4) : v, low);
+        } else {
+          l[t] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + DM + 16 * (4 * j + t)));
+        }
+      }
+      __m256i h[2];
+      lanes4(l, h[0], h[1]);
+      for (int i = 0; i < 2; ++i) {
+        if constexpr (U4) {
+          o[i * H + j] = h[i];
+        } else {
+          o[i * H + j] = _mm256_abs_epi8(h[i]);  // -128 -> 0x80: 128 as unsigned
+          o[i * H + 8 + j] = h[i];
+        }
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      o[i * H + H - 2] = _mm256_castps_si256(block_d8(blk, i));
+      o[i * H + H - 1] = _mm256_castps_si256(block_m8(blk, i));
+    }
+  }
+}
+
+// R rows of x (row-major codes, K = KB · QK a row; values KB a row) against one unpacked panel:
+// y's R x 16 outputs (+ bias)
+template <int R, bool U4>
+void tile2(const __m256i* w, int64_t KB, const int8_t* x, const float* xs, const float* xc, float* y, int64_t N,
+           const float* bias) {
+  constexpr int64_t H = HV<U4>;
+  const int64_t K = KB * QK;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int i = 0; i < 2; ++i) {  // columns 8i .. 8i + 7
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < KB; ++b) {
+      const __m256i* wb = w + (2 * b + i) * H;
+      __m256i s[R];
+      for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) {
+        const __m256i wv = _mm256_load_si256(wb + j);
+        for (int r = 0; r < R; ++r) {
+          int32_t c4;
+          std::memcpy(&c4, x + r * K + b * QK + 4 * j, 4);
+          const __m256i xv = _mm256_set1_epi32(c4);
+          if constexpr (U4) {
+            s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(wv, xv));
+          } else {
+            const __m256i p = _mm256_maddubs_epi16(wv, _mm256_sign_epi8(xv, _mm256_load_si256(wb + 8 + j)));
+            s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, ones));
+          }
+        }
+      }
+      const __m256 d = _mm256_castsi256_ps(_mm256_load_si256(wb + H - 2));
+      const __m256 m = _mm256_castsi256_ps(_mm256_load_si256(wb + H - 1));
+      for (int r = 0; r < R; ++r) {
+        const __m256i s32 = U4 ? _mm256_madd_epi16(s[r], ones) : s[r];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(d, _mm256_set1_ps(xs[r * KB + b])), acc[r]);
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xc[r * KB + b]), acc[r]);
+      }
+    }
+    const __m256 bv = bias ? _mm256_loadu_ps(bias + 8 * i) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * N + 8 * i, _mm256_add_ps(acc[r], bv));
+  }
+}
+
+template <bool U4, int R = TR>
+void rows2(int n, const __m256i* w, int64_t KB, const int8_t* x, const float* xs, const float* xc, float* y,
+           int64_t N, const float* bias) {
+  if constexpr (R > 1) {
+    if (n < R) return rows2<U4, R - 1>(n, w, KB, x, xs, xc, y, N, bias);
+  }
+  tile2<R, U4>(w, KB, x, xs, xc, y, N, bias);
 }
 #endif
 
@@ -331,8 +460,61 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, c10::optional<at::Tensor> bia
       }
     }
   });
+#elif defined(PP_INT8_AVX2)
+  at::Tensor keep;
+  const float* bp = bias_of(bias_, N, keep, "int8_linear");
+  TORCH_CHECK(x.dtype() == at::kFloat && x.stride(1) == 1, "int8_linear: x float32 with contiguous rows");
+  auto xq = at::empty({M * K}, at::kChar);  // x's codes row-major, (M, K)
+  auto xs = at::empty({M * KB}, at::kFloat), xc = at::empty({M * KB}, at::kFloat);
+  int8_t* qx = xq.data_ptr<int8_t>();
+  float *sx = xs.data_ptr<float>(), *cx = xc.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  const int64_t ld = x.stride(0);
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> act(gated ? K : 0);
+    for (int64_t r = r0; r < r1; ++r)
+      quantize_row(input_row(xp, ld, r, K, gated, act.data()), K, qx + r * K, sx + r * KB, cx + r * KB);
+  });
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const bool u4 = q.size(2) == QB_U4;
+  const int64_t qb = q.size(2);
+  float* yp = y.data_ptr<float>();
+  // panels split among threads; each unpacked once (11.5 KB at K = 576, u4), then every tile of rows
+  at::parallel_for(0, NP, 4, [&](int64_t p0, int64_t p1) {
+    std::unique_ptr<__m256i[]> w(new __m256i[KB * 2 * (u4 ? HV<true> : HV<false>)]);  // new aligns to 32
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* panel = qp + p * KB * qb;
+      const float* bb = bp ? bp + p * NR : nullptr;
+      if (u4) unpack_panel2<true>(panel, KB, w.get());
+      else unpack_panel2<false>(panel, KB, w.get());
+      for (int64_t r = 0; r < M; r += TR) {
+        const int n = static_cast<int>(std::min<int64_t>(TR, M - r));
+        if (u4) rows2<true>(n, w.get(), KB, qx + r * K, sx + r * KB, cx + r * KB, yp + r * N + p * NR, N, bb);
+        else rows2<false>(n, w.get(), KB, qx + r * K, sx + r * KB, cx + r * KB, yp + r * N + p * NR, N, bb);
+      }
+    }
+  });
 #else
-  TORCH_CHECK(false, "int8_linear: this build has no AVX512-VNNI and VBMI (int8_products() is false)");
+  TORCH_CHECK(false, "int8_linear: this build has neither AVX512-VNNI and VBMI nor AVX2 (int8_products() is false)");
 #endif
   return y;
+}
+
+bool int8_products() {
+#if defined(PP_INT8_GEMM) || defined(PP_INT8_AVX2)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool int8_takes(const at::Tensor& w) {
+  if (!int8_products() || w.scalar_type() != at::kByte || w.dim() != 3) return false;
+#ifdef PP_INT8_GEMM
+  return true;
+#else
+  // AVX2: s8 (Q8_0) panels measured no faster than their fp32 product (0.82-1.24x: the sign and
+  // the widening each step cost what the byte products save), u4 ones 1.6-2.4x
+  return w.size(2) == QB_U4;
+#endif
 }

@@ -41,4 +41,8 @@ std::vector<at::Tensor> int8_candidates(at::Tensor xu, at::Tensor xs, at::Tensor
 std::vector<at::Tensor> quantize_blocks(at::Tensor x, at::Tensor block_max);
 at::Tensor gather_columns(at::Tensor w, at::Tensor ids);
 at::Tensor panel_rows(at::Tensor w, at::Tensor ids);  // embedding.cpp
-bool int8_products();
+bool int8_products();  // int8_gemm.cpp: int8_linear runs here
+// whether matmul precision "int8" takes int8_linear for weight w: block-quantized panels whose
+// int8 product is the faster one on this build
+bool int8_takes(const at::Tensor& w);
+bool int8_head();  // greedy_int8.cpp: int8_candidates runs here

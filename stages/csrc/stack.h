@@ -53,12 +53,12 @@ inline Products products_of(const std::string& name) {
   return INT8;
 }
 
-// x wᵀ (+ bias); bias: an empty tensor for none. INT8 applies to block-quantized panels only (as
-// stages/layers.py's linear: other weights keep fp32 products)
+// x wᵀ (+ bias); bias: an empty tensor for none. INT8 applies to the block-quantized panels
+// int8_takes (as stages/layers.py's set_matmul_precision: other weights keep fp32 products)
 inline at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, Products p) {
   c10::optional<at::Tensor> b;
   if (bias.numel()) b = bias;
-  if (p == INT8 && w.scalar_type() == at::kByte) return int8_linear(x, w, b, false);
+  if (p == INT8 && int8_takes(w)) return int8_linear(x, w, b, false);
   return panel_linear(x, w, b, p == BF16);
 }
 
@@ -164,7 +164,7 @@ class LayerStack {
   // row by row as it quantizes its input (int8_gemm.cpp: input_row), timed in its bucket
   at::Tensor ffn(const at::Tensor& x, const at::Tensor* w, double* tm) const {
     at::Tensor gu = timed(tm, FFN_LN1, [&] { return linear(x, w[GATE_UP], at::Tensor(), products_); });
-    if (products_ == INT8 && w[DOWN].scalar_type() == at::kByte)
+    if (products_ == INT8 && int8_takes(w[DOWN]))
       return timed(tm, FFN_LN2, [&] { return int8_linear(gu, w[DOWN], c10::nullopt, true); });
     at::Tensor a = silu_mul(gu);
     return timed(tm, FFN_LN2, [&] { return linear(a, w[DOWN], at::Tensor(), products_); });

@@ -86,7 +86,7 @@ PASSAGE = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mar
            "icon of France and one of the most recognisable structures in the world.")
 
 
-@pytest.mark.skipif(not cpu_kernels.int8_products(), reason="no AVX512-VNNI + VBMI in this build")
+@pytest.mark.skipif(not cpu_kernels.int8_products(), reason="no AVX512-VNNI + VBMI or AVX2 in this build")
 def test_int8_products_keep_the_model(llm: LLM, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """--matmul-precision int8 on the embedded model: every Q4_1 layer linear takes int8 products
     (the Q8_0 LM head keeps the exact greedy head); fed a passage, its next-token perplexity is within 2% of the fp32 model's

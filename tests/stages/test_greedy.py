@@ -69,7 +69,7 @@ def test_argmax_tokens_are_the_fp32_argmax(isa: str, threads: int, kind: str, m:
     expect = cpu_kernels.panel_linear(x, p).argmax(dim=-1)
     assert (expect[::3] == TIES[0]).all()  # the tie went to the lowest id, as torch.argmax's does
     hs = heads(p)
-    assert [type(h) for h in hs[:1]] == ([greedy.Int8Head] if kind == "s8" and cpu_kernels.int8_products() else
+    assert [type(h) for h in hs[:1]] == ([greedy.Int8Head] if kind == "s8" and cpu_kernels.int8_head() else
                                          [greedy.Bf16Head] if cpu_kernels.bf16_products() else [])
     for h in hs:
         got = h.argmax(x)
@@ -80,7 +80,7 @@ def test_prepare_picks_int8_for_q8_weights_only() -> None:
     """Int8Head reads Q8_0 codes as they are (the weight exact): a Q4 or fp32 weight takes bf16."""
     for kind in ("s8", "u4", "fp32"):
         h = greedy.prepare(weight(kind)[0])
-        want = greedy.Int8Head if kind == "s8" and cpu_kernels.int8_products() else \
+        want = greedy.Int8Head if kind == "s8" and cpu_kernels.int8_head() else \
             greedy.Bf16Head if cpu_kernels.bf16_products() else type(None)
         assert type(h) is want
     assert greedy.prepare(torch.zeros(4, 64)) is None  # not panels: nothing to prepare
@@ -106,7 +106,7 @@ def test_int8_candidates_hold_every_logit_that_can_win(isa: str, threads: int) -
     """Each row's candidates hold every v whose exact-arithmetic logit of x's int8 blocks, within
     its bound Σ_b |w_vb|·|e_b| of x's exact logit, can still reach the row's maximum: the rule the
     kernel applies to logits it never stores. And no more than a few beyond them."""
-    if not cpu_kernels.int8_products():
+    if not cpu_kernels.int8_head():
         pytest.skip("this build has no AVX512-VNNI")
     p, w = weight("s8")
     head = greedy.Int8Head(p)
@@ -146,7 +146,7 @@ def test_int8_candidates_hold_every_logit_that_can_win(isa: str, threads: int) -
 def test_int8_head_takes_the_fp32_product_where_sums_could_overflow(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows whose logits could pass float32's range (or hold inf / nan) go to the fp32 product, as
     do rows too few for the int8 pass to pay: no int8 call for either."""
-    if not cpu_kernels.int8_products():
+    if not cpu_kernels.int8_head():
         pytest.skip("this build has no AVX512-VNNI")
     p, w = weight("s8")
     head = greedy.Int8Head(p)
@@ -163,7 +163,7 @@ def test_int8_head_takes_the_fp32_product_where_sums_could_overflow(monkeypatch:
 def test_int8_head_takes_its_fewest_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """INT8_MIN_ROWS rows (3: with its codes fetched ahead the int8 pass beats the fp32 product
     there) go through int8_candidates, and still give the fp32 argmax."""
-    if not cpu_kernels.int8_products():
+    if not cpu_kernels.int8_head():
         pytest.skip("this build has no AVX512-VNNI")
     p, w = weight("s8")
     head = greedy.Int8Head(p)
@@ -178,7 +178,7 @@ def test_int8_candidates_name_what_is_wrong(isa: str) -> None:
     p, _ = weight("s8")
     head = greedy.Int8Head(p)
     xu, xs, eb, bmax = head.quantize(torch.randn(3, K))
-    if not cpu_kernels.int8_products():
+    if not cpu_kernels.int8_head():
         with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
             cpu_kernels.int8_candidates(xu, xs, eb, bmax, p, head.block_norms, 0.0)
         return
@@ -254,7 +254,7 @@ def test_worker_takes_the_argmax_path_for_greedy_rows_only(q8_worker: StageWorke
     if isinstance(model.lm_head.greedy, greedy.Int8Head):  # kept: a norm per block of 32 weights
         v, k = quant.panel_shape(model.lm_head.weight)
         assert model.lm_head.greedy.nbytes == v * k // 32 * 4
-    assert (model.lm_head.greedy is not None) == (cpu_kernels.int8_products() or cpu_kernels.bf16_products())
+    assert (model.lm_head.greedy is not None) == (cpu_kernels.int8_head() or cpu_kernels.bf16_products())
     h = 3 * torch.randn(40, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         logits = model.logits(h)
@@ -277,7 +277,7 @@ def test_medium_precision_keeps_its_bf16_logits(tmp_path_factory: pytest.TempPat
     if cpu_kernels.bf16_products():
         assert model.lm_head.greedy is None
     else:
-        assert (model.lm_head.greedy is not None) == cpu_kernels.int8_products()
+        assert (model.lm_head.greedy is not None) == cpu_kernels.int8_head()
     h = torch.randn(20, model.cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         assert torch.equal(model.argmax_tokens(h), model.logits(h).argmax(dim=-1))

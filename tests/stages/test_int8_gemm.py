@@ -18,7 +18,7 @@ from stages.worker import StageWorker, WorkerSpec
 from tests.stages.test_quant import LAYERS, QTYPES, VARIANTS, quantized, write_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")
-needs_vnni = pytest.mark.skipif(not cpu_kernels.int8_products(), reason="no AVX512-VNNI + VBMI in this build")
+needs_int8 = pytest.mark.skipif(not cpu_kernels.int8_products(), reason="no AVX512-VNNI + VBMI or AVX2 in this build")
 U = 2.0 ** -24
 
 
@@ -37,7 +37,7 @@ def dequantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq.double() * scale, scale
 
 
-@needs_vnni
+@needs_int8
 def test_quantize_rows_rounds_each_block_on_its_own_scale() -> None:
     x = strided(5, 96)
     x[2, 32:64] = 0  # a block of zeros: scale 0, codes 0
@@ -52,7 +52,7 @@ def test_quantize_rows_rounds_each_block_on_its_own_scale() -> None:
     assert torch.equal(xc, xs * xq.reshape(5, 3, 32).sum(-1).float())
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.parametrize("qtype", QTYPES.values(), ids=QTYPES.keys())
 @pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 17, 37, 300])  # tiles of 8 rows and every remainder
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 288), (32, 608)])
@@ -72,7 +72,7 @@ def test_int8_linear_sums_its_own_codes(threads: int, qtype: int, m: int, n: int
     assert torch.equal(cpu_kernels.int8_linear(x, p, bias), y)  # each output from one tile: any split
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.parametrize("qtype", QTYPES.values(), ids=QTYPES.keys())
 def test_int8_linear_is_off_by_the_rounding_of_x_alone(qtype: int) -> None:
     raw, w = quantized(64, 576, qtype)
@@ -88,7 +88,7 @@ def test_int8_linear_is_off_by_the_rounding_of_x_alone(qtype: int) -> None:
     assert (err / exact.abs().max()).max() < 0.02
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.parametrize("qtype", QTYPES.values(), ids=QTYPES.keys())
 @pytest.mark.parametrize("m", [1, 8, 9, 300])  # one tile (rows quantized in place) and tiled
 def test_a_gated_input_is_silu_mul_made_as_it_is_quantized(threads: int, qtype: int, m: int) -> None:
@@ -113,7 +113,7 @@ def test_a_row_parallel_linear_refuses_a_gated_input_it_cannot_take() -> None:
         lin(torch.randn(3, 128), gated=True)
 
 
-@needs_vnni
+@needs_int8
 def test_int8_linear_names_what_it_cannot_take() -> None:
     raw, _ = quantized(32, 64, quant.Q8_0)
     p = quant.to_panels(raw, quant.Q8_0)
@@ -127,12 +127,17 @@ def test_int8_linear_names_what_it_cannot_take() -> None:
 
 
 def test_other_builds_say_they_have_no_int8_products(isa: str) -> None:
-    """A build without VNNI (every non-native one here) refuses by name, and says so up front."""
+    """A build with neither VNNI nor AVX2 (the scalar one) refuses by name, and says so up front."""
     raw, _ = quantized(32, 64, quant.Q4_1)
     p = quant.to_panels(raw, quant.Q4_1)
+    q8 = quant.to_panels(quantized(32, 64, quant.Q8_0)[0], quant.Q8_0)
     if cpu_kernels.int8_products():
         assert cpu_kernels.int8_linear(torch.randn(2, 64), p).shape == (2, 32)
+        # taken for Q4 panels everywhere, for Q8_0 ones where VNNI makes them pay (not AVX2)
+        assert cpu_kernels.int8_takes(p) and cpu_kernels.int8_takes(q8) == (isa != "avx2" and cpu_kernels.isa() != "avx2")
+        assert not cpu_kernels.int8_takes(cpu_kernels.pack_weight(torch.randn(32, 64)))
     else:
+        assert not cpu_kernels.int8_takes(p) and not cpu_kernels.int8_takes(q8)
         with pytest.raises(RuntimeError, match="int8_products\\(\\) is false"):
             cpu_kernels.int8_linear(torch.randn(2, 64), p)
 
@@ -168,6 +173,8 @@ def test_int8_stage_takes_every_block_quantized_linear(gguf_models: dict, varian
     fp32, int8 = worker(gguf_models[variant], "highest"), worker(gguf_models[variant], "int8")
     assert fp32.info()["int8_linears"] == 0 and fp32.info()["bf16_linears"] == 0
     panels = LAYERS * (3 if variant == "mixed" else 4)
+    if cpu_kernels.isa() == "avx2":  # Q8_0 products stay fp32 there: mixed's o
+        panels -= LAYERS if variant == "mixed" else 0
     assert int8.info()["int8_linears"] == (panels if cpu_kernels.int8_products() else 0)
     assert int8.model.lm_head.products == "fp32"
     assert int8.info()["bf16_attention"] == cpu_kernels.bf16_products() and not fp32.info()["bf16_attention"]
