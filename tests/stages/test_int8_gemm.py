@@ -133,8 +133,9 @@ def test_other_builds_say_they_have_no_int8_products(isa: str) -> None:
     q8 = quant.to_panels(quantized(32, 64, quant.Q8_0)[0], quant.Q8_0)
     if cpu_kernels.int8_products():
         assert cpu_kernels.int8_linear(torch.randn(2, 64), p).shape == (2, 32)
-        # taken for Q4 panels everywhere, for Q8_0 ones where VNNI makes them pay (not AVX2)
-        assert cpu_kernels.int8_takes(p) and cpu_kernels.int8_takes(q8) == (isa != "avx2" and cpu_kernels.isa() != "avx2")
+        # taken for Q4 panels everywhere, for Q8_0 ones where VNNI makes them pay (the VNNI build,
+        # which has the int8 greedy head too), not on the AVX2 path (AVX2 and AVX-512 without VNNI)
+        assert cpu_kernels.int8_takes(p) and cpu_kernels.int8_takes(q8) == cpu_kernels.int8_head()
         assert not cpu_kernels.int8_takes(cpu_kernels.pack_weight(torch.randn(32, 64)))
     else:
         assert not cpu_kernels.int8_takes(p) and not cpu_kernels.int8_takes(q8)
@@ -173,7 +174,7 @@ def test_int8_stage_takes_every_block_quantized_linear(gguf_models: dict, varian
     fp32, int8 = worker(gguf_models[variant], "highest"), worker(gguf_models[variant], "int8")
     assert fp32.info()["int8_linears"] == 0 and fp32.info()["bf16_linears"] == 0
     panels = LAYERS * (3 if variant == "mixed" else 4)
-    if cpu_kernels.isa() == "avx2":  # Q8_0 products stay fp32 there: mixed's o
+    if not cpu_kernels.int8_head():  # the AVX2 path: Q8_0 products stay fp32, mixed's o
         panels -= LAYERS if variant == "mixed" else 0
     assert int8.info()["int8_linears"] == (panels if cpu_kernels.int8_products() else 0)
     assert int8.model.lm_head.products == "fp32"
