@@ -285,7 +285,8 @@ def set_matmul_precision(model: nn.Module, precision: str) -> dict[str, int]:
     """Sets each linear's products: "medium" gives bf16 ones (for many rows) to every linear whose
     weight the GEMM kernel reads (packed or block-quantized) where the kernels have AVX512-BF16;
     "int8" gives int8 ones to every block-quantized (GGUF Q4_0/Q4_1/Q8_0) layer weight where they
-    have AVX512-VNNI, to the Q4_0/Q4_1 ones where they have AVX2 (``cpu_kernels.int8_takes``), not to the LM head: its greedy rows take the exact greedy head (int8 products
+    have AVX512-VNNI, to the Q4_0/Q4_1 ones where they have AVX2 (``cpu_kernels.int8_takes``), not
+    to the LM head: its greedy rows take the exact greedy head (int8 products
     too, then the fp32 argmax exactly: stages/greedy.py), faster than int8 logits and their argmax
     (measured: ~1.5 ms less a 32-row decode step). "highest", and any linear the asked products do
     not apply to, keeps fp32. Both reduced precisions also give the CPU attention kernels bf16

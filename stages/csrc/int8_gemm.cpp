@@ -91,6 +91,17 @@ inline const float* input_row(const float* x, int64_t ld, int64_t r, int64_t K, 
   return act;
 }
 
+// x's M rows (or, gated, silu(gate) · up of them: input_row) quantized row-major: codes (M, K),
+// values (M, KB); rows split among threads, 16 or more a thread
+void quantize_rowwise(const float* x, int64_t ld, int64_t M, int64_t K, bool gated, int8_t* q, float* s, float* c) {
+  const int64_t KB = K / QK;
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> act(gated ? K : 0);
+    for (int64_t r = r0; r < r1; ++r)
+      quantize_row(input_row(x, ld, r, K, gated, act.data()), K, q + r * K, s + r * KB, c + r * KB);
+  });
+}
+
 #if defined(PP_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define PP_INT8_GEMM 1
 
@@ -386,13 +397,8 @@ std::vector<at::Tensor> quantize_rows(at::Tensor x) {
   const int64_t M = x.size(0), K = x.size(1), KB = K / QK;
   auto xq = at::empty({M, K}, at::kChar);
   auto xs = at::empty({M, KB}, at::kFloat), xc = at::empty({M, KB}, at::kFloat);
-  const float* xp = x.data_ptr<float>();
-  const int64_t ld = x.stride(0);
-  int8_t* qp = xq.data_ptr<int8_t>();
-  float *sp = xs.data_ptr<float>(), *cp = xc.data_ptr<float>();
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * ld, K, qp + r * K, sp + r * KB, cp + r * KB);
-  });
+  quantize_rowwise(x.data_ptr<float>(), x.stride(0), M, K, false, xq.data_ptr<int8_t>(), xs.data_ptr<float>(),
+                   xc.data_ptr<float>());
   return {xq, xs, xc};
 }
 
@@ -405,28 +411,26 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, c10::optional<at::Tensor> bia
   const int64_t M = x.size(0), KB = K / QK, NP = q.size(0), N = NP * NR;
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
-#ifdef PP_INT8_GEMM
+#if !defined(PP_INT8_GEMM) && !defined(PP_INT8_AVX2)
+  TORCH_CHECK(false, "int8_linear: this build has neither AVX512-VNNI and VBMI nor AVX2 (int8_products() is false)");
+#else
   at::Tensor keep;
   const float* bp = bias_of(bias_, N, keep, "int8_linear");
   TORCH_CHECK(x.dtype() == at::kFloat && x.stride(1) == 1, "int8_linear: x float32 with contiguous rows");
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const bool u4 = q.size(2) == QB_U4;
+  const int64_t qb = q.size(2);
+  float* yp = y.data_ptr<float>();
+#ifdef PP_INT8_GEMM
   const int64_t T = (M + ROWS - 1) / ROWS;
   // one tile: x's codes row-major (quantize_row's own layout); more: in tiles (quantize_tiles)
   auto xq = at::empty({T * ROWS * K}, at::kChar);
   auto xs = at::empty({T * ROWS * KB}, at::kFloat), xc = at::empty({T * ROWS * KB}, at::kFloat);
   int8_t* qx = xq.data_ptr<int8_t>();
   float *sx = xs.data_ptr<float>(), *cx = xc.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  if (T > 1) {
-    quantize_tiles(xp, x.stride(0), M, K, gated, qx, sx, cx);
-  } else {
-    std::vector<float> act(gated ? K : 0);
-    for (int64_t r = 0; r < M; ++r)
-      quantize_row(input_row(xp, x.stride(0), r, K, gated, act.data()), K, qx + r * K, sx + r * KB, cx + r * KB);
-  }
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const bool u4 = q.size(2) == QB_U4;
-  const int64_t qb = q.size(2);
-  float* yp = y.data_ptr<float>();
+  if (T > 1) quantize_tiles(xp, x.stride(0), M, K, gated, qx, sx, cx);
+  else quantize_rowwise(xp, x.stride(0), M, K, gated, qx, sx, cx);  // M <= 8: one thread
   // panels split among threads; each panel's codes (5.8 KB at K = 576, u4; 11.5 KB unpacked)
   // stay in L1 while every tile of rows reads them
   at::parallel_for(0, NP, 4, [&](int64_t p0, int64_t p1) {
@@ -461,25 +465,12 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, c10::optional<at::Tensor> bia
       }
     }
   });
-#elif defined(PP_INT8_AVX2)
-  at::Tensor keep;
-  const float* bp = bias_of(bias_, N, keep, "int8_linear");
-  TORCH_CHECK(x.dtype() == at::kFloat && x.stride(1) == 1, "int8_linear: x float32 with contiguous rows");
+#else  // PP_INT8_AVX2
   auto xq = at::empty({M * K}, at::kChar);  // x's codes row-major, (M, K)
   auto xs = at::empty({M * KB}, at::kFloat), xc = at::empty({M * KB}, at::kFloat);
   int8_t* qx = xq.data_ptr<int8_t>();
   float *sx = xs.data_ptr<float>(), *cx = xc.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  const int64_t ld = x.stride(0);
-  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> act(gated ? K : 0);
-    for (int64_t r = r0; r < r1; ++r)
-      quantize_row(input_row(xp, ld, r, K, gated, act.data()), K, qx + r * K, sx + r * KB, cx + r * KB);
-  });
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const bool u4 = q.size(2) == QB_U4;
-  const int64_t qb = q.size(2);
-  float* yp = y.data_ptr<float>();
+  quantize_rowwise(xp, x.stride(0), M, K, gated, qx, sx, cx);
   // panels split among threads; each unpacked once (11.5 KB at K = 576, u4), then every tile of rows
   at::parallel_for(0, NP, 4, [&](int64_t p0, int64_t p1) {
     std::unique_ptr<__m256i[]> w(new __m256i[KB * 2 * (u4 ? HV<true> : HV<false>)]);  // new aligns to 32
@@ -495,8 +486,7 @@ at::Tensor int8_linear(at::Tensor x, at::Tensor q, c10::optional<at::Tensor> bia
       }
     }
   });
-#else
-  TORCH_CHECK(false, "int8_linear: this build has neither AVX512-VNNI and VBMI nor AVX2 (int8_products() is false)");
+#endif
 #endif
   return y;
 }
