@@ -23,6 +23,8 @@ from stages.attention import TorchAttention, build_metadata, triton_decode
 
 VARIANTS = {  # name: paged_decode's tuning knobs ("paged": its defaults; spans by choose_splits where unset)
     "paged": {},
+    "paged-dot": {"dot": 1},  # the products by tl.dot (the default over a cache of q's dtype)
+    "paged-sums": {"dot": 0},  # the products in fp32 by tl.sum (the default over an fp8 cache)
     "paged-unaligned": {"aligned": False},
     "paged-tokens16": {"tokens": 16},
     "paged-tokens64": {"tokens": 64},

@@ -134,7 +134,7 @@ def elementwise_ways(w: StageWorker, asked: tuple[str, ...]) -> tuple[str, ...]:
     return asked or ("eager",)
 
 
-TUNING_KEYS = ("tokens", "num_warps", "num_stages", "splits")
+TUNING_KEYS = ("tokens", "num_warps", "num_stages", "splits", "dot")
 
 
 def decode_tuning(way: str) -> dict[str, int]:

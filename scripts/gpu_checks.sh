@@ -44,8 +44,9 @@ timeout 120 python3 benchmarks/cuda_paged_decode.py --json "$OUT/paged_decode.js
 # an fp8 K/V cache (--kv-cache-dtype fp8): the decode kernel reads half the bytes of a bf16 cache;
 # the profile shows whether a fresh chunk's K/V round trip still runs as torch's elementwise
 # kernels (5.3 ms of the 2048 step in the third GPU run, before write_kv_'s keep rows)
-timeout 150 python3 benchmarks/decode_maximal.py --model llama-7b --device cuda --dtype bfloat16 \
-    --attention torch --kv-cache-dtype fp8 --chunk 512,2048 --decodes 4,16,32,64 --context 512 --rounds 10 \
+timeout 240 python3 benchmarks/decode_maximal.py --model llama-7b --device cuda --dtype bfloat16 \
+    --attention torch --kv-cache-dtype fp8 --chunk 512,2048 --cuda-decode "${CUDA_DECODE:-paged}" \
+    --decodes 4,16,32,64 --context 512 --rounds 10 \
     --threads 4 --profile 3 --json "$OUT/dm_7b_fp8.json" 2>&1 | tee "$OUT/dm_7b_fp8.log" || failed+=" decode_maximal(fp8)"
 timeout 60 python3 benchmarks/cuda_paged_decode.py --kv-dtype float8_e4m3fn 2>&1 | sed "s/^/fp8 /" \
     | tee -a "$OUT/paged_decode.log" || failed+=" cuda_paged_decode(fp8)"

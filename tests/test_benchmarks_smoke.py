@@ -181,7 +181,8 @@ def test_cuda_launch_overhead_smoke(tmp_path: Path) -> None:
 @pytest.mark.gpu(1)
 def test_cuda_paged_decode_smoke(tmp_path: Path) -> None:
     r = run(["benchmarks/cuda_paged_decode.py", "--decodes", "4", "--context", "100", "--reps", "2"], tmp_path)
-    assert set(r["ms"]) == {"gathered", "paged-backend", "paged", "paged-unaligned", "paged-tokens16", "paged-tokens64",
+    assert set(r["ms"]) == {"gathered", "paged-backend", "paged", "paged-dot", "paged-sums", "paged-unaligned",
+                            "paged-tokens16", "paged-tokens64",
                             "paged-warps1", "paged-warps2", "paged-warps4", "paged-warps8", "paged-warps2-tokens16",
                             "paged-warps2-tokens64", "paged-stages1", "paged-stages2", "paged-stages4",
                             *(f"paged-splits{n}" for n in (1, 2, 4, 8, 16))}

@@ -5,7 +5,10 @@ then SDPA reads the copy: K/V cross memory three times. On an H200, LLaMA-7B in 
 decodes at 512 context, that gather alone was 9.3 ms of a 35.7 ms decode-maximal step
 (docs/BENCHMARKS.md). Here one program per (decode, KV head) walks the sequence's keys
 ``TOKENS`` at a time, each key's block looked up in its table row, and keeps an online softmax
-for the G query heads that share the KV head, in fp32; K/V are read once.
+for the G query heads that share the KV head, in fp32; K/V are read once. Over a bf16/fp16 cache
+the two products run on tensor cores (``tl.dot``, the heads padded to 16 rows), which on the H200
+moved the kernel from 2.5 to 3.1 TB/s of K/V: summing fp32 products across threads, not HBM, had
+set its pace.
 
 Checked against a dense reference and the gather path on a GPU (tests/stages/test_triton_decode.py,
 marked gpu) and, with no GPU, in Triton's interpreter (``TRITON_INTERPRET=1``, CPU tensors),
@@ -57,7 +60,7 @@ def shapes_fit(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor, scale: float, tokens: int = 0, num_warps: int = 0, num_stages: int = 3,
-                 splits: int = 0, aligned: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+                 splits: int = 0, aligned: bool = True, dot: int = -1, out: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, H, D) one query per decode; caches (NB, BS, H_kv, D); tables (B, nb_max) block ids;
     lens (B,) context lengths (≥ 1), both on q's device -> (B, H, D) in q's dtype, written into
     ``out`` where given (any strides with contiguous head rows: a slice of the layer's output).
@@ -65,18 +68,31 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     second kernel (flash-decoding); 0 picks it (``choose_splits``). ``tokens``, ``num_warps`` (0:
     ``choose_warps``), ``num_stages`` and ``aligned`` (tell
     Triton that K/V rows start 16-element aligned, so that it loads them in 16-byte vectors) are
-    tuning knobs for benchmarks/cuda_paged_decode.py."""
+    tuning knobs for benchmarks/cuda_paged_decode.py. ``dot`` 1: the scores and the weighted sum
+    of V as tensor-core products (``tl.dot``) in q's 16-bit dtype, the G query heads padded to 16
+    rows and the softmax weights rounded to that dtype before they weigh V, as flash attention
+    does; 0: fp32 products summed across threads; -1: 1 for 16-bit queries over a cache of their
+    dtype (``takes_dot``)."""
     b, h, d = q.shape
     bs, h_kv = k_cache.shape[1], k_cache.shape[2]
     g = h // h_kv
     g_pad = 1 << (g - 1).bit_length()
+    dot = takes_dot(q, k_cache.dtype) if dot < 0 else bool(dot)
+    if dot and not takes_dot(q):
+        raise ValueError(f"paged_decode: dot products take 16-bit queries, not {q.dtype}")
+    if dot:  # tl.dot's tiles are at least 16 x 16: padding rows are loaded as 0 and never stored
+        g_pad = max(g_pad, 16)
+        # 8 KB of bf16 K a step at D = 128, as the fp32 product's 32 keys; the tiles sit in the
+        # tensor cores' fragments, not as a (G, TOKENS, D) product in registers
+        tokens = tokens or max(16, 4096 // d)
     # keys per step: the (G_PAD, TOKENS, D) fp32 product kept at ~4K elements (32 registers a
     # thread of 4 warps; LLaMA-7B: 32 keys, 8 KB of K a step) down to 16 keys (G_PAD · D > 256:
     # 16 keys of 8 heads of 128 make 16K elements, which spill; H200-measured shapes did not)
     tokens = tokens or max(16, 4096 // (g_pad * d))
     # the table's width bounds every context without reading lens back from the device
     splits = splits or choose_splits(b * h_kv, tables.shape[1] * bs, tokens, q.device)
-    num_warps = num_warps or choose_warps(g_pad * d * tokens, k_cache.dtype, b * h_kv * splits, splits, q.device)
+    num_warps = num_warps or (2 if dot else choose_warps(g_pad * d * tokens, k_cache.dtype, b * h_kv * splits, splits,
+                                                          q.device))
     out = torch.empty_like(q) if out is None else out
     # each span's unnormalised output, running max and denominator, (B, H, S, D) then (B, H, S)
     # twice, in one allocation: a host-bound step pays each allocation and launch a layer
@@ -85,12 +101,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, tables, lens, out, part, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tables.stride(0), out.stride(0), out.stride(1),
-        G=g, G_PAD=g_pad, D=d, BS=bs, TOKENS=tokens, S=splits, ALIGN=min(d, 16) if aligned else 1,
+        G=g, G_PAD=g_pad, D=d, BS=bs, TOKENS=tokens, S=splits, ALIGN=min(d, 16) if aligned else 1, DOT=dot,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _kernel(_merge_kernel)[(b, h)](part, out, out.stride(0), out.stride(1), H=h, D=d, S=splits,
                                        S_PAD=1 << (splits - 1).bit_length())
     return out
+
+
+def takes_dot(q: torch.Tensor, cache_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel's products can run on tensor cores (16-bit queries: an fp32 model keeps
+    fp32 products) and, given the cache's dtype, whether they do by default: over a cache of q's
+    dtype. On the H200 with LLaMA-7B's heads, 64 decodes x 512 keys, a bf16 cache 0.218 -> 0.173 ms
+    (the 512 + 64 step 6.2 -> 4.8 ms of decode kernel); an fp8 cache 0.156 -> 0.257 ms, its
+    widening to bf16 for tl.dot costing more than the fp32 sums (docs/BENCHMARKS.md)."""
+    return q.dtype in (torch.bfloat16, torch.float16) and cache_dtype in (None, q.dtype)
 
 
 def choose_splits(programs: int, max_keys: int, tokens: int, device: torch.device) -> int:
@@ -136,9 +161,10 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part
                          stride_qb, stride_qh, stride_kblk, stride_kslot, stride_kh, stride_tb,
                          stride_ob, stride_oh,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                         TOKENS: tl.constexpr, S: tl.constexpr, ALIGN: tl.constexpr):
+                         TOKENS: tl.constexpr, S: tl.constexpr, ALIGN: tl.constexpr, DOT: tl.constexpr):
     """One (decode, KV head, span): the G heads' online softmax over the span's keys, TOKENS at a
-    time; the output itself where S = 1, else the span's partials for _merge_kernel."""
+    time; the output itself where S = 1, else the span's partials for _merge_kernel. DOT: both
+    products by tl.dot in q's dtype (K/V converted to it as loaded), else in fp32 by tl.sum."""
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -148,7 +174,9 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part
     heads = kvh * G + g
     has_head = g < G
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=has_head[:, None], other=0.0).to(tl.float32) * scale  # (G_PAD, D)
+                mask=has_head[:, None], other=0.0)  # (G_PAD, D)
+    if not DOT:
+        q = q.to(tl.float32) * scale
     ctx = tl.load(lens_ptr + seq)
     span = tl.cdiv(tl.cdiv(ctx, S), TOKENS) * TOKENS  # whole steps: only a decode's last span is ragged
     lo = split * span
@@ -162,15 +190,22 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part
         blk = tl.load(table_ptr + seq * stride_tb + pos // BS, mask=real, other=0)
         row = blk.to(tl.int64) * stride_kblk + (pos % BS) * stride_kslot + kvh * stride_kh  # (TOKENS,)
         row = tl.multiple_of(row, ALIGN)  # every stride is a multiple of D: rows start aligned
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=real[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G_PAD, TOKENS)
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=real[:, None], other=0.0)  # (TOKENS, D)
+        if DOT:  # fp8 widens to q's dtype exactly; products summed in fp32
+            s = tl.dot(q, tl.trans(k.to(q_ptr.dtype.element_ty))) * scale  # (G_PAD, TOKENS)
+        else:
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
         s = tl.where(real[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)  # 0 on the first step (m = -inf); a step holds >= 1 key: m_new finite
         p = tl.exp(s - m_new[:, None])
         den = den * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=real[:, None], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # (G_PAD, D)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=real[:, None], other=0.0)
+        if DOT:
+            pv = tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))  # (G_PAD, D) fp32
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
         m = m_new
     if S == 1:
         tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],

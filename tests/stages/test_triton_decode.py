@@ -48,44 +48,59 @@ def reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, tables: torch
 
 # splits: 1, the output written directly; 3, spans merged over a padded split axis, the one-key
 # context's second and third spans empty; 8, most spans of the short contexts empty. Every head
-# shape at every splits, each dtype with each (the interpreter takes ~3 s a case): the dtype only
-# changes the loads' widening and the output's rounding.
+# shape at every splits, each dtype with each (the interpreter takes ~3 s a case): fp32 queries
+# take the fp32 products (dot -1 picks 0), bf16 ones over a bf16 cache tl.dot (dot -1 picks 1).
 SHAPES, SPLITS, DTYPES = ((1, 128), (3, 64), (4, 64), (2, 16)), (1, 3, 8), ("float32", "bfloat16")
-CASES = [(g, d, DTYPES[(i + j) % 2], splits, DTYPES[(i + j) % 2])
+CASES = [(g, d, DTYPES[(i + j) % 2], splits, DTYPES[(i + j) % 2], -1)
          for i, (g, d) in enumerate(SHAPES) for j, splits in enumerate(SPLITS)]
-# an fp8 cache (CacheConfig.kv_dtype) under bf16 and fp32 queries, whole and in spans
-CASES += [(1, 128, "bfloat16", 1, "float8_e4m3fn"), (3, 64, "float32", 3, "float8_e4m3fn")]
+# an fp8 cache (CacheConfig.kv_dtype) under bf16 and fp32 queries, whole and in spans; bf16 and
+# fp16 queries through the fp32 products (dot 0) and fp16 through tl.dot
+CASES += [(1, 128, "bfloat16", 1, "float8_e4m3fn", -1), (3, 64, "float32", 3, "float8_e4m3fn", -1),
+          (1, 128, "bfloat16", 3, "bfloat16", 0), (3, 64, "float16", 1, "float8_e4m3fn", 0),
+          (4, 64, "float16", 3, "float16", 1), (2, 16, "bfloat16", 1, "float8_e4m3fn", 1)]
 
 
 def patch_interpreter() -> None:
-    """The interpreter holds a scalar as a (1,) array and makes it an index with int(array), which
-    numpy >= 2.4 refuses, so a loop to a loaded bound fails there and not on a GPU: index through
-    the array's one element instead."""
+    """Two of the interpreter's faults, which a GPU does not have. It holds a scalar as a (1,)
+    array and makes it an index with int(array), which numpy >= 2.4 refuses, so a loop to a loaded
+    bound fails: index through the array's one element instead. It holds bf16 as its uint16 bits
+    and tl.dot multiplies those as integers: widen them to the fp32 they stand for first (exact)."""
+    import numpy as np
+    import triton.language as tl
     from triton.runtime import interpreter
-    patch = interpreter._patch_lang_tensor
+    patch, dot = interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot
 
     def patched(tensor: type, scope: object) -> None:
         patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
+    def widened(h: object) -> object:
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def bf16_dot(self: object, a: object, b: object, *args: object) -> object:
+        return dot(self, widened(a), widened(b), *args)
+
     interpreter._patch_lang_tensor = patched
+    interpreter.InterpreterBuilder.create_dot = bf16_dot
 
 
 def interpret_cases() -> None:
     """Runs in a child process started with TRITON_INTERPRET=1 (triton reads it on import, and
     its own library functions are built then)."""
     patch_interpreter()
-    for k, (g, d, name, splits, kv_name) in enumerate(CASES):
+    for k, (g, d, name, splits, kv_name, dot) in enumerate(CASES):
         dtype = getattr(torch, name)
         q, kc, vc, tables, lens = decodes(g, d, dtype, "cpu", kv_dtype=getattr(torch, kv_name))
         # (3, 64) (every splits, both dtypes) and one fp8 case write into a layer's output, after a
         # prefill's rows; the rest allocate their own
         layer_out = torch.zeros(len(LENS) + 2, q.shape[1], d, dtype=dtype) if g == 3 else None
-        out = triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5, splits=splits,
+        out = triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5, splits=splits, dot=dot,
                                          out=None if layer_out is None else layer_out[2:])
         if layer_out is not None:
             assert out.data_ptr() == layer_out[2:].data_ptr() and not layer_out[:2].any(), CASES[k]
-        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding (and P's, by tl.dot)
         torch.testing.assert_close(out.float(), reference(q, kc, vc, tables, lens, d ** -0.5), rtol=tol, atol=tol,
                                    msg=lambda m, c=CASES[k]: f"{c}: {m}")
     print(f"{len(CASES)} cases match")
@@ -110,6 +125,19 @@ def test_usable_only_where_the_kernel_is_right() -> None:
     assert not triton_decode.shapes_fit(q.to(torch.float8_e4m3fn), kc, vc)
     q6 = decodes(3, 64, torch.float32, "cpu")[0]  # 6 query heads over 2 KV heads
     assert triton_decode.shapes_fit(q6, kc, vc) and not triton_decode.shapes_fit(q6[:, :5], kc, vc)
+
+
+def test_dot_products_by_default_over_a_cache_of_the_queries_16_bit_dtype() -> None:
+    """tl.dot where the H200 measured it faster (bf16 queries and cache), the fp32 sums over an fp8
+    cache (its widening for tl.dot cost more) and for fp32 queries, which tl.dot would round."""
+    bf16, fp16, fp8, fp32 = torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32
+    q = torch.zeros(2, 4, 64)
+    assert triton_decode.takes_dot(q.to(bf16), bf16) and triton_decode.takes_dot(q.to(fp16), fp16)
+    assert triton_decode.takes_dot(q.to(bf16)) and not triton_decode.takes_dot(q.to(bf16), fp8)
+    assert not triton_decode.takes_dot(q.to(fp16), bf16) and not triton_decode.takes_dot(q, fp32)
+    _, kc, vc, tables, lens = decodes(2, 64, fp32, "cpu")
+    with pytest.raises(ValueError, match="dot products take 16-bit queries, not torch.float32"):
+        triton_decode.paged_decode(q, kc, vc, tables[:2], lens[:2], 0.125, dot=1)
 
 
 def test_choose_splits_fills_the_sms_with_spans_of_whole_steps() -> None:
@@ -139,12 +167,13 @@ def test_choose_warps_takes_one_over_fp8_with_many_programs_in_few_spans() -> No
 
 @pytest.mark.gpu(1)
 @pytest.mark.parametrize("splits", (1, 3, 0), ids=("whole", "3-spans", "chosen"))
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+@pytest.mark.parametrize("dtype,dot", ((torch.float32, -1), (torch.bfloat16, -1), (torch.bfloat16, 0)),
+                         ids=("fp32", "bf16-dot", "bf16-sums"))
 @pytest.mark.parametrize("g,d", ((1, 128), (3, 64)))
-def test_paged_decode_on_cuda(g: int, d: int, dtype: torch.dtype, splits: int) -> None:
+def test_paged_decode_on_cuda(g: int, d: int, dtype: torch.dtype, dot: int, splits: int) -> None:
     q, kc, vc, tables, lens = decodes(g, d, dtype, "cuda")
     assert triton_decode.usable(q, kc, vc)
-    out = triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5, splits=splits)
+    out = triton_decode.paged_decode(q, kc, vc, tables, lens, d ** -0.5, splits=splits, dot=dot)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float().cpu(), reference(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), lens.cpu(),
                                                             d ** -0.5), rtol=tol, atol=tol)
