@@ -11,8 +11,9 @@
         --chunk 512 --decodes 4,16,32,64 --context 512 --rounds 10   # one 80 GB GPU (docs/BENCHMARKS.md)
 
 One one-stage worker runs, in alternating rounds, the micro-batches whose difference is the
-answer: a fresh prefill chunk of P tokens alone; the same chunk plus B decodes (each after
---context cached tokens); and the B decodes alone. Per round,
+answer: a fresh prefill chunk of P tokens alone (with --chunk-cached, a later chunk of its prompt:
+after --context cached tokens of its own, as most chunks are when long prompts are served); the
+same chunk plus B decodes (each after --context cached tokens); and the B decodes alone. Per round,
 
     marginal cost of a piggybacked decode = (t[chunk + B decodes] − t[chunk]) / B
     cost of a decode alone               = t[B decodes] / B
@@ -85,7 +86,8 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, size: int, reps: int =
 def measure(model: str | None, chunks: list[int], decodes: list[int], context: int, threads: int, rounds: int,
             gguf_weights: str = "native", matmul_precision: str = "highest", kv_dtype: str = "auto",
             device: str = "cpu", dtype: str = "float32", attention: str = "auto", matmul_size: int = 0,
-            profile: int = 0, cuda_decodes: tuple[str, ...] = (), cuda_elementwise: tuple[str, ...] = ()) -> list[dict]:
+            profile: int = 0, cuda_decodes: tuple[str, ...] = (), cuda_elementwise: tuple[str, ...] = (),
+            chunk_cached: bool = False) -> list[dict]:
     """One result per chunk size, way of running the decodes' attention (``decode_ways``) and way of
     running the elementwise ops (``elementwise_ways``), all on one worker (building a 7B random
     model takes a minute)."""
@@ -111,8 +113,9 @@ def measure(model: str | None, chunks: list[int], decodes: list[int], context: i
                         w.model.backend.paged_cuda = way != "gathered"
                         w.model.backend.decode_tuning = decode_tuning(way)
                     triton_elementwise.enabled = ew != "eager"
-                    out.append({"chunk": c, "cuda_decode": way, "elementwise": ew, **labels,
-                                **_measure_chunk(w, c, decodes, context, rounds, mm["flop_s"], profile)})
+                    out.append({"chunk": c, "chunk_context": context if chunk_cached else 0, "cuda_decode": way,
+                                "elementwise": ew, **labels,
+                                **_measure_chunk(w, c, decodes, context, rounds, mm["flop_s"], profile, chunk_cached)})
     finally:
         triton_elementwise.enabled = True
     return out
@@ -174,19 +177,20 @@ def decode_ways(w: StageWorker, asked: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def _measure_chunk(w: StageWorker, chunk: int, decodes: list[int], context: int, rounds: int, rate: float,
-                   profile: int) -> dict:
+                   profile: int, chunk_cached: bool = False) -> dict:
     sync = device_sync(w.device)
-    grid = Grid(prefill=(chunk,), prefill_with_context=(), decode=tuple(decodes), mixed_decode=tuple(decodes),
-                mixed_prefill=chunk, context=context)
+    # the layout gives the chunk's sequence room for context + chunk where the chunk is cached
+    grid = Grid(prefill=(chunk,), prefill_with_context=(chunk,) if chunk_cached else (), decode=tuple(decodes),
+                mixed_decode=tuple(decodes), mixed_prefill=chunk, context=context)
     layout = Layout(grid)
     w.kv_caches = []  # the last chunk's cache goes before this one's is allocated (a 7B model's is GBs)
     w.allocate_cache(layout.num_blocks)
     fill_cache(w)
     vocab = w.spec.source.config.vocab_size
     gen = random.Random(0)
-    points = {"chunk": Point("prefill", chunk, 0, 0)}
+    points = {"chunk": Point("prefill", chunk, 0, context if chunk_cached else 0)}
     for b in decodes:
-        points[f"mixed{b}"] = Point("mixed", chunk, b, context)
+        points[f"mixed{b}"] = Point("mixed", chunk, b, context, chunk_cached)
         points[f"decode{b}"] = Point("decode", 0, b, context)
     plans = {k: plan_chunks(p, layout, vocab, gen) for k, p in points.items()}
 
@@ -288,7 +292,8 @@ def _round_slopes(times: dict[str, list[float]], decodes: list[int]) -> list[flo
 def report(r: dict, a: argparse.Namespace) -> None:
     """Print one chunk size's figures."""
     print(f"{r['device_name']} ({r['device']}, {r['dtype']}, {r['attention']}, decodes: {r['cuda_decode']}, "
-          f"elementwise: {r['elementwise']}): chunk {r['chunk']} (fresh) ± decodes "
+          f"elementwise: {r['elementwise']}): chunk {r['chunk']} "
+          f"({f'after {c} cached' if (c := r['chunk_context']) else 'fresh'}) ± decodes "
           f"at context {r['context']}, {r['threads']} thread(s), {r['rounds']} rounds, matmul precision "
           f"{a.matmul_precision}, KV {a.kv_cache_dtype}, GGUF weights {a.gguf_weights}; chunk alone {r['chunk_ms']:.1f} ms")
     print("   B   piggybacked ms/decode   alone ms/decode   ratio    (from minima: piggybacked, alone, ratio)"
@@ -321,6 +326,9 @@ def main() -> None:
     ap.add_argument("--chunk", default="256", help="prefill chunk size(s), comma-separated: one worker runs each")
     ap.add_argument("--decodes", default="2,4,8,16,32")
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--chunk-cached", action="store_true",
+                    help="the chunk continues its prompt after --context cached tokens of its own (attention over "
+                         "them too), where by default it is the prompt's first")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI)")
@@ -363,7 +371,7 @@ def main() -> None:
         rs = measure(a.model, [int(c) for c in a.chunk.split(",")], [int(b) for b in a.decodes.split(",")], a.context,
                      a.threads, a.rounds, a.gguf_weights, a.matmul_precision, a.kv_cache_dtype, a.device, a.dtype,
                      a.attention, a.matmul_size, a.profile, tuple(filter(None, a.cuda_decode.split(","))),
-                     tuple(filter(None, a.cuda_elementwise.split(","))))
+                     tuple(filter(None, a.cuda_elementwise.split(","))), a.chunk_cached)
     except ValueError as e:  # a bad model, device, dtype or backend: one line, no traceback
         raise SystemExit(f"decode_maximal: {e}") from None
     for r in rs:

@@ -119,10 +119,14 @@ class Point:
     prefill_tokens: int
     decode_tokens: int
     context_len: int  # cached tokens before the prefill chunk (prefill) or before each decode
+    # mixed: the chunk continues its own prompt after context_len cached tokens (a later chunk of
+    # a long prompt, as in steady serving), where by default it is the prompt's first
+    chunk_cached: bool = False
 
     @property
     def label(self) -> str:
-        return f"{self.kind} P={self.prefill_tokens} B={self.decode_tokens} ctx={self.context_len}"
+        cached = " chunk cached" if self.chunk_cached else ""
+        return f"{self.kind} P={self.prefill_tokens} B={self.decode_tokens} ctx={self.context_len}{cached}"
 
 
 def grid_points(grid: Grid) -> list[Point]:
@@ -159,7 +163,7 @@ def plan_chunks(point: Point, layout: Layout, vocab: int, rng: random.Random) ->
     chunks = []
     if point.prefill_tokens:
         ids = tuple(rng.randrange(vocab) for _ in range(point.prefill_tokens))
-        start = point.context_len if point.kind == "prefill" else 0
+        start = point.context_len if point.kind == "prefill" or point.chunk_cached else 0
         chunks.append(SeqChunk(0, start, ids, layout.prefill_table(), True, _GREEDY))
     for j in range(point.decode_tokens):
         chunks.append(SeqChunk(1 + j, point.context_len, (rng.randrange(vocab),), layout.decode_table(j), False,

@@ -89,6 +89,21 @@ def test_decode_maximal_smoke(hf_models: dict, tmp_path: Path) -> None:
     assert all(0.9 < f <= 1 for f in r["host_issue_fraction"].values())
 
 
+def test_decode_maximal_chunk_after_its_cached_context(hf_models: dict, tmp_path: Path) -> None:
+    """--chunk-cached: the chunk (alone and in the mixed batches) is a later chunk of its prompt, its
+    queries attending to --context cached keys of its own too, which the FLOPs count."""
+    from pp_runtime.chunk_budget import chunk_cost
+    from stages.model_source import hf_config
+    r = run(["benchmarks/decode_maximal.py", "--smoke", "--model", str(hf_models["llama"]), "--chunk-cached"], tmp_path)
+    assert r["chunk"] == 16 and r["chunk_context"] == 16 and r["by_batch"]["2"]["mixed_ms"] > 0
+    cfg = hf_config(hf_models["llama"])
+    head = 2 * cfg.hidden_size * cfg.vocab_size
+    per_token = 2 * cfg.num_layers * cfg.linear_params
+    assert r["flops"]["chunk"] == pytest.approx(chunk_cost(16, 16, cfg.key_cost) * per_token + head)
+    assert r["flops"]["chunk"] > chunk_cost(0, 16, cfg.key_cost) * per_token + head  # more keys than a fresh chunk's
+    assert r["flops"]["mixed2"] == pytest.approx(r["flops"]["chunk"] + r["flops"]["decode2"])
+
+
 def test_decode_maximal_smoke_bf16(hf_models: dict, tmp_path: Path) -> None:
     """--dtype bfloat16: the model in bf16, and the device's rate measured on bf16 matmuls."""
     r = run(["benchmarks/decode_maximal.py", "--smoke", "--model", str(hf_models["llama"]), "--dtype", "bfloat16"],

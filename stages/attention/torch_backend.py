@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from stages import cpu_kernels, triton_elementwise
 from stages.attention import triton_decode
@@ -57,12 +58,6 @@ def byte_view(cache: torch.Tensor) -> torch.Tensor:
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """The cache's blocks ``blocks`` (n,) as (n, BS, H_kv, D), in the cache's dtype."""
     return byte_view(cache).index_select(0, blocks).view(cache.dtype)
-
-
-def causal_offset_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
-    """(q, ctx) bool: query i (at position ctx − q + i) sees keys 0..ctx − q + i."""
-    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device).unsqueeze(1)
-    return torch.arange(ctx_len, device=device).unsqueeze(0) <= q_pos
 
 
 def decode_lens(meta: AttentionMetadata, device: torch.device | None = None) -> torch.Tensor:
@@ -136,7 +131,11 @@ class TorchAttention:
                 table = meta.prefill_tables[i]
                 ki = _gather(k_cache, table).view(-1, h_kv, d)[:ctx].to(q.dtype)  # (ctx, H_kv, D)
                 vi = _gather(v_cache, table).view(-1, h_kv, d)[:ctx].to(q.dtype)
-                mask, causal = causal_offset_mask(n, ctx, q.device), False
+                # query i (at position ctx − n + i) sees keys 0..ctx − n + i: causal aligned to the
+                # bottom right, which SDPA's flash kernel takes as such on CUDA. An explicit (n, ctx)
+                # mask rules flash out, and with GQA the memory-efficient kernel too (it wants as
+                # many K/V heads as q's), leaving the math path: the fp32 scores materialised
+                mask, causal = causal_lower_right(n, ctx), False
             o = F.scaled_dot_product_attention(qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
                                                attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True)
             out[row:row + n] = o.squeeze(0).transpose(0, 1)

@@ -9,9 +9,15 @@ import torch
 from pp_runtime.batch import SeqChunk
 from stages import cpu_kernels
 from stages.attention import TorchAttention, XFormersAttention, build_metadata, make_backend
-from stages.attention.torch_backend import causal_offset_mask
 
 BS, H, HKV, D = 4, 4, 2, 8
+
+
+def causal_offset_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor:
+    """(q, ctx) bool: query i (at position ctx − q + i) sees keys 0..ctx − q + i (the reference's
+    mask, built by hand where the backend passes SDPA torch's bottom-right causal bias)."""
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device).unsqueeze(1)
+    return torch.arange(ctx_len, device=device).unsqueeze(0) <= q_pos
 
 
 def mixed_batch(seed: int = 0, d: int = D) -> tuple:
@@ -355,6 +361,35 @@ def test_xformers_kernel_matches_torch_on_cuda() -> None:
     ours = make_backend("xformers", "cuda", D).forward(q, k, v, kc.clone(), vc.clone(), meta)
     ref = TorchAttention(D ** -0.5).forward(q, k, v, kc, vc, meta)
     torch.testing.assert_close(ours, ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hkv", [8, 32], ids=["gqa", "mha"])
+def test_later_chunks_attend_bottom_right_on_cuda(hkv: int) -> None:
+    """bf16 chunks of 96 and 40 tokens after 200 and 1000 cached ones, 32 heads of 128: SDPA takes
+    torch's bottom-right causal bias (flash on this GPU, for GQA too, where a bool mask left the math
+    path) and must give the dense reference's attention."""
+    g, bs, d = torch.Generator().manual_seed(0), 16, 128
+    specs, chunks, next_block = [(0, 200, 96), (1, 1000, 40)], [], 0
+    for seq, start, n in specs:
+        nb = -(-(start + n) // bs)
+        chunks.append(SeqChunk(seq, start, tuple(range(n)), tuple(range(next_block, next_block + nb)), True, None))
+        next_block += nb
+    kc, vc = (torch.randn(next_block, bs, hkv, d, generator=g).bfloat16().cuda() for _ in range(2))
+    t = sum(n for *_, n in specs)
+    q = torch.randn(t, 32, d, generator=g).bfloat16().cuda()
+    k, v = (torch.randn(t, hkv, d, generator=g).bfloat16().cuda() for _ in range(2))
+    meta = build_metadata(tuple(chunks), bs, torch.device("cuda"))
+    out = TorchAttention(d ** -0.5).forward(q, k, v, kc, vc, meta).float()
+    row = 0
+    for c in chunks:  # fp32 over the written cache: every key up to each query's own position
+        keys = kc[list(c.block_table)].flatten(0, 1)[:c.context_len].float().repeat_interleave(32 // hkv, dim=1)
+        vals = vc[list(c.block_table)].flatten(0, 1)[:c.context_len].float().repeat_interleave(32 // hkv, dim=1)
+        s = torch.einsum("nhd,lhd->hnl", q[row:row + c.num_tokens].float(), keys) * d ** -0.5
+        s = s.masked_fill(~causal_offset_mask(c.num_tokens, c.context_len, q.device), float("-inf"))
+        ref = torch.einsum("hnl,lhd->nhd", s.softmax(-1), vals)
+        torch.testing.assert_close(out[row:row + c.num_tokens], ref, rtol=2e-2, atol=2e-2)
+        row += c.num_tokens
 
 
 NARROW = [torch.float16, torch.float8_e4m3fn]
