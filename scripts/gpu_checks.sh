@@ -7,7 +7,8 @@
 #   bash scripts/gpu_checks.sh            # figures and logs under $OUT (default /tmp/gpu_checks)
 #
 # ~5-7 minutes on an H200 (277 s with CHUNKS=512,2048 in the fourth GPU run, before the cached-chunk
-# step; each 7B model is drawn on the host in ~45 s): give the device call timeout_s 600. At most 8 files come back from a device call: keep it so. xformers may be carried as a wheel in
+# step; each 7B model is drawn on the host in ~45 s): give the device call timeout_s 600. At most 8
+# files come back from a device call: keep it so. xformers may be carried as a wheel in
 # .whl/ (the GPU image has none); each step has its own timeout, so one that fails or hangs leaves
 # the others' figures.
 set -u -o pipefail
