@@ -79,7 +79,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     g_pad = 1 << (g - 1).bit_length()
     dot = takes_dot(q, k_cache.dtype) if dot < 0 else bool(dot)
     if dot and not takes_dot(q):
-        raise ValueError(f"paged_decode: dot products take 16-bit queries, not {q.dtype}")
+        raise ValueError(f"paged_decode: dot products take fp16 queries, or bf16 ones from sm_80, not {q.dtype}")
     if dot:  # tl.dot's tiles are at least 16 x 16: padding rows are loaded as 0 and never stored
         g_pad = max(g_pad, 16)
         # 8 KB of bf16 K a step at D = 128, as the fp32 product's 32 keys; the tiles sit in the
@@ -110,12 +110,19 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 def takes_dot(q: torch.Tensor, cache_dtype: torch.dtype | None = None) -> bool:
-    """Whether the kernel's products can run on tensor cores (16-bit queries: an fp32 model keeps
-    fp32 products) and, given the cache's dtype, whether they do by default: over a cache of q's
-    dtype. On the H200 with LLaMA-7B's heads, 64 decodes x 512 keys, a bf16 cache 0.218 -> 0.173 ms
-    (the 512 + 64 step 6.2 -> 4.8 ms of decode kernel); an fp8 cache 0.156 -> 0.257 ms, its
-    widening to bf16 for tl.dot costing more than the fp32 sums (docs/BENCHMARKS.md)."""
-    return q.dtype in (torch.bfloat16, torch.float16) and cache_dtype in (None, q.dtype)
+    """Whether the kernel's products can run on tensor cores (16-bit queries, bf16 ones from sm_80,
+    whose tensor cores first take bf16: an fp32 model keeps fp32 products) and, given the cache's
+    dtype, whether they do by default: over a cache of q's dtype. On the H200 with LLaMA-7B's heads,
+    64 decodes x 512 keys, a bf16 cache 0.218 -> 0.173 ms (the 512 + 64 step 6.2 -> 4.8 ms of decode
+    kernel); an fp8 cache 0.156 -> 0.257 ms, its widening to bf16 for tl.dot costing more than the
+    fp32 sums (docs/BENCHMARKS.md). CPU tensors reach the kernel only in Triton's interpreter."""
+    tensor_cores = q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and (not q.is_cuda or _sm80(q.device.index)))
+    return tensor_cores and cache_dtype in (None, q.dtype)
+
+
+@functools.cache
+def _sm80(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def choose_splits(programs: int, max_keys: int, tokens: int, device: torch.device) -> int:

@@ -136,7 +136,7 @@ def test_dot_products_by_default_over_a_cache_of_the_queries_16_bit_dtype() -> N
     assert triton_decode.takes_dot(q.to(bf16)) and not triton_decode.takes_dot(q.to(bf16), fp8)
     assert not triton_decode.takes_dot(q.to(fp16), bf16) and not triton_decode.takes_dot(q, fp32)
     _, kc, vc, tables, lens = decodes(2, 64, fp32, "cpu")
-    with pytest.raises(ValueError, match="dot products take 16-bit queries, not torch.float32"):
+    with pytest.raises(ValueError, match="dot products take fp16 queries, or bf16 ones from sm_80, not torch.float32"):
         triton_decode.paged_decode(q, kc, vc, tables[:2], lens[:2], 0.125, dot=1)
 
 
