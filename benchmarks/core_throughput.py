@@ -32,8 +32,10 @@ def gemm_rate(hidden: int, inter: int, q: int, kv: int, tokens: int, reps: int) 
     return flops * reps / (time.perf_counter() - t)
 
 
-def ours(model: str | None, prompts: list[list[int]], max_tokens: int, **engine: object) -> float:
-    """Wall seconds for our engine on ``prompts`` (all submitted at once), after a warm-up."""
+def ours(model: str | None, prompts: list[list[int]], max_tokens: int, sampling: dict | None = None,
+         **engine: object) -> float:
+    """Wall seconds for our engine on ``prompts`` (all submitted at once), after a warm-up; greedy
+    unless ``sampling`` gives SamplingParams fields (temperature, top_p, top_k, seed)."""
     from pp_runtime import LLM, SamplingParams
     # the embedded model: 2048 of its 8192 positions (the memory plan's B); another model: its own limit
     with LLM(model=model, memory_budget_gb=2.0, max_model_len=2048 if model is None else None, prefault_kv=True,
@@ -41,7 +43,7 @@ def ours(model: str | None, prompts: list[list[int]], max_tokens: int, **engine:
              **engine) as llm:
         llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))  # warm-up
         t = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(sampling or {})))
         dt = time.perf_counter() - t
     assert all(len(o.token_ids) == max_tokens for o in outs)
     return dt

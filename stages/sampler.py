@@ -2,6 +2,15 @@
 
 Every sampled row draws from its own generator seeded by the plan (request seed mixed with
 the token's position), so a seeded request gets the same tokens however it was batched.
+
+A sampled row costs a few passes over its (V,) logits and no sort of the vocabulary: top-k
+takes ``torch.topk``'s k tokens; top-p draws from the whole row and redraws from the tokens
+likelier than a draw that fell outside the nucleus (``_draw_nucleus``); a draw is one uniform
+number against cumulative weights, block by block (``_draw``). On a Zen 3 core pair, for
+49152-token rows: ``torch.multinomial`` took 1.7 ms a row and a full sort 4.5 ms; 32 rows take
+9 ms here at temperature 0.8 (72 ms before), 14 ms with top-p 0.95 (237 ms).
+
+    .venv/bin/python -m stages.sampler      # time a batch of sampled rows
 """
 from __future__ import annotations
 
@@ -13,6 +22,8 @@ from pp_runtime.batch import SampleSpec
 # Temperatures below this are greedy, as in vLLM: dividing by them only turns ties and
 # near-ties into coin flips, and such a request would lose greedy's same-tokens-everywhere promise.
 SAMPLING_EPS = 1e-5
+# Weights per block of ``_draw``'s first level: 48 blocks for a 49152-token vocabulary.
+DRAW_BLOCK = 1024
 
 
 def is_greedy(s: SampleSpec) -> bool:
@@ -21,41 +32,116 @@ def is_greedy(s: SampleSpec) -> bool:
 
 
 def sample_hidden(model: torch.nn.Module, h: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
-    """The tokens of the sampled rows' hidden states h (S, H) (the last stage's model): with every
-    row greedy only their argmax (``model.argmax_tokens``: the same ids, less work), else
-    ``sample`` over the logits. Every TP rank calls it (the LM head gathers across them)."""
-    if all(is_greedy(s) for s in specs):
+    """The tokens of the sampled rows' hidden states h (S, H) (the last stage's model): greedy
+    rows by their argmax alone (``model.argmax_tokens``: the same ids, less work), the others by
+    ``sample`` over their logits. Every TP rank calls it with the same specs (the LM head gathers
+    across them), so every rank makes the same calls in the same order."""
+    greedy = [i for i, s in enumerate(specs) if is_greedy(s)]
+    if len(greedy) == len(specs):
         return model.argmax_tokens(h).tolist()
-    return sample(model.logits(h), specs)
+    if not greedy:
+        return sample(model.logits(h), specs)
+    drawn = [i for i, s in enumerate(specs) if not is_greedy(s)]
+    out = [0] * len(specs)
+    for i, tok in zip(greedy, model.argmax_tokens(h[greedy]).tolist()):
+        out[i] = tok
+    for i, tok in zip(drawn, sample(model.logits(h[drawn]), [specs[i] for i in drawn])):
+        out[i] = tok
+    return out
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
     """logits (S, V), one spec per row -> S token ids."""
     if logits.shape[0] != len(specs):
         raise ValueError(f"sample: {logits.shape[0]} logit rows but {len(specs)} sampling specs")
-    logits = logits.float()  # half-precision logits would make the softmax below coarse
-    out = logits.argmax(dim=-1).tolist()
-    for i, s in enumerate(specs):
-        if not is_greedy(s):
-            out[i] = _sample_row(logits[i], s)
-    return out
+    logits = logits.float()  # half-precision logits would make the weights below coarse
+    return [int(logits[i].argmax()) if is_greedy(s) else _sample_row(logits[i], s) for i, s in enumerate(specs)]
 
 
-def _sample_row(logits: torch.Tensor, s: SampleSpec) -> int:  # logits (V,)
-    # Shift the maximum to 0 before dividing: a tiny temperature then sends the others to
-    # -inf instead of overflowing everything to inf (whose softmax is NaN and crashes multinomial).
-    # In float64: a temperature below float32's smallest subnormal (~1.4e-45) would round to 0
-    # there and make the maximum 0 / 0 = NaN; float64 holds any positive Python float.
-    x = (logits - logits.max()).double() / s.temperature
-    if 0 < s.top_k < x.numel():
-        kth = torch.topk(x, s.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if s.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = sorted_x.softmax(-1)
-        # Drop a token once the mass of the tokens strictly before it already reaches top_p;
-        # the most likely token always stays.
-        drop = (probs.cumsum(-1) - probs) >= s.top_p
-        x = x.scatter(0, order[drop], float("-inf"))
+def _sample_row(logits: torch.Tensor, s: SampleSpec) -> int:  # logits (V,) float32
+    # Weights exp((logit - max) / T): shifting the maximum to 0 first keeps every weight ≤ 1, and a
+    # small temperature sends the others to 0 rather than overflowing. float32 holds it: a sampled
+    # row's temperature is ≥ SAMPLING_EPS, so the exponents are ≥ -(logit range) · 1e5.
     g = torch.Generator(device=logits.device).manual_seed(s.seed)
-    return int(torch.multinomial(x.softmax(-1), 1, generator=g).item())
+    if 0 < s.top_k < logits.numel():
+        vals, ids = _top_k(logits, s.top_k)  # (k,) likeliest first: the weights of these alone
+        w = vals.sub(vals[0]).div_(s.temperature).exp_()
+        if s.top_p < 1.0:
+            probs = w.double() / w.sum(dtype=torch.float64)
+            w = w[: int(((probs.cumsum(0) - probs) < s.top_p).sum())]  # a prefix: the mass only grows
+        return int(ids[_draw(w, g)])
+    w = logits.sub(logits.max()).div_(s.temperature).exp_()  # (V,) unnormalised probabilities
+    if s.top_p >= 1.0:
+        return _draw(w, g)
+    return _draw_nucleus(w, s.top_p, g)
+
+
+def _draw(w: torch.Tensor, g: torch.Generator) -> int:
+    """An index drawn with probability w[i] / sum(w) (w (n,) ≥ 0, not all 0): the first whose
+    cumulative weight passes one uniform number times the total; a zero-weight index never does.
+    In two levels, block then index, since a cumulative sum over the whole row is a sequential
+    scan (76 µs for 49152 weights here) where block sums vectorise."""
+    if w.numel() % DRAW_BLOCK:  # zero weights to whole blocks
+        w = torch.nn.functional.pad(w, (0, -w.numel() % DRAW_BLOCK))
+    blocks = w.view(-1, DRAW_BLOCK)  # (nb, DRAW_BLOCK)
+    cdf = blocks.sum(1, dtype=torch.float64).cumsum(0)  # (nb,)
+    total = float(cdf[-1])
+    if not (0 < total < float("inf")):  # NaN or inf logits (a model gone wrong): say so, never loop
+        raise ValueError(f"sampling: the logits' weights sum to {total}; the logits hold NaN or inf")
+    target = float(torch.rand((), generator=g, dtype=torch.float64, device=w.device)) * total
+    # u · total may round up to the total: then the last block that has weight.
+    b = min(int(torch.searchsorted(cdf, target, right=True)), int((cdf < total).sum()))
+    rem = target - (float(cdf[b - 1]) if b else 0.0)  # ≥ 0: the blocks before b hold ≤ target
+    local = blocks[b].cumsum(0, dtype=torch.float64)  # (DRAW_BLOCK,)
+    i = int(torch.searchsorted(local, rem, right=True))
+    if i == DRAW_BLOCK or blocks[b, i] == 0:  # rem rounded past the block's own total
+        i = int(blocks[b].nonzero()[-1])
+    return b * DRAW_BLOCK + i
+
+
+def _draw_nucleus(w: torch.Tensor, p: float, g: torch.Generator) -> int:
+    """An index drawn from the nucleus of w (V,): order the tokens likeliest first (ties by id) and
+    keep each while the tokens before it hold less than p of the mass (so the likeliest always
+    stays); drawn with probability ∝ w inside it. Without sorting: draw from the whole row and
+    accept the token if it is in the nucleus, else draw again from the tokens before it only.
+    Every such set still holds the whole nucleus, so an accepted token has the nucleus's
+    distribution, and a rejection (chance ≤ 1 - p) only shrinks the set."""
+    total = float(w.sum(dtype=torch.float64))
+    while True:
+        j = _draw(w, g)
+        wj = w[j]
+        likelier = w > wj
+        before = float(torch.where(likelier, w, 0).sum(dtype=torch.float64))
+        ties = w[:j] == wj
+        before += float(wj) * int(ties.sum())
+        if before < p * total:
+            return j
+        w = torch.where(likelier, w, 0)
+        w[:j] = torch.where(ties, wj, w[:j])
+
+
+def _top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k likeliest tokens' (logits, ids) of x (V,), 0 < k < V, likeliest first; tokens tied
+    with the kth are kept too, as vLLM keeps them."""
+    vals, ids = torch.topk(x, k)
+    if not bool(torch.isfinite(vals[0])):  # topk puts NaN first
+        raise ValueError(f"sampling: the likeliest logit is {float(vals[0])}; the logits hold NaN or inf")
+    if vals[-1] > float("-inf") and int((x == vals[-1]).sum()) > int((vals == vals[-1]).sum()):
+        ids = (x >= vals[-1]).nonzero().squeeze(1)  # rare: more tokens tie with the kth
+        vals, order = torch.sort(x[ids], descending=True, stable=True)
+        ids = ids[order]
+    return vals, ids
+
+
+if __name__ == "__main__":
+    import time
+    torch.manual_seed(0)
+    for rows in (1, 8, 32):
+        logits = torch.randn(rows, 49152) * 3
+        for name, s in (("T 0.8", SampleSpec(0.8, 1.0, 0, 1)), ("T 0.8, top_p 0.95", SampleSpec(0.8, 0.95, 0, 1)),
+                        ("T 0.8, top_k 50", SampleSpec(0.8, 1.0, 50, 1))):
+            sample(logits, [s] * rows)
+            t = time.perf_counter()
+            for _ in range(5):
+                sample(logits, [s] * rows)
+            print(f"{rows:3d} rows, {name:18s} {(time.perf_counter() - t) / 5 * 1e3:7.2f} ms")

@@ -117,3 +117,74 @@ def test_half_precision_logits_and_minus_inf(logits: torch.Tensor) -> None:
 def test_rows_and_specs_must_match() -> None:
     with pytest.raises(ValueError, match="2 logit rows but 1 sampling specs"):
         sample(torch.zeros(2, 4), [spec()])
+
+
+def counts_follow(got: list[int], probs: dict[int, float]) -> None:
+    """Every draw is one of probs' tokens, each count within 4 standard deviations of its mean."""
+    n = len(got)
+    assert set(got) <= set(probs)
+    for tok, p in probs.items():
+        assert abs(got.count(tok) - n * p) < 4 * math.sqrt(n * p * (1 - p)) + 1, (tok, got.count(tok), n * p)
+
+
+def many(logits: torch.Tensor, n: int = 2000, **kw: object) -> list[int]:
+    return sample(logits.expand(n, -1), [spec(seed=s, **kw) for s in range(n)])
+
+
+def test_top_p_draws_in_proportion_inside_the_nucleus() -> None:
+    # (0.4, 0.3, 0.2, 0.1), top_p 0.8: the mass before the last token is 0.9 ≥ 0.8, so the nucleus
+    # is the first three, drawn 4 : 3 : 2 (the rejected draws of token 3 are drawn again).
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    counts_follow(many(logits, top_p=0.8), {0: 4 / 9, 1: 3 / 9, 2: 2 / 9})
+
+
+def test_top_p_orders_ties_by_token_id() -> None:
+    """Four equal tokens: the mass before each is 0, 0.25, 0.5, 0.75, so top_p 0.5 keeps tokens 0
+    and 1 (one draw in two is rejected and drawn again) and 0.6 keeps three."""
+    flat = torch.zeros(4)
+    counts_follow(many(flat, top_p=0.5), {0: 0.5, 1: 0.5})
+    counts_follow(many(flat, top_p=0.6), {0: 1 / 3, 1: 1 / 3, 2: 1 / 3})
+    # ties below a likelier token: (0.4, 0.2, 0.2, 0.2) at 0.7 keeps 0, 1, 2 (before 2: 0.6 < 0.7)
+    counts_follow(many(torch.tensor([0.4, 0.2, 0.2, 0.2]).log(), top_p=0.7), {0: 0.5, 1: 0.25, 2: 0.25})
+
+
+def test_top_p_on_a_large_vocabulary_matches_the_sorted_nucleus() -> None:
+    """Against the definition by a full sort, over a vocabulary of several draw blocks."""
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(4)) * 2
+    probs, order = x.double().softmax(-1).sort(descending=True)
+    nucleus = set(order[(probs.cumsum(0) - probs) < 0.3].tolist())
+    assert 10 < len(nucleus) < 100
+    got = set(many(x, n=1000, top_p=0.3))
+    assert got <= nucleus and len(got) > len(nucleus) // 2
+    assert not set(many(x, n=300)) <= nucleus  # the control: without the cut, others show up
+
+
+def test_draws_across_blocks_follow_the_weights() -> None:
+    """The draw finds its block, then its token: mass in three blocks, one of them the last,
+    partial one (3000 = 2 × 1024 + 952), in proportion and at the right ids."""
+    x = torch.full((3000,), float("-inf"))
+    x[[5, 1500, 2999]] = torch.tensor([0.5, 0.3, 0.2]).log()
+    counts_follow(many(x), {5: 0.5, 1500: 0.3, 2999: 0.2})
+    assert set(many(x, n=50, top_k=2)) == {5, 1500}
+
+
+def test_top_k_keeps_ties_with_the_kth() -> None:
+    got = set(many(torch.tensor([3.0, 2.0, 2.0, 1.0, 2.0]), n=300, temperature=5.0, top_k=2))
+    assert got == {0, 1, 2, 4}  # the three tied with the 2nd all stay, as in vLLM
+
+
+def test_nan_logits_fail_by_name() -> None:
+    x = torch.zeros(8)
+    x[3] = float("nan")
+    for kw in ({}, {"top_p": 0.9}, {"top_k": 4}):
+        with pytest.raises(ValueError, match="logits hold NaN or inf"):
+            sample(x[None], [spec(**kw)])
+
+
+@pytest.mark.parametrize("cut", [{}, {"top_k": 3}, {"top_p": 0.99}, {"top_k": 3, "top_p": 0.99}])
+def test_temperature_reshapes_the_draws(cut: dict) -> None:
+    """T = 2 takes square roots of (0.5, 0.3, 0.2, 1e-12): each path (no cut, top-k, top-p, both)
+    draws in proportion to the tempered weights (the fourth token is left out by every cut)."""
+    w = torch.tensor([0.5, 0.3, 0.2, 1e-12]).sqrt()
+    expect = {i: float(w[i] / w[:3].sum()) for i in range(3)}
+    counts_follow(many(torch.tensor([0.5, 0.3, 0.2, 1e-12]).log(), temperature=2.0, **cut), expect)
