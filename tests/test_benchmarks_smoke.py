@@ -26,8 +26,9 @@ def run(args: list[str], tmp: Path) -> dict:
 def test_vs_hf_smoke(hf_models: dict, tmp_path: Path) -> None:
     png = tmp_path / "vs_hf.png"
     r = run(["benchmarks/vs_hf.py", "--smoke", "--model", str(hf_models["llama"]), "--plot", str(png),
-             "--int8-kv-cache-dtype", "fp8"], tmp_path)
+             "--int8-kv-cache-dtype", "fp8", "--temperature", "0.8", "--top-p", "0.95"], tmp_path)
     assert r["int8_kv_cache_dtype"] == "fp8"
+    assert r["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 0}  # every side samples
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert r["hf_tok_s"] > 0 and r["ours_pp1_tok_s"] > 0 and r["ours_pp2_tok_s"] > 0
     assert r["hf_bf16_tok_s"] > 0 and r["ours_pp1_medium_tok_s"] > 0
