@@ -155,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="default temperature")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--logprobs", type=int, default=None,
+                   help="default logprobs: each new token's log-probability and this many likeliest alternatives (0-20)")
     b = sub.add_parser("bench", help="run a workload under each scheduler of a configs/runs/*.yaml")
     b.add_argument("--config", required=True,
                    help="run config: a YAML path, or a name from configs/runs/ (pp2_zipf)")

@@ -40,7 +40,7 @@ from launch.placement import place_stages, stage_bundles
 from launch.ray_cluster import acquire_ray, release_ray
 from launch.stage_actor import StageActor
 from launch.worker_health import WorkerHealth
-from pp_runtime.batch import MicroBatch
+from pp_runtime.batch import MicroBatch, Sampled
 from pp_runtime.comm import Topology
 from pp_runtime.control import Connection
 from pp_runtime.config import EngineConfig
@@ -139,7 +139,7 @@ class RayExecutor(WorkerHealth):
         if caught:
             signal.raise_signal(caught[0])
 
-    def collect(self) -> list[int]:
+    def collect(self) -> Sampled:
         """The oldest micro-batch's tokens. While they are not there, the serve loops are checked
         every POLL_S (one that ended raised: its error is reported), and after ``timeout_s`` / 2
         without them every worker is pinged with the other half as its deadline (a dead or hung

@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from pp_runtime.batch import MicroBatch
+from pp_runtime.batch import MicroBatch, Sampled
 from pp_runtime.comm import P2P, ControlChannel, Topology, init_distributed
 from pp_runtime.config import EngineConfig
 from pp_runtime.executor import WorkerError
@@ -154,7 +154,7 @@ class TorchrunExecutor:
         with self._talking_to(self.topo.rank(1, 0) if self.topo.pp > 1 else 1, "micro-batch"):
             self._in_flight.append((mb, self.worker.execute(wire)))
 
-    def collect(self) -> list[int]:
+    def collect(self) -> Sampled:
         mb, local = self._in_flight.popleft()
         if self.last == 0:
             return local

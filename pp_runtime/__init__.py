@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pp_runtime.request import RequestOutput, SamplingParams
+from pp_runtime.request import Logprob, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "Logprob"]
 
 
 def __getattr__(name: str) -> Any:

@@ -19,6 +19,20 @@ class SampleSpec:
     top_p: float
     top_k: int
     seed: int
+    logprobs: int = -1  # -1: none; N ≥ 0: the sampled token's log-probability and the N likeliest
+
+
+# What the last stage returns for a micro-batch: its sampled token ids in plan order; or, when a
+# row asked for logprobs, (those ids, per row None or ((token id, logprob, rank), ...), sampled first)
+LogprobRow = tuple[tuple[int, float, int], ...]
+Sampled = list[int] | tuple[list[int], list[LogprobRow | None]]
+
+
+def split_sampled(sampled: Sampled) -> tuple[list[int], list[LogprobRow | None]]:
+    """(token ids, per row its logprobs or None) of a last stage's return."""
+    if isinstance(sampled, tuple):
+        return sampled
+    return sampled, [None] * len(sampled)
 
 
 @dataclass(frozen=True)
@@ -70,7 +84,7 @@ class MicroBatch:
     def to_wire(self) -> tuple:
         """Flat lists: (mb_id, seq_ids, starts, lens, is_prefill, tokens, table_lens, tables, samples,
         time_ops)."""
-        samples = [(i, s.temperature, s.top_p, s.top_k, s.seed)
+        samples = [(i, s.temperature, s.top_p, s.top_k, s.seed, s.logprobs)
                    for i, c in enumerate(self.chunks) if (s := c.sample) is not None]
         return (self.mb_id,
                 [c.seq_id for c in self.chunks],
@@ -86,7 +100,7 @@ class MicroBatch:
     @classmethod
     def from_wire(cls, wire: tuple) -> "MicroBatch":
         mb_id, seq_ids, starts, lens, prefill, tokens, table_lens, tables, samples, time_ops = wire
-        specs = {i: SampleSpec(t, p, k, s) for i, t, p, k, s in samples}
+        specs = {i: SampleSpec(t, p, k, s, n) for i, t, p, k, s, n in samples}
         chunks, tok_off, tab_off = [], 0, 0
         for i, seq_id in enumerate(seq_ids):
             chunks.append(SeqChunk(seq_id, starts[i], tuple(tokens[tok_off:tok_off + lens[i]]),

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterator
 
-from pp_runtime.batch import MicroBatch
+from pp_runtime.batch import MicroBatch, Sampled
 from pp_runtime.executor import Executor
 from pp_runtime.request import Request
 from pp_runtime.scheduler import Scheduler
@@ -66,14 +66,14 @@ class Engine:
             self.history.append(mb)
         self.in_flight_log.append(tuple(mb.mb_id for mb in self.in_flight))
 
-    def run(self) -> tuple[MicroBatch, list[int]]:
+    def run(self) -> tuple[MicroBatch, Sampled]:
         mb = self.in_flight.popleft()
         t_ask = time.time()
         tokens = self.executor.collect()
         self.collect_times[mb.mb_id] = (t_ask, time.time())
         return mb, tokens
 
-    def postprocess(self, mb: MicroBatch, tokens: list[int]) -> list[Request]:
+    def postprocess(self, mb: MicroBatch, tokens: Sampled) -> list[Request]:
         return self.scheduler.postprocess(mb, tokens)
 
     def step(self) -> list[Request]:

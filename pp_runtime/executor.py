@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from pp_runtime.batch import MicroBatch
+from pp_runtime.batch import MicroBatch, Sampled
 from pp_runtime.config import EngineConfig
 
 
@@ -23,7 +23,7 @@ class Executor(Protocol):
     def allocate_cache(self, num_blocks: int) -> int: ...
     def workers_info(self) -> list[dict]: ...
     def submit(self, mb: MicroBatch) -> None: ...
-    def collect(self) -> list[int]: ...
+    def collect(self) -> Sampled: ...
     def drain_timings(self) -> list[list]: ...
     def drain_op_times(self) -> list[list]: ...
     def ranks(self) -> list[tuple[int, int]]: ...
@@ -57,7 +57,7 @@ class LocalExecutor:
     def submit(self, mb: MicroBatch) -> None:
         self._queue.append(mb.to_wire())
 
-    def collect(self) -> list[int]:
+    def collect(self) -> Sampled:
         wire = self._queue.popleft()
         tokens = None
         for s, w in enumerate(self.workers):  # stages in order: each one's output is the next one's input

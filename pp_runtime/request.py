@@ -17,6 +17,8 @@ from pp_runtime.field_checks import is_int, is_number
 # Seeds torch's generators take (torch.Generator.manual_seed): a seed outside would be reduced,
 # two seeds then drawing the same tokens
 SEED_RANGE = (-(1 << 63), 1 << 64)
+# The most top alternatives ``logprobs`` asks for, per token (vLLM's default max_logprobs)
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True, kw_only=True)  # by name: SamplingParams(2) read as n=2 in older vLLM
@@ -35,6 +37,9 @@ class SamplingParams:
     # before it (or after it, with include_stop_str_in_output), the tokens at the one completing it
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
+    # vLLM's logprobs: None none; N: each new token's log-probability under the model (its raw
+    # logits' log-softmax, before temperature and cuts), with the N likeliest tokens' beside it
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         """Checks every field by name; numpy scalars become Python numbers, top_k -1 (vLLM's
@@ -71,6 +76,18 @@ class SamplingParams:
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}")
         set_("stop", tuple(strings))
+        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token) or "
+                             f"null, got {self.logprobs!r}")
+        set_("logprobs", None if self.logprobs is None else int(self.logprobs))
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability at one position, and its rank there (1: the likeliest)."""
+
+    logprob: float
+    rank: int
 
 
 class Phase(enum.Enum):
@@ -106,6 +123,8 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     token_times: list[float] = field(default_factory=list)
+    # params.logprobs set: per output token, {token id: Logprob}, the sampled token first
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     # stop strings (params.stop): called with the request after each new token, True once its text
     # holds one, and then it sets ``text`` (the output's text, cut there); the scheduler needs no
     # tokenizer for it
@@ -171,17 +190,28 @@ class RequestOutput:
     latency_s: float | None = None
     text: str | None = None
     num_cached_tokens: int = 0  # of its prompt, found in the prefix cache (vLLM's field)
+    # with SamplingParams.logprobs: one {token id: Logprob} per token of token_ids, the sampled first
+    logprobs: list[dict[int, Logprob]] | None = None
 
     @classmethod
     def from_request(cls, req: Request) -> "RequestOutput":
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
         lat = None if req.finish_time is None else req.finish_time - req.arrival_time
         return cls(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids),
-                   req.finish_reason or "error", req.error, ttft, lat, req.text, num_cached_tokens=req.num_cached_tokens)
+                   req.finish_reason or "error", req.error, ttft, lat, req.text, num_cached_tokens=req.num_cached_tokens,
+                   logprobs=logprobs_of(req))
 
     def to_json(self) -> dict:
         out = {"id": self.request_id, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                "error": self.error, "ttft_s": self.ttft_s, "latency_s": self.latency_s}
         if self.text is not None:
             out["text"] = self.text
+        if self.logprobs is not None:  # per token: [{"token_id", "logprob", "rank"}, ...], the sampled first
+            out["logprobs"] = [[{"token_id": t, "logprob": lp.logprob, "rank": lp.rank} for t, lp in d.items()]
+                               for d in self.logprobs]
         return out
+
+
+def logprobs_of(req: Request) -> list[dict[int, Logprob]] | None:
+    """A copy of the request's per-token logprobs, or None when it asked for none."""
+    return None if req.params.logprobs is None else list(req.output_logprobs)

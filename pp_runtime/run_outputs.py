@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pp_runtime.engine import Engine
-from pp_runtime.request import Request, RequestOutput
+from pp_runtime.request import Request, RequestOutput, logprobs_of
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -42,7 +42,7 @@ class StreamOutput(RequestOutput):
     @classmethod
     def partial(cls, req: Request) -> "StreamOutput":
         return cls(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), None,
-                   num_cached_tokens=req.num_cached_tokens)
+                   num_cached_tokens=req.num_cached_tokens, logprobs=logprobs_of(req))
 
     @classmethod
     def final(cls, req: Request) -> "StreamOutput":

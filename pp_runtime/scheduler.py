@@ -29,11 +29,11 @@ from bisect import bisect_right
 from collections import deque
 from typing import Callable, Sequence
 
-from pp_runtime.batch import MicroBatch, SampleSpec, SeqChunk
+from pp_runtime.batch import MicroBatch, Sampled, SampleSpec, SeqChunk, split_sampled
 from pp_runtime.chunk_budget import chunk_cost, fit_chunk
 from pp_runtime.config import SchedulerConfig
 from pp_runtime.kv_cache import BlockManager, blocks_for
-from pp_runtime.request import Phase, Request
+from pp_runtime.request import Logprob, Phase, Request
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -160,7 +160,8 @@ class Scheduler:
         if req.num_scheduled == req.num_tokens:  # every known token is in: sample the next one
             p = req.params
             base = p.seed if p.seed is not None else unseeded_base(self.seed, req.seq_id)
-            sample = SampleSpec(p.temperature, p.top_p, p.top_k, sample_seed(base, req.num_tokens))
+            sample = SampleSpec(p.temperature, p.top_p, p.top_k, sample_seed(base, req.num_tokens),
+                                -1 if p.logprobs is None else p.logprobs)
         return SeqChunk(req.seq_id, start, tuple(req.tokens_slice(start, start + n)),
                         tuple(self.blocks.block_table(req.seq_id)), is_prefill, sample)
 
@@ -331,17 +332,19 @@ class Scheduler:
         return plan
 
     # ---- postprocess ---------------------------------------------------------------------
-    def postprocess(self, mb: MicroBatch, tokens: list[int]) -> list[Request]:
-        """Apply the sampled tokens of ``mb`` (one per sampled chunk, in order); return finished requests."""
+    def postprocess(self, mb: MicroBatch, sampled: Sampled) -> list[Request]:
+        """Apply the sampled tokens of ``mb`` (one per sampled chunk, in order; with their logprobs
+        where asked: ``Sampled``); return finished requests."""
+        tokens, logprobs = split_sampled(sampled)
         if len(tokens) != mb.num_samples:
             raise RuntimeError(f"micro-batch {mb.mb_id}: expected {mb.num_samples} tokens, got {len(tokens)}")
         now = time.perf_counter()
         finished: list[Request] = []
-        sampled = iter(tokens)
+        it = iter(zip(tokens, logprobs))
         for chunk in mb.chunks:
             req = self._by_seq[chunk.seq_id]
             req.in_flight -= 1
-            token = next(sampled) if chunk.sample is not None else None
+            token, lps = next(it) if chunk.sample is not None else (None, None)
             if req.finished:
                 continue
             if chunk.seq_id in self._aborted and req.in_flight == 0:
@@ -352,6 +355,8 @@ class Scheduler:
             if token is None:
                 continue
             req.output_token_ids.append(token)
+            if lps is not None:
+                req.output_logprobs.append({t: Logprob(lp, rank) for t, lp, rank in lps})
             req.token_times.append(now)
             if req.first_token_time is None:
                 req.first_token_time = now

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pp_runtime.batch import SampleSpec
+from pp_runtime.batch import LogprobRow, Sampled, SampleSpec
 
 
 # Temperatures below this are greedy, as in vLLM: dividing by them only turns ties and
@@ -31,23 +31,45 @@ def is_greedy(s: SampleSpec) -> bool:
     return not (s.temperature >= SAMPLING_EPS and s.top_k != 1)
 
 
-def sample_hidden(model: torch.nn.Module, h: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
+def sample_hidden(model: torch.nn.Module, h: torch.Tensor, specs: list[SampleSpec]) -> Sampled:
     """The tokens of the sampled rows' hidden states h (S, H) (the last stage's model): greedy
-    rows by their argmax alone (``model.argmax_tokens``: the same ids, less work), the others by
-    ``sample`` over their logits. Every TP rank calls it with the same specs (the LM head gathers
-    across them), so every rank makes the same calls in the same order."""
-    greedy = [i for i, s in enumerate(specs) if is_greedy(s)]
-    if len(greedy) == len(specs):
+    rows that want no logprobs by their argmax alone (``model.argmax_tokens``: the same ids, less
+    work), the others by ``sample`` over their logits; with the logprobs rows asked for, as
+    ``Sampled`` says. Every TP rank calls it with the same specs (the LM head gathers across
+    them), so every rank makes the same calls in the same order."""
+    head = [i for i, s in enumerate(specs) if is_greedy(s) and s.logprobs < 0]
+    if len(head) == len(specs):
         return model.argmax_tokens(h).tolist()
-    if not greedy:
-        return sample(model.logits(h), specs)
-    drawn = [i for i, s in enumerate(specs) if not is_greedy(s)]
+    full = [i for i, s in enumerate(specs) if not (is_greedy(s) and s.logprobs < 0)]
     out = [0] * len(specs)
-    for i, tok in zip(greedy, model.argmax_tokens(h[greedy]).tolist()):
+    if head:
+        for i, tok in zip(head, model.argmax_tokens(h[head]).tolist()):
+            out[i] = tok
+    logits = model.logits(h if not head else h[full])  # (len(full), V)
+    full_specs = [specs[i] for i in full]
+    tokens = sample(logits, full_specs)
+    for i, tok in zip(full, tokens):
         out[i] = tok
-    for i, tok in zip(drawn, sample(model.logits(h[drawn]), [specs[i] for i in drawn])):
-        out[i] = tok
-    return out
+    if all(s.logprobs < 0 for s in specs):
+        return out
+    rows: list[LogprobRow | None] = [None] * len(specs)
+    for j, (i, s) in enumerate(zip(full, full_specs)):
+        if s.logprobs >= 0:
+            rows[i] = token_logprobs(logits[j], tokens[j], s.logprobs)
+    return out, rows
+
+
+def token_logprobs(logits: torch.Tensor, token: int, n: int) -> LogprobRow:
+    """((id, logprob, rank), ...) of logits (V,): the sampled token first, then the n likeliest
+    not already given, likeliest first. Log-probabilities of the raw logits, as vLLM reports them
+    (not of the tempered or cut distribution the token was drawn from); rank 1 is the likeliest."""
+    lp = logits.float().log_softmax(-1)  # (V,)
+    chosen = float(lp[token])
+    out = [(token, chosen, int((lp > lp[token]).sum()) + 1)]
+    if n:
+        vals, ids = torch.topk(lp, n)
+        out += [(int(t), float(v), r) for r, (t, v) in enumerate(zip(ids.tolist(), vals.tolist()), 1) if t != token]
+    return tuple(out)
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:

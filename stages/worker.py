@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pp_runtime.batch import MicroBatch
+from pp_runtime.batch import MicroBatch, Sampled
 from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
 from stages import cpu_kernels, triton_elementwise
 from stages.attention import build_metadata
@@ -184,7 +184,7 @@ class StageWorker:
 
     # ---- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, wire: tuple) -> list[int] | None:
+    def execute(self, wire: tuple) -> Sampled | None:
         t_ready = time.time()
         mb = MicroBatch.from_wire(wire)
         if mb.time_ops != (self._op_hooks is not None):

@@ -106,14 +106,20 @@ def test_generate_jsonl_end_to_end(hf_models: dict, tmp_path: Path) -> None:
 
 def test_generate_stdout_and_run_dir(hf_models: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     inp = tmp_path / "in.jsonl"
-    inp.write_text('{"id": "a", "prompt_token_ids": [1, 2], "max_tokens": 3}\n{"id": "b", "prompt_token_ids": []}\n')
+    inp.write_text('{"id": "a", "prompt_token_ids": [1, 2], "max_tokens": 3}\n{"id": "b", "prompt_token_ids": []}\n'
+                   '{"id": "c", "prompt_token_ids": [1, 2], "max_tokens": 2, "logprobs": null}\n')
     run_dir = tmp_path / "run"
     rc, out, err = run_main(["generate", "--model", str(hf_models["qwen2"]), "--input", str(inp), "--run-dir",
-                             str(run_dir), "--quiet", "--chunk-budget", "tokens", "--admission", "longest_first", *FAST],
-                            capsys)
+                             str(run_dir), "--quiet", "--chunk-budget", "tokens", "--admission", "longest_first",
+                             "--logprobs", "1", *FAST], capsys)
     assert rc == 0, err
     rows = [json.loads(x) for x in out.splitlines()]
-    assert [(r["id"], r["finish_reason"], len(r["token_ids"])) for r in rows] == [("a", "length", 3), ("b", "error", 0)]
+    assert [(r["id"], r["finish_reason"], len(r["token_ids"])) for r in rows] == [("a", "length", 3), ("b", "error", 0),
+                                                                                   ("c", "length", 2)]
+    # --logprobs is every line's default: one entry a token, the token first, then the likeliest
+    assert [[e[0]["token_id"] for e in r["logprobs"]] for r in (rows[0], rows[2])] == [rows[0]["token_ids"],
+                                                                                       rows[2]["token_ids"]]
+    assert all(e[-1]["rank"] == 1 and len(e) in (1, 2) for r in (rows[0], rows[2]) for e in r["logprobs"])
     assert [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()] == rows
     workers = json.loads((run_dir / "workers.json").read_text())
     assert [(w["stage"], w["tp_rank"], w["device"]) for w in workers] == [(0, 0, "cpu")]
@@ -121,7 +127,7 @@ def test_generate_stdout_and_run_dir(hf_models: dict, tmp_path: Path, capsys: py
     assert summary["chunk_budget"] == "tokens" and summary["scheduler"] == "sarathi"
     assert summary["admission"] == "longest_first"
     assert (summary["pp"], summary["tp"], summary["chunk_size"]) == (1, 1, 256)
-    assert summary["num_requests"] == 2 and summary["decode_tokens"] == 3
+    assert summary["num_requests"] == 3 and summary["decode_tokens"] == 5
     assert isinstance(summary["max_batch_size"], int) and 1 <= summary["max_batch_size"] <= 64
     assert all((run_dir / f).stat().st_size > 0 for f in ("gantt.png", "bubble_cdf.png", "trace.json"))
 
@@ -268,6 +274,7 @@ BAD_CONFIGS = {  # name: (extra arguments, message); {llama} {gguf} {dir} {missi
     "temperature": (["--model", "{llama}", "--temperature", "-1"], "--temperature must be a finite number ≥ 0"),
     "temperature_inf": (["--model", "{llama}", "--temperature", "inf"], "--temperature must be a finite number"),
     "max_tokens": (["--model", "{llama}", "--max-tokens", "0"], "argument --max-tokens: must be > 0"),
+    "logprobs": (["--model", "{llama}", "--logprobs", "21"], "--logprobs must be an integer in [0, 20]"),
     "output_dir_missing": (["--model", "{llama}", "--output", "{missing}/out.jsonl"], "does not exist"),
     "output_is_dir": (["--model", "{llama}", "--output", "{dir}"], "is a directory"),
     "max_model_len_over": (["--model", "{llama}", "--max-model-len", "5000"],

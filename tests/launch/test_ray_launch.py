@@ -37,9 +37,18 @@ def reference(hf_models: dict) -> tuple:
     return prompts, expected
 
 
+LOGPROBS = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def local_logprobs(hf_models: dict, reference: tuple) -> list:
+    with LLM(model=str(hf_models["llama"]), memory_budget_gb=0.05) as llm:
+        return llm.generate(reference[0][:3], LOGPROBS)
+
+
 @pytest.mark.parametrize("pp,tp", SHAPES)
 def test_parallel_greedy_matches_single_and_hf(cluster: object, hf_models: dict, reference: tuple,
-                                               pp: int, tp: int) -> None:
+                                               local_logprobs: list, pp: int, tp: int) -> None:
     prompts, expected = reference
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
     with LLM(model=str(hf_models["llama"]), pp=pp, tp=tp, launcher="ray", memory_budget_gb=0.05,
@@ -51,6 +60,12 @@ def test_parallel_greedy_matches_single_and_hf(cluster: object, hf_models: dict,
                 llm.reset_prefix_cache()  # each setting prefills every prompt across the stages again
                 outs = llm.generate(prompts, params)
                 assert [o.token_ids for o in outs] == expected, (scheduler, chunk)
+        # logprobs come back from the last stage's TP rank 0 with the tokens, as the local engine's
+        outs = llm.generate(prompts[:3], LOGPROBS)
+        for o, want in zip(outs, local_logprobs):
+            assert o.token_ids == want.token_ids and [list(d) for d in o.logprobs] == [list(d) for d in want.logprobs]
+            assert [v.logprob for d in o.logprobs for v in d.values()] == pytest.approx(
+                [v.logprob for d in want.logprobs for v in d.values()], abs=1e-5)
     assert len(infos) == pp * tp
     nodes = {}
     for w in infos:

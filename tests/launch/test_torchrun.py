@@ -35,8 +35,8 @@ def free_port() -> int:
 def requests_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
     prompts = [[t % 500 for t in p] for p in mixed_prompts(seed=3)]
     path = tmp_path_factory.mktemp("torchrun") / "in.jsonl"
-    path.write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": p, "max_tokens": 9, "ignore_eos": True})
-                            + "\n" for i, p in enumerate(prompts)))
+    path.write_text("".join(json.dumps({"id": f"r{i}", "prompt_token_ids": p, "max_tokens": 9, "ignore_eos": True,
+                                        "logprobs": 2}) + "\n" for i, p in enumerate(prompts)))
     return path, prompts
 
 
@@ -56,12 +56,18 @@ def test_torchrun_pp2_matches_ray_and_local(requests_file: tuple, tmp_path: Path
                            str(free_port())] + ARGS + ["--input", str(path), "--output", str(out)])
     log, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, log[-3000:]
-    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    params = SamplingParams(max_tokens=9, ignore_eos=True, logprobs=2)
     with LLM(model="llama-tiny", pp=2, launcher="ray", chunk_size=7, memory_budget_gb=0.05) as llm:
         ray_tokens = [o.token_ids for o in llm.generate(prompts, params)]
     with LLM(model="llama-tiny", chunk_size=7, memory_budget_gb=0.05) as llm:
-        local_tokens = [o.token_ids for o in llm.generate(prompts, params)]
-    assert read_tokens(out) == ray_tokens == local_tokens
+        local = llm.generate(prompts, params)
+    assert read_tokens(out) == ray_tokens == [o.token_ids for o in local]
+    # the logprobs came back over the control channel with the tokens (JSONL rows: DESIGN.md §3.3 + logprobs)
+    rows = [json.loads(line)["logprobs"] for line in out.read_text().splitlines()]
+    want = [o.to_json()["logprobs"] for o in local]
+    assert [[e["token_id"] for t in r for e in t] for r in rows] == [[e["token_id"] for t in r for e in t] for r in want]
+    assert [e["logprob"] for r in rows for t in r for e in t] == pytest.approx(
+        [e["logprob"] for r in want for t in r for e in t], abs=1e-5)
 
 
 def test_torchrun_two_nodes_on_loopback(requests_file: tuple, tmp_path: Path) -> None:

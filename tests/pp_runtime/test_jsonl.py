@@ -33,6 +33,13 @@ def test_defaults_and_generated_id() -> None:
     assert parse_line(line(id=17, prompt_token_ids=[4]), 1).request_id == "17"
 
 
+def test_logprobs_field() -> None:
+    assert parse_line(line(prompt_token_ids=[4], logprobs=3), 1).params.logprobs == 3
+    assert parse_line(line(prompt_token_ids=[4], logprobs=0), 1).params.logprobs == 0
+    assert parse_line(line(prompt_token_ids=[4], logprobs=None), 1).params.logprobs is None  # null: none
+    assert parse_line(line(prompt_token_ids=[4]), 1, SamplingParams(logprobs=2)).params.logprobs == 2
+
+
 def test_text_prompt() -> None:
     p = parse_line(line(id="t", prompt="hello there"), 1)
     assert p.error is None and p.prompt == "hello there"
@@ -58,6 +65,10 @@ def test_text_prompt() -> None:
     (dict(stop_token_ids=[1, "a"]), "stop_token_ids must be integers ≥ 0 (token ids), got [1, 'a']"),
     (dict(stop_token_ids=[-5]), "stop_token_ids must be integers ≥ 0 (token ids), got [-5]"),
     (dict(ignore_eos="yes"), "ignore_eos must be true or false, got 'yes'"),
+    (dict(logprobs=-1), "logprobs must be an integer in [0, 20] (alternatives per token) or null, got -1"),
+    (dict(logprobs=21), "logprobs must be an integer in [0, 20] (alternatives per token) or null, got 21"),
+    (dict(logprobs=True), "logprobs must be an integer in [0, 20] (alternatives per token) or null, got True"),
+    (dict(logprobs="5"), "logprobs must be an integer in [0, 20] (alternatives per token) or null, got '5'"),
 ])
 def test_bad_sampling_values(fields: dict, message: str) -> None:
     p = parse_line(line(id="bad", prompt_token_ids=[1], **fields), 4)

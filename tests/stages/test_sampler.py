@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pp_runtime.batch import SampleSpec
-from stages.sampler import sample
+from stages.sampler import sample, sample_hidden, token_logprobs
 
 SEEDS = range(300)
 
@@ -188,3 +188,51 @@ def test_temperature_reshapes_the_draws(cut: dict) -> None:
     w = torch.tensor([0.5, 0.3, 0.2, 1e-12]).sqrt()
     expect = {i: float(w[i] / w[:3].sum()) for i in range(3)}
     counts_follow(many(torch.tensor([0.5, 0.3, 0.2, 1e-12]).log(), temperature=2.0, **cut), expect)
+
+
+def test_token_logprobs_are_the_raw_log_softmax() -> None:
+    """The sampled token first with its rank, then the n likeliest not already given; of the raw
+    logits, whatever temperature or cut the token was drawn under."""
+    x = torch.tensor([1.0, 3.0, 2.0, 0.5, 2.5])
+    lp = x.log_softmax(-1)
+    assert token_logprobs(x, 2, 0) == ((2, pytest.approx(float(lp[2])), 3),)
+    row = token_logprobs(x, 2, 3)  # the likeliest three are 1, 4, 2: token 2 is not repeated
+    assert [(t, r) for t, _, r in row] == [(2, 3), (1, 1), (4, 2)]
+    assert [v for _, v, _ in row] == pytest.approx([float(lp[2]), float(lp[1]), float(lp[4])])
+    row = token_logprobs(x.half(), 0, 1)  # half logits: log-softmax in fp32
+    assert [(t, r) for t, _, r in row] == [(0, 4), (1, 1)]
+    assert row[0][1] == pytest.approx(float(lp[0]), abs=2e-3)
+
+
+class TinyHead(torch.nn.Module):
+    """A last stage's model for ``sample_hidden``: logits h W^T, argmax_tokens counting its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.randn(50, 8, generator=torch.Generator().manual_seed(5))
+        self.argmax_rows: list[int] = []
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.w.T
+
+    def argmax_tokens(self, h: torch.Tensor) -> torch.Tensor:
+        self.argmax_rows.append(h.shape[0])
+        return self.logits(h).argmax(-1)
+
+
+def test_sample_hidden_takes_the_full_logits_only_for_rows_that_need_them() -> None:
+    head = TinyHead()
+    h = torch.randn(4, 8, generator=torch.Generator().manual_seed(6))
+    logits = head.logits(h)
+    greedy, drawn = spec(temperature=0.0), spec(temperature=1.0, seed=3)
+    assert sample_hidden(head, h, [greedy] * 4) == logits.argmax(-1).tolist() and head.argmax_rows == [4]
+    specs = [greedy, drawn, SampleSpec(0.0, 1.0, 0, 0, 2), SampleSpec(1.0, 1.0, 0, 9, 0)]
+    tokens, rows = sample_hidden(head, h, specs)
+    assert head.argmax_rows == [4, 1]  # only row 0 is greedy without logprobs
+    assert tokens == sample(logits, specs)
+    assert rows[0] is None and rows[1] is None
+    for i, n in ((2, 2), (3, 0)):  # the rows' logits computed apart from the others: equal to rounding
+        want = token_logprobs(logits[i], tokens[i], n)
+        assert [(t, r) for t, _, r in rows[i]] == [(t, r) for t, _, r in want]
+        assert [v for _, v, _ in rows[i]] == pytest.approx([v for _, v, _ in want], abs=1e-6)
+    assert rows[2][0][2] == 1  # greedy: the sampled token is the likeliest
