@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--logprobs", type=int, default=None,
                    help="default logprobs: each new token's log-probability and this many likeliest alternatives (0-20)")
+    g.add_argument("--min-tokens", type=int, default=0, help="default min_tokens: no stop before this many tokens")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="default presence_penalty (-2 to 2)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="default frequency_penalty (-2 to 2)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="default repetition_penalty (> 0; 1: off)")
     b = sub.add_parser("bench", help="run a workload under each scheduler of a configs/runs/*.yaml")
     b.add_argument("--config", required=True,
                    help="run config: a YAML path, or a name from configs/runs/ (pp2_zipf)")

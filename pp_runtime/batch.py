@@ -8,7 +8,21 @@ flat lists so that Ray calls and torch.distributed broadcasts stay small.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
+
+
+@dataclass(frozen=True)
+class LogitsEdit:
+    """What the last stage changes in one row's logits before it picks a token, in vLLM's order:
+    the penalties, then the ban of the stop ids while min_tokens is not reached."""
+
+    banned: tuple[int, ...] = ()  # set to -inf
+    presence: float = 0.0  # subtracted from each token of output_ids
+    frequency: float = 0.0  # times its count, subtracted
+    repetition: float = 1.0  # a positive logit of context_ids divided by it, a negative one multiplied
+    output_ids: tuple[int, ...] = ()  # the distinct tokens of the output so far
+    output_counts: tuple[int, ...] = ()  # how often each
+    context_ids: tuple[int, ...] = ()  # the distinct tokens of prompt and output (repetition only)
 
 
 @dataclass(frozen=True)
@@ -20,6 +34,7 @@ class SampleSpec:
     top_k: int
     seed: int
     logprobs: int = -1  # -1: none; N ≥ 0: the sampled token's log-probability and the N likeliest
+    edit: LogitsEdit | None = None  # None: the logits as the model gives them
 
 
 # What the last stage returns for a micro-batch: its sampled token ids in plan order; or, when a
@@ -84,7 +99,7 @@ class MicroBatch:
     def to_wire(self) -> tuple:
         """Flat lists: (mb_id, seq_ids, starts, lens, is_prefill, tokens, table_lens, tables, samples,
         time_ops)."""
-        samples = [(i, s.temperature, s.top_p, s.top_k, s.seed, s.logprobs)
+        samples = [(i, s.temperature, s.top_p, s.top_k, s.seed, s.logprobs, s.edit and astuple(s.edit))
                    for i, c in enumerate(self.chunks) if (s := c.sample) is not None]
         return (self.mb_id,
                 [c.seq_id for c in self.chunks],
@@ -100,7 +115,7 @@ class MicroBatch:
     @classmethod
     def from_wire(cls, wire: tuple) -> "MicroBatch":
         mb_id, seq_ids, starts, lens, prefill, tokens, table_lens, tables, samples, time_ops = wire
-        specs = {i: SampleSpec(t, p, k, s, n) for i, t, p, k, s, n in samples}
+        specs = {i: SampleSpec(t, p, k, s, n, e and LogitsEdit(*e)) for i, t, p, k, s, n, e in samples}
         chunks, tok_off, tab_off = [], 0, 0
         for i, seq_id in enumerate(seq_ids):
             chunks.append(SeqChunk(seq_id, starts[i], tuple(tokens[tok_off:tok_off + lens[i]]),

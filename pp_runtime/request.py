@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pp_runtime.batch import LogitsEdit
 from pp_runtime.field_checks import is_int, is_number
 
 
@@ -40,6 +41,14 @@ class SamplingParams:
     # vLLM's logprobs: None none; N: each new token's log-probability under the model (its raw
     # logits' log-softmax, before temperature and cuts), with the N likeliest tokens' beside it
     logprobs: int | None = None
+    # vLLM's: no EOS or stop token id (and no stop string) ends the output before min_tokens
+    min_tokens: int = 0
+    # vLLM's penalties, on the logits before temperature: presence subtracts itself from every
+    # token the output holds, frequency itself times the token's count there; repetition divides a
+    # positive logit of a token of the prompt or output by itself and multiplies a negative one
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         """Checks every field by name; numpy scalars become Python numbers, top_k -1 (vLLM's
@@ -80,6 +89,21 @@ class SamplingParams:
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token) or "
                              f"null, got {self.logprobs!r}")
         set_("logprobs", None if self.logprobs is None else int(self.logprobs))
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        set_("min_tokens", int(self.min_tokens))
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_number(v) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
+            set_(name, float(v))
+        if not is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 1e4:
+            raise ValueError(f"repetition_penalty must be a number > 0 (1: off), got {self.repetition_penalty!r}")
+        set_("repetition_penalty", float(self.repetition_penalty))
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass(frozen=True)
@@ -127,9 +151,14 @@ class Request:
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     # stop strings (params.stop): called with the request after each new token, True once its text
     # holds one, and then it sets ``text`` (the output's text, cut there); the scheduler needs no
-    # tokenizer for it
-    stop_check: Callable[["Request"], bool] | None = field(default=None, repr=False)
+    # tokenizer for it. search=False (within min_tokens): it reads the new text without searching it
+    stop_check: Callable[..., bool] | None = field(default=None, repr=False)
     text: str | None = None
+    # for penalties: the outputs counted so far, and the distinct prompt + output tokens (kept
+    # as tokens arrive, so a step costs the new tokens, not the whole output)
+    _counts: dict[int, int] = field(default_factory=dict, repr=False)
+    _counted: int = field(default=0, repr=False)
+    _seen: set[int] | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -143,6 +172,30 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    def logits_edit(self, eos_ids: frozenset[int]) -> LogitsEdit | None:
+        """What the next token's logits need changed (LogitsEdit), or None: the penalties, and
+        while the output is shorter than min_tokens the ids that would stop it (the model's
+        ``eos_ids`` unless ignored, and the request's own stop ids)."""
+        p = self.params
+        early = len(self.output_token_ids) < p.min_tokens
+        if not (early or p.has_penalties):
+            return None
+        banned = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else eos_ids))) if early else ()
+        if not p.has_penalties:
+            return LogitsEdit(banned) if banned else None
+        for t in self.output_token_ids[self._counted:]:
+            self._counts[t] = self._counts.get(t, 0) + 1
+            if self._seen is not None:
+                self._seen.add(t)
+        self._counted = len(self.output_token_ids)
+        context: tuple[int, ...] = ()
+        if p.repetition_penalty != 1:
+            if self._seen is None:
+                self._seen = set(self.prompt_token_ids) | set(self._counts)
+            context = tuple(self._seen)
+        return LogitsEdit(banned, p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                          tuple(self._counts), tuple(self._counts.values()), context)
 
     @property
     def is_prefilling(self) -> bool:

@@ -161,7 +161,7 @@ class Scheduler:
             p = req.params
             base = p.seed if p.seed is not None else unseeded_base(self.seed, req.seq_id)
             sample = SampleSpec(p.temperature, p.top_p, p.top_k, sample_seed(base, req.num_tokens),
-                                -1 if p.logprobs is None else p.logprobs)
+                                -1 if p.logprobs is None else p.logprobs, req.logits_edit(self.eos_token_ids))
         return SeqChunk(req.seq_id, start, tuple(req.tokens_slice(start, start + n)),
                         tuple(self.blocks.block_table(req.seq_id)), is_prefill, sample)
 
@@ -368,9 +368,12 @@ class Scheduler:
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+        # Within min_tokens nothing stops it (its stop ids were banned from the logits), and a stop
+        # string completed there does not count, as in vLLM: the check only reads the text's new end.
+        early = len(req.output_token_ids) <= p.min_tokens
+        if not early and ((token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids):
             return "stop"
-        if req.stop_check is not None and req.stop_check(req):
+        if req.stop_check is not None and (req.stop_check(req, search=False) if early else req.stop_check(req)):
             return "stop"
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
             return "length"

@@ -90,13 +90,17 @@ class StopStrings:
 
     def __init__(self, tok: Tokenizer, stops: tuple[str, ...], include: bool) -> None:
         self.stream, self.stops, self.include = TextStream(tok), stops, include
-        self._searched = 0  # text before this was searched already, minus what a stop could straddle
+        self._searched = 0  # the text's length at the last check
 
-    def __call__(self, req: object) -> bool:
+    def __call__(self, req: object, search: bool = True) -> bool:
+        """Whether the request's text now holds a stop string (it then sets ``req.text``);
+        ``search`` False: only read the new text, whatever it holds (vLLM's min_tokens)."""
         text = self.stream.update(req.output_token_ids)
-        start = max(0, self._searched - max(map(len, self.stops)) + 1)
-        self._searched = len(text)
-        found = [(i, s) for s in self.stops if (i := text.find(s, start)) >= 0]
+        before, self._searched = self._searched, len(text)
+        if not search:
+            return False
+        # A stop found now must end in the new text: each is looked for from len(s) - 1 before it.
+        found = [(i, s) for s in self.stops if (i := text.find(s, max(0, before - len(s) + 1))) >= 0]
         if not found:
             return False
         i, s = min(found)  # the earliest in the text; of two starting there, the shorter

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pp_runtime.batch import LogprobRow, Sampled, SampleSpec
+from pp_runtime.batch import LogitsEdit, LogprobRow, Sampled, SampleSpec
 
 
 # Temperatures below this are greedy, as in vLLM: dividing by them only turns ties and
@@ -31,16 +31,21 @@ def is_greedy(s: SampleSpec) -> bool:
     return not (s.temperature >= SAMPLING_EPS and s.top_k != 1)
 
 
+def is_plain_greedy(s: SampleSpec) -> bool:
+    """Whether the row's argmax of the unedited logits is all it needs (the argmax head's rows)."""
+    return is_greedy(s) and s.logprobs < 0 and s.edit is None
+
+
 def sample_hidden(model: torch.nn.Module, h: torch.Tensor, specs: list[SampleSpec]) -> Sampled:
     """The tokens of the sampled rows' hidden states h (S, H) (the last stage's model): greedy
     rows that want no logprobs by their argmax alone (``model.argmax_tokens``: the same ids, less
     work), the others by ``sample`` over their logits; with the logprobs rows asked for, as
     ``Sampled`` says. Every TP rank calls it with the same specs (the LM head gathers across
     them), so every rank makes the same calls in the same order."""
-    head = [i for i, s in enumerate(specs) if is_greedy(s) and s.logprobs < 0]
+    head = [i for i, s in enumerate(specs) if is_plain_greedy(s)]
     if len(head) == len(specs):
         return model.argmax_tokens(h).tolist()
-    full = [i for i, s in enumerate(specs) if not (is_greedy(s) and s.logprobs < 0)]
+    full = [i for i, s in enumerate(specs) if not is_plain_greedy(s)]
     out = [0] * len(specs)
     if head:
         for i, tok in zip(head, model.argmax_tokens(h[head]).tolist()):
@@ -77,7 +82,27 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
     if logits.shape[0] != len(specs):
         raise ValueError(f"sample: {logits.shape[0]} logit rows but {len(specs)} sampling specs")
     logits = logits.float()  # half-precision logits would make the weights below coarse
-    return [int(logits[i].argmax()) if is_greedy(s) else _sample_row(logits[i], s) for i, s in enumerate(specs)]
+    out = []
+    for i, s in enumerate(specs):
+        row = logits[i] if s.edit is None else edit_logits(logits[i], s.edit)
+        out.append(int(row.argmax()) if is_greedy(s) else _sample_row(row, s))
+    return out
+
+
+def edit_logits(x: torch.Tensor, e: LogitsEdit) -> torch.Tensor:
+    """A copy of logits x (V,) with vLLM's penalties and the min_tokens ban applied."""
+    x = x.clone()
+    if e.repetition != 1 and e.context_ids:
+        ids = torch.tensor(e.context_ids, device=x.device)
+        v = x[ids]
+        x[ids] = torch.where(v > 0, v / e.repetition, v * e.repetition)
+    if (e.presence or e.frequency) and e.output_ids:
+        ids = torch.tensor(e.output_ids, device=x.device)
+        x[ids] -= e.frequency * torch.tensor(e.output_counts, dtype=x.dtype, device=x.device) + e.presence
+    banned = [t for t in e.banned if t < x.numel()]  # a stop id past the vocabulary is never drawn anyway
+    if banned:
+        x[torch.tensor(banned, device=x.device)] = float("-inf")
+    return x
 
 
 def _sample_row(logits: torch.Tensor, s: SampleSpec) -> int:  # logits (V,) float32

@@ -81,6 +81,25 @@ def mixed_prompts(seed: int = 0, lengths: tuple[int, ...] = (5, 23, 1, 70, 12, 4
     return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
 
 
+PREEMPT_PROMPTS = mixed_prompts(seed=3, lengths=(23, 9, 70, 12, 41, 1))
+
+
+def with_and_without_preemption(folder: Path, plist: list) -> tuple[list, list]:
+    """PREEMPT_PROMPTS under ``plist`` on a roomy cache, then on one of 8 blocks of 16 (128 tokens
+    of KV for their 216) that preempts and recomputes: (outputs, outputs under preemption)."""
+    from pp_runtime import LLM
+    from pp_runtime.kv_cache import BlockManager
+    kw = dict(model=str(folder), memory_budget_gb=0.05, chunk_size=16, max_batch_size=6, kv_admission="optimistic")
+    with LLM(**kw) as llm:
+        whole = llm.generate(PREEMPT_PROMPTS, plist)
+    with LLM(**kw) as llm:
+        llm.blocks = BlockManager(8, 16, False)
+        reqs = [llm.make_request(str(i), p, sp) for i, (p, sp) in enumerate(zip(PREEMPT_PROMPTS, plist))]
+        outs = llm.run(reqs)
+    assert sum(r.num_preemptions for r in reqs) > 0
+    return whole, outs
+
+
 def fail_on_call(monkeypatch: pytest.MonkeyPatch, worker: object, n: int, message: str) -> None:
     """Make a local stage worker's n-th ``execute`` raise RuntimeError(message): a stage that fails
     half-way through a run (a bug, an op that fails), as a dead worker does."""

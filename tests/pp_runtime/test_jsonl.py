@@ -38,6 +38,9 @@ def test_logprobs_field() -> None:
     assert parse_line(line(prompt_token_ids=[4], logprobs=0), 1).params.logprobs == 0
     assert parse_line(line(prompt_token_ids=[4], logprobs=None), 1).params.logprobs is None  # null: none
     assert parse_line(line(prompt_token_ids=[4]), 1, SamplingParams(logprobs=2)).params.logprobs == 2
+    p = parse_line(line(prompt_token_ids=[4], min_tokens=3, presence_penalty=0.5, frequency_penalty=-1,
+                        repetition_penalty=1.2), 1).params
+    assert (p.min_tokens, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (3, 0.5, -1.0, 1.2)
 
 
 def test_text_prompt() -> None:
@@ -69,6 +72,9 @@ def test_text_prompt() -> None:
     (dict(logprobs=21), "logprobs must be an integer in [0, 20] (alternatives per token) or null, got 21"),
     (dict(logprobs=True), "logprobs must be an integer in [0, 20] (alternatives per token) or null, got True"),
     (dict(logprobs="5"), "logprobs must be an integer in [0, 20] (alternatives per token) or null, got '5'"),
+    (dict(min_tokens=17), "min_tokens must be an integer in [0, max_tokens=16], got 17"),
+    (dict(frequency_penalty=-2.5), "frequency_penalty must be a number in [-2, 2], got -2.5"),
+    (dict(repetition_penalty=-1), "repetition_penalty must be a number > 0 (1: off), got -1"),
 ])
 def test_bad_sampling_values(fields: dict, message: str) -> None:
     p = parse_line(line(id="bad", prompt_token_ids=[1], **fields), 4)

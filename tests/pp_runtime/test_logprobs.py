@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from pp_runtime import LLM, Logprob, RequestOutput, SamplingParams
-from pp_runtime.kv_cache import BlockManager
-from tests.conftest import mixed_prompts
+from tests.conftest import PREEMPT_PROMPTS, mixed_prompts, with_and_without_preemption
 
 PROMPTS = mixed_prompts(seed=5, lengths=(23, 9, 70, 1, 41))
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3)
@@ -83,17 +82,8 @@ def test_streamed_outputs_carry_the_logprobs_so_far(hf_models: dict) -> None:
 
 def test_a_preempted_request_keeps_one_entry_a_token(hf_models: dict) -> None:
     """Recomputed after a preemption, a request samples nothing again for the tokens it has."""
-    prompts = mixed_prompts(seed=3, lengths=(23, 9, 70, 12, 41, 1))
-    plist = [replace(GREEDY if i % 2 else DRAWN, max_tokens=10) for i in range(len(prompts))]
-    kw = dict(model=str(hf_models["llama"]), memory_budget_gb=0.05, chunk_size=16, max_batch_size=6,
-              kv_admission="optimistic")
-    with LLM(**kw) as llm:
-        whole = llm.generate(prompts, plist)
-    with LLM(**kw) as llm:
-        llm.blocks = BlockManager(8, 16, False)  # 128 tokens of KV for 216 tokens of requests
-        reqs = [llm.make_request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
-        outs = llm.run(reqs)
-    assert sum(r.num_preemptions for r in reqs) > 0
+    plist = [replace(GREEDY if i % 2 else DRAWN, max_tokens=10) for i in range(len(PREEMPT_PROMPTS))]
+    whole, outs = with_and_without_preemption(hf_models["llama"], plist)
     for out, w in zip(outs, whole):
         assert out.token_ids == w.token_ids and len(out.logprobs) == len(out.token_ids)
         assert [list(d) for d in out.logprobs] == [list(d) for d in w.logprobs]

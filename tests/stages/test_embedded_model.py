@@ -237,3 +237,17 @@ def test_tp_must_divide_heads(llm: LLM, capsys: pytest.CaptureFixture) -> None:
     assert main(["generate", "--tp", "2", "--launcher", "local", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["pp-runtime: error: tp=2 does not divide the model's num_heads=9"]
+
+
+def test_min_tokens_passes_over_a_stop_string_completed_within_it(llm: LLM) -> None:
+    """vLLM's min_tokens: a stop string its first tokens complete does not end the output; one the
+    next token completes does."""
+    params = lambda **kw: SamplingParams(max_tokens=24, ignore_eos=True, **kw)  # noqa: E731
+    full = llm.generate(TEXTS[0], params())[0]
+    cut = full.text.index(" ", 6)
+    stop = full.text[cut:cut + 3]
+    n = len(llm.generate(TEXTS[0], params(stop=stop))[0].token_ids)  # the token completing it
+    assert len(llm.generate(TEXTS[0], params(stop=stop, min_tokens=n - 1))[0].token_ids) == n
+    late = llm.generate(TEXTS[0], params(stop=stop, min_tokens=n))[0]
+    assert len(late.token_ids) > n and late.token_ids == full.token_ids[:len(late.token_ids)]
+    assert late.text.startswith(full.text[:cut + 3])

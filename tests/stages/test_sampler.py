@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from pp_runtime.batch import SampleSpec
-from stages.sampler import sample, sample_hidden, token_logprobs
+from pp_runtime.batch import LogitsEdit, SampleSpec
+from stages.sampler import edit_logits, sample, sample_hidden, token_logprobs
 
 SEEDS = range(300)
 
@@ -236,3 +236,28 @@ def test_sample_hidden_takes_the_full_logits_only_for_rows_that_need_them() -> N
         assert [(t, r) for t, _, r in rows[i]] == [(t, r) for t, _, r in want]
         assert [v for _, v, _ in rows[i]] == pytest.approx([v for _, v, _ in want], abs=1e-6)
     assert rows[2][0][2] == 1  # greedy: the sampled token is the likeliest
+
+
+def test_edit_logits_applies_vllms_penalties_then_the_ban() -> None:
+    x = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    e = LogitsEdit(banned=(3, 99), presence=0.5, frequency=0.25, repetition=2.0, output_ids=(0, 1),
+                   output_counts=(2, 1), context_ids=(0, 1, 4))
+    # repetition: 2 / 2 = 1, -1 · 2 = -2, -2 · 2 = -4; then 1 - 0.25 · 2 - 0.5 = 0, -2 - 0.25 - 0.5 = -2.75;
+    # 3 banned; 99 is past the vocabulary (a stop id the model never makes)
+    assert edit_logits(x, e).tolist() == [0.0, -2.75, 0.5, float("-inf"), -4.0]
+    assert x.tolist() == [2.0, -1.0, 0.5, 3.0, -2.0]  # a copy
+    rows = x.expand(300, -1)
+    # greedy: the argmax of the edited row; sampled: never a banned token, the rest as tempered
+    assert sample(rows[:1], [SampleSpec(0.0, 1.0, 0, 0, -1, e)]) == [2]
+    got = sample(rows, [SampleSpec(1.0, 1.0, 0, s, -1, LogitsEdit(banned=(3,))) for s in range(300)])
+    assert 3 not in got and {0, 2} <= set(got)
+
+
+def test_edited_rows_leave_the_argmax_head() -> None:
+    head = TinyHead()
+    h = torch.randn(3, 8, generator=torch.Generator().manual_seed(7))
+    logits = head.logits(h)
+    top = int(logits[1].argmax())
+    specs = [spec(temperature=0.0), SampleSpec(0.0, 1.0, 0, 0, -1, LogitsEdit(banned=(top,))), spec(temperature=0.0)]
+    tokens = sample_hidden(head, h, specs)
+    assert head.argmax_rows == [2] and tokens[1] == int(logits[1].topk(2).indices[1]) != top
