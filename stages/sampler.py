@@ -14,6 +14,8 @@ number against cumulative weights, block by block (``_draw``). On a Zen 3 core p
 """
 from __future__ import annotations
 
+import array
+
 import torch
 
 from pp_runtime.batch import LogitsEdit, LogprobRow, Sampled, SampleSpec
@@ -93,16 +95,22 @@ def edit_logits(x: torch.Tensor, e: LogitsEdit) -> torch.Tensor:
     """A copy of logits x (V,) with vLLM's penalties and the min_tokens ban applied."""
     x = x.clone()
     if e.repetition != 1 and e.context_ids:
-        ids = torch.tensor(e.context_ids, device=x.device)
+        ids = _ints(e.context_ids, x.device)
         v = x[ids]
-        x[ids] = torch.where(v > 0, v / e.repetition, v * e.repetition)
+        x[ids] = v * torch.where(v > 0, 1 / e.repetition, e.repetition)
     if (e.presence or e.frequency) and e.output_ids:
-        ids = torch.tensor(e.output_ids, device=x.device)
-        x[ids] -= e.frequency * torch.tensor(e.output_counts, dtype=x.dtype, device=x.device) + e.presence
+        counts = torch.frombuffer(array.array("f", e.output_counts), dtype=torch.float32).to(x.device)
+        x[_ints(e.output_ids, x.device)] -= e.frequency * counts + e.presence
     banned = [t for t in e.banned if t < x.numel()]  # a stop id past the vocabulary is never drawn anyway
     if banned:
-        x[torch.tensor(banned, device=x.device)] = float("-inf")
+        x[_ints(banned, x.device)] = float("-inf")
     return x
+
+
+def _ints(values: tuple[int, ...] | list[int], device: torch.device) -> torch.Tensor:
+    """Token ids as an int64 tensor, through an array's buffer: 7 µs for 160 ids here where
+    ``torch.tensor`` takes 39 (a penalised row has three such lists a step)."""
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64).to(device)
 
 
 def _sample_row(logits: torch.Tensor, s: SampleSpec) -> int:  # logits (V,) float32
