@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/pp_scaling.py --num-requests 96    # the drain amortised, ~16 min
     .venv/bin/python benchmarks/pp_scaling.py --num-requests 48    # configs/runs/pp2_zipf.yaml's size
     .venv/bin/python benchmarks/pp_scaling.py --smoke              # llama-tiny, seconds (CI)
+    .venv/bin/python benchmarks/pp_scaling.py --schedulers sarathi --temperature 0.8 --top-p 0.95   # sampled
     .venv/bin/python benchmarks/pp_scaling.py --num-requests 48 --plot pp_scaling.png   # and as a figure
     .venv/bin/python benchmarks/pp_scaling.py --num-requests 48 --matmul-precision int8 --kv-cache-dtype fp8 \
         --admissions longest_first,fcfs --rounds 3    # target 4 as last measured (~17 min)
@@ -79,10 +80,12 @@ from pp_runtime.workload_config import WorkloadConfig
 BUDGETS = CHUNK_BUDGETS + ("fit",)  # fit: "flops" with measured step costs (run_once)
 
 
-def zipf_workload(num_requests: int, min_len: int, max_len: int) -> WorkloadConfig:
-    """The paper's pipeline workload: total lengths Zipf(θ = 0.4), P:D = 10, all at t = 0."""
+def zipf_workload(num_requests: int, min_len: int, max_len: int, temperature: float = 0.0,
+                  top_p: float = 1.0) -> WorkloadConfig:
+    """The paper's pipeline workload: total lengths Zipf(θ = 0.4), P:D = 10, all at t = 0; greedy
+    unless a temperature is given."""
     return WorkloadConfig(kind="zipf", num_requests=num_requests, min_len=min_len, max_len=max_len, theta=0.4,
-                          pd_ratio=10, arrival="all", seed=0)
+                          pd_ratio=10, arrival="all", seed=0, temperature=temperature, top_p=top_p)
 
 
 def deployments(stack: contextlib.ExitStack, model: str | None, chunk: int, max_batch_size: int, kv_cache_dtype: str,
@@ -97,12 +100,13 @@ def deployments(stack: contextlib.ExitStack, model: str | None, chunk: int, max_
 
 
 def run_once(llm: LLM, items: list, policy: str, chunk: int, budget: str = "flops", admission: str = "fcfs",
-             costs: Sequence[float] = ()) -> float:
-    """One run of ``items``, wall seconds. budget "fit": "flops" with ``costs`` as step_costs."""
+             costs: Sequence[float] = (), sampling: WorkloadConfig | None = None) -> float:
+    """One run of ``items``, wall seconds. budget "fit": "flops" with ``costs`` as step_costs;
+    ``sampling``: the workload whose sampling every request takes (greedy without one)."""
     llm.reconfigure(policy=policy, chunk_size=chunk, chunk_budget="flops" if budget == "fit" else budget,
                     admission=admission, step_costs=tuple(costs) if budget == "fit" else ())
-    reqs = [llm.make_request(it.request_id, it.prompt_token_ids,
-                             SamplingParams(max_tokens=it.max_tokens, ignore_eos=True)) for it in items]
+    params = sampling.sampling_params if sampling else lambda n: SamplingParams(max_tokens=n, ignore_eos=True)
+    reqs = [llm.make_request(it.request_id, it.prompt_token_ids, params(it.max_tokens)) for it in items]
     t = time.perf_counter()
     outs = llm.run(reqs)
     wall = time.perf_counter() - t
@@ -212,7 +216,7 @@ def variants(policies: list[str], budgets: list[str],
 
 
 def paired_runs(llms: dict[int, LLM], items: list, tokens: int, runs: list[tuple[str, str, str, str]], rounds: int,
-                chunks: dict[int, int], r: dict) -> None:
+                chunks: dict[int, int], r: dict, wl: WorkloadConfig) -> None:
     """Every variant's runs at pp=1 and pp=2 (chunk per pp): each round runs every variant (in order,
     then reversed the next round), each variant's pp=1 and pp=2 back to back (alternating which goes
     first), so that the box's drift moves a round's variants together and a comparison of variants
@@ -224,7 +228,7 @@ def paired_runs(llms: dict[int, LLM], items: list, tokens: int, runs: list[tuple
         for pp in (1, 2) if k % 2 == 0 else (2, 1):
             llm = llms[pp]
             llm.executor.drain_timings()
-            wall = run_once(llm, items, policy, chunks[pp], budget, admission, r.get("step_costs") or ())
+            wall = run_once(llm, items, policy, chunks[pp], budget, admission, r.get("step_costs") or (), wl)
             per[label][pp].append(tokens / wall)
             print(f"{label:15s} pp={pp} round {k}: {tokens} tokens in {wall:7.1f} s = {tokens / wall:6.1f} tok/s",
                   flush=True)
@@ -287,12 +291,14 @@ def main() -> None:
                          "is the one reported unlabelled). longest_first starts the most max_tokens first, so "
                          "the longest decodes finish beside later prompts' chunks instead of in the drain")
     ap.add_argument("--rounds", type=int, default=2, help="pp=1 / pp=2 pairs per scheduler")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request samples (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling")
     ap.add_argument("--plot", default=None, help="draw the rounds and round 0's phases to this PNG (pp_scaling_plot.py)")
     a = ap.parse_args()
     model = smoke_workload(a)
     if a.smoke:
         a.chunk, a.rounds = 16, 1
-    wl = zipf_workload(a.num_requests, a.min_len, a.max_len)
+    wl = zipf_workload(a.num_requests, a.min_len, a.max_len, a.temperature, a.top_p)
     policies = a.schedulers.split(",")
     budgets = a.chunk_budgets.split(",")
     bad = [b for b in budgets if b not in BUDGETS]
@@ -304,7 +310,8 @@ def main() -> None:
         ap.error(f"--admissions: {', '.join(bad)} not among {', '.join(ADMISSIONS)}")
     runs = variants(policies, budgets, admissions)
     r: dict = {"workload": {"num_requests": a.num_requests, "min_len": a.min_len, "max_len": a.max_len,
-                            "pd_ratio": 10, "theta": 0.4}, "chunk": a.chunk, "max_batch_size": a.max_batch_size,
+                            "pd_ratio": 10, "theta": 0.4, "temperature": a.temperature, "top_p": a.top_p},
+               "chunk": a.chunk, "max_batch_size": a.max_batch_size,
                "kv_cache_dtype": a.kv_cache_dtype, "matmul_precision": a.matmul_precision,
                "pp2_chunk": a.pp2_chunk or a.chunk, "pp2_partition": a.pp2_partition, "chunk_budgets": budgets,
                "admissions": admissions,
@@ -321,12 +328,12 @@ def main() -> None:
             # A whole unmeasured run each: a process's first run is 2-8% slower (the OS faults in and
             # zeroes the KV cache's pages as blocks are first written), which would flatter whichever
             # side pays it more in round 0.
-            run_once(llm, items, policy, chunks[pp], budget, admission)
+            run_once(llm, items, policy, chunks[pp], budget, admission, sampling=wl)
         if "fit" in budgets:  # what `--step-costs fit` measures at start-up, on the deployment that uses them
             r["step_costs"] = calibrate(llms[2])  # warm now, as start-up's is (CacheConfig.prefault)
             print("step costs measured on pp=2 (fresh prompt tokens per prompt key, decode row, decode key): "
                   + (format_costs(r["step_costs"]) if r["step_costs"] else "none, the FLOPs budget's"), flush=True)
-        paired_runs(llms, items, tokens, runs, a.rounds, chunks, r)
+        paired_runs(llms, items, tokens, runs, a.rounds, chunks, r, wl)
         r["memory_pp2"] = memory(llms[2])
     print("pipeline efficiency tput(pp=2) / (2 × tput(pp=1)), median of paired rounds, target >= 0.9 for sarathi: "
           + ", ".join(f"{p} {e:.3f} (rounds: {', '.join(f'{x:.3f}' for x in r['rounds'][p]['efficiency'])})"

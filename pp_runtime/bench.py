@@ -48,8 +48,8 @@ def run_bench(cfg: RunConfig, out: str, progress: bool = True, verbose: bool = T
             llm.reset_prefix_cache()  # each scheduler starts without the last one's prefixes
             if verbose:
                 print(f"bench: {policy} on {len(items)} requests", file=sys.stderr)
-            reqs = [llm.make_request(it.request_id, it.prompt_token_ids,
-                                     SamplingParams(max_tokens=it.max_tokens, ignore_eos=True)) for it in items]
+            reqs = [llm.make_request(it.request_id, it.prompt_token_ids, cfg.workload.sampling_params(it.max_tokens))
+                    for it in items]
             llm.run(reqs, progress=progress, arrivals=[it.arrival_s for it in items])
             summaries[policy] = write_run_dir(str(root / policy), llm,
                                               extra={"workload": workload_summary(cfg.workload)})

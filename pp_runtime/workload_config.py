@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from pp_runtime.field_checks import check_int, check_positive_number, is_number
+from pp_runtime.request import SamplingParams
 
 WORKLOAD_KINDS = ("fixed", "uniform", "zipf", "trace")
 ARRIVALS = ("all", "poisson")
@@ -42,6 +43,8 @@ class WorkloadConfig:
     shared_prefix:  synthetic kinds: every prompt's first ``shared_prefix`` tokens (all of a shorter
                     one) are the same ids, as under one system prompt; lengths and the other ids
                     stay what the seed gives without it. For --enable-prefix-caching.
+    temperature, top_p, top_k: how every request picks its tokens (SamplingParams); the default
+                    is greedy. Each request runs to its decode length (ignore_eos) either way.
     Fields that do not apply to the kind/arrival must stay None: a stray one is usually a typo.
     """
 
@@ -59,6 +62,9 @@ class WorkloadConfig:
     seed: int = 0
     trace_path: str | None = None
     shared_prefix: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -89,6 +95,15 @@ class WorkloadConfig:
             if getattr(self, name) is not None and name not in allowed:
                 raise ValueError(f"WorkloadConfig.{name} does not apply to kind {self.kind!r}")
         getattr(self, f"_check_{self.kind}")()
+        try:
+            self.sampling_params(1)
+        except ValueError as e:
+            raise ValueError(f"WorkloadConfig.{e}") from None
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """A request's SamplingParams: this workload's sampling, exactly ``max_tokens`` new tokens."""
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k)
 
     def _check_fixed(self) -> None:
         explicit = self.prompt_len is not None or self.decode_len is not None
@@ -155,6 +170,8 @@ def workload_summary(cfg: WorkloadConfig) -> dict[str, Any]:
     out = {k: getattr(cfg, k) for k in keys}
     if cfg.shared_prefix is not None:
         out["shared_prefix"] = cfg.shared_prefix
+    if cfg.temperature:
+        out.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
     extra = {"fixed": ("prompt_len", "decode_len", "length"), "trace": ("trace_path",)}.get(cfg.kind, ())
     out.update({k: getattr(cfg, k) for k in extra})
     # numpy scalars (from callers building configs programmatically) are not JSON-able

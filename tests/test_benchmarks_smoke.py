@@ -208,7 +208,9 @@ def test_cuda_paged_decode_smoke(tmp_path: Path) -> None:
 def test_pp_scaling_smoke(tmp_path: Path) -> None:
     png = tmp_path / "pp_scaling.png"
     r = run(["benchmarks/pp_scaling.py", "--smoke", "--chunk-budgets", "fit,tokens", "--plot", str(png),
-             "--pp2-partition", "2.5,1.5", "--admissions", "fcfs,longest_first"], tmp_path)
+             "--pp2-partition", "2.5,1.5", "--admissions", "fcfs,longest_first", "--temperature", "0.8",
+             "--top-p", "0.95"], tmp_path)
+    assert (r["workload"]["temperature"], r["workload"]["top_p"]) == (0.8, 0.95)  # every request sampled
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     labels = {"sarathi", "sarathi[tokens]", "orca", "sarathi[longest_first]", "sarathi[tokens,longest_first]",
               "orca[longest_first]"}
@@ -311,7 +313,8 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
     def run_once(llm: Fake, items: list, policy: str, chunk: int, budget: str, admission: str,
-                 costs: tuple[float, ...] = ()) -> float:
+                 costs: tuple[float, ...] = (), sampling: object = None) -> float:
+        assert sampling == "the workload"  # each run samples as the workload says
         assert budget == "flops"
         calls.append((policy, llm.pp))
         assert chunk == {1: 256, 2: 128}[llm.pp]  # each pp runs at its own chunk
@@ -321,7 +324,8 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ps, "control_plane", lambda llm, t: {"pp": llm.pp})
     monkeypatch.setattr(ps, "phase_split", lambda llm, t: {})
     r = {"throughput_tok_s": {}, "efficiency": {}}
-    ps.paired_runs({1: Fake(1), 2: Fake(2)}, [], 120, ps.variants(["sarathi"], ["flops"]), 3, {1: 256, 2: 128}, r)
+    ps.paired_runs({1: Fake(1), 2: Fake(2)}, [], 120, ps.variants(["sarathi"], ["flops"]), 3, {1: 256, 2: 128}, r,
+                   "the workload")
     assert [pp for _, pp in calls] == [1, 2, 2, 1, 1, 2]
     # per round tput2 / (2 tput1) = wall1 / (2 wall2): 10/12, 12/8, 8/10; the ratio of the median
     # throughputs would be 1.0 instead
@@ -333,7 +337,7 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     calls.clear()
     r = {"throughput_tok_s": {}, "efficiency": {}}
     ps.paired_runs({1: Fake(1), 2: Fake(2)}, [], 120, ps.variants(["sarathi", "orca"], ["flops"]), 3,
-                   {1: 256, 2: 128}, r)
+                   {1: 256, 2: 128}, r, "the workload")
     assert calls == [("sarathi", 1), ("sarathi", 2), ("orca", 1), ("orca", 2),
                      ("orca", 2), ("orca", 1), ("sarathi", 2), ("sarathi", 1),
                      ("sarathi", 1), ("sarathi", 2), ("orca", 1), ("orca", 2)]

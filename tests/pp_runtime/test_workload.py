@@ -322,3 +322,20 @@ def test_workload_config_direct_errors() -> None:
         WorkloadConfig(kind="fixed", num_requests=1, prompt_len=1, decode_len=1, length=4, pd_ratio=1)
     with pytest.raises(ValueError, match="RunConfig.workload"):
         RunConfig(engine={}, workload={"kind": "fixed"})  # type: ignore[arg-type]
+
+
+def test_sampling_fields() -> None:
+    """Every request of a workload samples as it says (greedy by default), each to its decode length."""
+    base = dict(kind="fixed", num_requests=2, prompt_len=4, decode_len=3)
+    p = WorkloadConfig(**base).sampling_params(3)
+    assert (p.temperature, p.max_tokens, p.ignore_eos) == (0.0, 3, True)
+    cfg = WorkloadConfig(**base, temperature=0.8, top_p=0.9, top_k=20)
+    p = cfg.sampling_params(5)
+    assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.8, 0.9, 20, 5)
+    assert {k: workload_summary(cfg)[k] for k in ("temperature", "top_p", "top_k")} == dict(temperature=0.8, top_p=0.9,
+                                                                                       top_k=20)
+    assert "temperature" not in workload_summary(WorkloadConfig(**base))
+    with pytest.raises(ValueError, match="WorkloadConfig.temperature must be a finite number ≥ 0, got -1"):
+        WorkloadConfig(**base, temperature=-1)
+    with pytest.raises(ValueError, match=r"WorkloadConfig.top_p must be in \(0, 1\], got 2"):
+        WorkloadConfig(**base, top_p=2)
