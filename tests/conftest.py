@@ -2,6 +2,7 @@
 oracle is transformers itself), prompts of assorted lengths, and GPU gating."""
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -63,10 +64,16 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {arch: make_hf_model(arch, root / arch, seed=i) for i, arch in enumerate(ARCHS)}
 
 
+@functools.cache
+def hf_causal_lm(folder: Path) -> object:
+    """transformers' fp32 model of ``folder``, loaded once a session (the references only read it)."""
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
 def hf_greedy(folder: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     """Reference tokens: transformers' own greedy generate, one unpadded prompt at a time."""
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = hf_causal_lm(folder)
     outs = []
     for p in prompts:
         ids = torch.tensor([p])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pp_runtime import LLM, Logprob, RequestOutput, SamplingParams
-from tests.conftest import PREEMPT_PROMPTS, mixed_prompts, with_and_without_preemption
+from tests.conftest import PREEMPT_PROMPTS, hf_causal_lm, mixed_prompts, with_and_without_preemption
 
 PROMPTS = mixed_prompts(seed=5, lengths=(23, 9, 70, 1, 41))
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3)
@@ -21,10 +21,8 @@ PARAMS = [GREEDY, DRAWN, GREEDY, DRAWN, replace(GREEDY, logprobs=None)]
 
 def hf_log_softmax(folder: Path, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """(len(tokens), V): transformers' log-softmax at each position that predicted a token."""
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.inference_mode():
-        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
+        logits = hf_causal_lm(folder)(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
     return logits.double().log_softmax(-1)
 
 

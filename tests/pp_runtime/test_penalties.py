@@ -5,7 +5,6 @@ every scheduler and several chunk sizes; they survive preemption; the plan carri
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,16 +12,11 @@ import torch
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.batch import LogitsEdit, MicroBatch
 from pp_runtime.request import Request
-from tests.conftest import PREEMPT_PROMPTS, mixed_prompts, with_and_without_preemption
+from tests.conftest import PREEMPT_PROMPTS, hf_causal_lm, mixed_prompts, with_and_without_preemption
 
 PROMPTS = mixed_prompts(seed=7, lengths=(23, 9, 70, 1, 41))
 MAX_NEW = 10
 SCHEDULERS = [("sarathi", 7), ("sarathi", 512), ("orca", 16), ("prefill_first", 16), ("request_level", 64)]
-
-
-def hf_model(folder: Path) -> object:
-    import transformers
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 @torch.inference_mode()
@@ -47,7 +41,7 @@ def reference_penalised(model: object, prompt: list[int], presence: float, frequ
 
 @pytest.fixture(scope="module")
 def references(hf_models: dict) -> dict:
-    m = hf_model(hf_models["llama"])
+    m = hf_causal_lm(hf_models["llama"])
     return {"repetition": [hf_generate(m, p, repetition_penalty=1.5, eos_token_id=None) for p in PROMPTS],
             "presence_frequency": [reference_penalised(m, p, 1.5, 0.75) for p in PROMPTS]}
 
@@ -67,7 +61,7 @@ def test_penalties_match_the_references(hf_models: dict, references: dict, sched
 def test_min_tokens_as_transformers_min_new_tokens(hf_models: dict) -> None:
     """A stop id the greedy output makes early: min_tokens bans it until then, as transformers'
     min_new_tokens does its eos ids, and the output ends where transformers' does."""
-    m = hf_model(hf_models["llama"])
+    m = hf_causal_lm(hf_models["llama"])
     with LLM(model=str(hf_models["llama"]), chunk_size=16, memory_budget_gb=0.05) as llm:
         plain = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
         for prompt, out in zip(PROMPTS, plain):

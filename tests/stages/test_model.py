@@ -14,7 +14,7 @@ from stages.attention import build_metadata
 from stages.layers import TPContext
 from stages.model_source import resolve_model
 from stages.worker import StageWorker, WorkerSpec
-from tests.conftest import ARCHS, mixed_prompts
+from tests.conftest import ARCHS, hf_causal_lm, mixed_prompts
 
 BLOCK = 4
 
@@ -54,10 +54,9 @@ def test_chunked_prefill_logits_equal_one_shot(hf_models: dict, arch: str, chunk
 
 
 def test_logits_match_transformers(isa: str, hf_models: dict) -> None:
-    import transformers
     path = hf_models["qwen2"]
     prompt = mixed_prompts(lengths=(40,))[0]
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = hf_causal_lm(path)
     w = make_worker(str(path))
     with torch.inference_mode():
         expected = ref(torch.tensor([prompt])).logits[0]
