@@ -91,7 +91,9 @@ class RayExecutor(WorkerHealth):
                 strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundles[stage])
                 self.actors.append(StageActor.options(num_cpus=1, num_gpus=gpu, scheduling_strategy=strategy)
                                    .remote(rank, self.topo, threads))
-            addrs = self._get([a.address.remote() for a in self.actors], "start")
+            # start-up, like set-up below, is not held to the serving timeout: a worker process
+            # imports torch and its kernels first, which took > 2 s on a busy 2-core node
+            addrs = self._get([a.address.remote() for a in self.actors], "start", timeout=max(300.0, self.timeout_s))
             backend = "nccl" if cfg.device.device == "cuda" else "gloo"
             init = f"tcp://{addrs[0][0]}:{addrs[0][1]}"
             specs = [WorkerSpec(source, *self.topo.coords(r), cfg.parallel, cfg.cache, cfg.device)
