@@ -61,8 +61,10 @@ timeout 60 python3 benchmarks/cuda_paged_decode.py --kv-dtype float8_e4m3fn 2>&1
 timeout 90 python3 benchmarks/cuda_launch_overhead.py 2>&1 | tee "$OUT/host.log" \
     || failed+=" cuda_launch_overhead"
 timeout 150 python3 benchmarks/cuda_graphs.py 2>&1 | tee -a "$OUT/host.log" || failed+=" cuda_graphs"
+# sampled rows: the per-row sampler (a host read a row) against every row at once (one a batch)
+timeout 60 python3 -m stages.batched_sampler 2>&1 | tee -a "$OUT/host.log" || failed+=" batched_sampler"
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/launch/test_gpu.py tests/stages/test_triton_decode.py tests/stages/test_cuda_graphs.py \
-    tests/stages/test_triton_elementwise.py \
+    tests/stages/test_triton_elementwise.py tests/stages/test_sampler.py \
     tests/stages/test_attention.py tests/test_benchmarks_smoke.py 2>&1 | tee "$OUT/pytest_gpu.log" || failed+=" pytest"
 if [ -n "$failed" ]; then echo "gpu_checks: failed:$failed"; exit 1; fi
 echo "gpu_checks: all steps ran"

@@ -8,7 +8,9 @@ takes ``torch.topk``'s k tokens; top-p draws from the whole row and redraws from
 likelier than a draw that fell outside the nucleus (``_draw_nucleus``); a draw is one uniform
 number against cumulative weights, block by block (``_draw``). On a Zen 3 core pair, for
 49152-token rows: ``torch.multinomial`` took 1.7 ms a row and a full sort 4.5 ms; 32 rows take
-9 ms here at temperature 0.8 (72 ms before), 14 ms with top-p 0.95 (237 ms).
+9 ms here at temperature 0.8 (72 ms before), 14 ms with top-p 0.95 (237 ms). On a GPU, where
+each of those host reads would wait for the device, ``batched_sampler`` draws every row at once
+(on this CPU it is 3-10x slower than this loop: its float64 scans and sorts run a row at a time).
 
     .venv/bin/python -m stages.sampler      # time a batch of sampled rows
 """
@@ -48,15 +50,17 @@ def sample_hidden(model: torch.nn.Module, h: torch.Tensor, specs: list[SampleSpe
     if len(head) == len(specs):
         return model.argmax_tokens(h).tolist()
     full = [i for i, s in enumerate(specs) if not is_plain_greedy(s)]
-    out = [0] * len(specs)
-    if head:
-        for i, tok in zip(head, model.argmax_tokens(h[head]).tolist()):
-            out[i] = tok
-    logits = model.logits(h if not head else h[full])  # (len(full), V)
+    # the head's ids are read after the draws: on a GPU one wait for both
+    head_ids = model.argmax_tokens(h.index_select(0, _ints(head, h.device))) if head else None
+    logits = model.logits(h if not head else h.index_select(0, _ints(full, h.device)))  # (len(full), V)
     full_specs = [specs[i] for i in full]
     tokens = sample(logits, full_specs)
+    out = [0] * len(specs)
     for i, tok in zip(full, tokens):
         out[i] = tok
+    if head_ids is not None:
+        for i, tok in zip(head, head_ids.tolist()):
+            out[i] = tok
     if all(s.logprobs < 0 for s in specs):
         return out
     rows: list[LogprobRow | None] = [None] * len(specs)
@@ -80,15 +84,28 @@ def token_logprobs(logits: torch.Tensor, token: int, n: int) -> LogprobRow:
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
-    """logits (S, V), one spec per row -> S token ids."""
-    if logits.shape[0] != len(specs):
-        raise ValueError(f"sample: {logits.shape[0]} logit rows but {len(specs)} sampling specs")
+    """logits (S, V), one spec per row -> S token ids. On a GPU every row at once
+    (``batched_sampler``: one host read a batch, where this loop reads each row's token back)."""
+    if logits.is_cuda:
+        from stages.batched_sampler import sample_batched  # it builds on this module's rules
+        return sample_batched(logits, specs)
+    return sample_rows(logits, specs)
+
+
+def sample_rows(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
+    """``sample`` a row at a time, each row's token read back as it is drawn: the CPU's way."""
+    check_rows(logits, specs)
     logits = logits.float()  # half-precision logits would make the weights below coarse
     out = []
     for i, s in enumerate(specs):
         row = logits[i] if s.edit is None else edit_logits(logits[i], s.edit)
         out.append(int(row.argmax()) if is_greedy(s) else _sample_row(row, s))
     return out
+
+
+def check_rows(logits: torch.Tensor, specs: list[SampleSpec]) -> None:
+    if logits.shape[0] != len(specs):
+        raise ValueError(f"sample: {logits.shape[0]} logit rows but {len(specs)} sampling specs")
 
 
 def edit_logits(x: torch.Tensor, e: LogitsEdit) -> torch.Tensor:
@@ -99,7 +116,7 @@ def edit_logits(x: torch.Tensor, e: LogitsEdit) -> torch.Tensor:
         v = x[ids]
         x[ids] = v * torch.where(v > 0, 1 / e.repetition, e.repetition)
     if (e.presence or e.frequency) and e.output_ids:
-        counts = torch.frombuffer(array.array("f", e.output_counts), dtype=torch.float32).to(x.device)
+        counts = to_device(torch.frombuffer(array.array("f", e.output_counts), dtype=torch.float32), x.device)
         x[_ints(e.output_ids, x.device)] -= e.frequency * counts + e.presence
     banned = [t for t in e.banned if t < x.numel()]  # a stop id past the vocabulary is never drawn anyway
     if banned:
@@ -110,7 +127,16 @@ def edit_logits(x: torch.Tensor, e: LogitsEdit) -> torch.Tensor:
 def _ints(values: tuple[int, ...] | list[int], device: torch.device) -> torch.Tensor:
     """Token ids as an int64 tensor, through an array's buffer: 7 µs for 160 ids here where
     ``torch.tensor`` takes 39 (a penalised row has three such lists a step)."""
-    return torch.frombuffer(array.array("q", values), dtype=torch.int64).to(device)
+    return to_device(torch.frombuffer(array.array("q", values), dtype=torch.int64), device)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor t on ``device``; to a GPU through pinned memory, without waiting: a plain
+    ``.to("cuda")`` of pageable memory waits until the device has run all it was given first,
+    so each small copy of a step's ids would cost a sync."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _sample_row(logits: torch.Tensor, s: SampleSpec) -> int:  # logits (V,) float32

@@ -1,4 +1,6 @@
-"""The last stage's sampler on hand-made logits: greedy, temperature, top-k, top-p and seeds."""
+"""The last stage's sampler on hand-made logits: greedy, temperature, top-k, top-p and seeds.
+The tests of ``sample``'s rules run twice (``both``): a row at a time as on the CPU
+(``sample_rows``), and every row at once as on a GPU (``batched_sampler``), here on CPU tensors."""
 from __future__ import annotations
 
 import math
@@ -7,9 +9,21 @@ import pytest
 import torch
 
 from pp_runtime.batch import LogitsEdit, SampleSpec
-from stages.sampler import edit_logits, sample, sample_hidden, token_logprobs
+import stages.batched_sampler
+from stages.sampler import edit_logits, sample, sample_hidden, sample_rows, token_logprobs
 
 SEEDS = range(300)
+
+
+@pytest.fixture(params=["rows", "batched"])
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """This module's ``sample`` as either implementation, whatever the tensors' device."""
+    fn = sample_rows if request.param == "rows" else stages.batched_sampler.sample_batched
+    monkeypatch.setitem(globals(), "sample", fn)
+    return request.param
+
+
+both = pytest.mark.usefixtures("impl")
 
 
 def spec(temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0) -> SampleSpec:
@@ -27,6 +41,7 @@ def logits() -> torch.Tensor:
     return torch.randn(50, generator=torch.Generator().manual_seed(1)) * 2
 
 
+@both
 def test_greedy_is_argmax(logits: torch.Tensor) -> None:
     batch = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
     expected = batch.argmax(-1).tolist()
@@ -35,12 +50,14 @@ def test_greedy_is_argmax(logits: torch.Tensor) -> None:
     assert sample(batch, [spec(temperature=5.0, top_k=1, seed=s) for s in range(6)]) == expected
 
 
+@both
 def test_tiny_temperature_tends_to_greedy(logits: torch.Tensor) -> None:
     # Also exercises the overflow guard: logits / 1e-4 would be ±inf without the shift to 0.
     for t in (1e-3, 1e-4):
         assert set(draws(logits, temperature=t)) == {int(logits.argmax())}
 
 
+@both
 def test_temperature_under_1e_5_is_greedy() -> None:
     """As in vLLM: an exact tie at the top goes to the first token, as greedy's argmax, not to a
     coin flip (which T = 1e-6 made of it)."""
@@ -50,6 +67,7 @@ def test_temperature_under_1e_5_is_greedy() -> None:
     assert set(draws(tie, temperature=1e-3)) == {1, 2}  # above it: sampled
 
 
+@both
 def test_seeds_reproducible_and_independent_of_batch(logits: torch.Tensor) -> None:
     first = draws(logits)
     assert draws(logits) == first
@@ -62,6 +80,7 @@ def test_seeds_reproducible_and_independent_of_batch(logits: torch.Tensor) -> No
         assert sample(mixed, specs)[2] == first[s]
 
 
+@both
 def test_top_k_keeps_only_k(logits: torch.Tensor) -> None:
     k = 5
     top = set(torch.topk(logits, k).indices.tolist())
@@ -73,6 +92,7 @@ def test_top_k_keeps_only_k(logits: torch.Tensor) -> None:
     assert draws(logits, top_k=50) == draws(logits, top_k=0) == draws(logits, top_k=1000)
 
 
+@both
 def test_top_p_keeps_minimal_nucleus() -> None:
     probs = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
     logits = probs.log()
@@ -86,6 +106,7 @@ def test_top_p_keeps_minimal_nucleus() -> None:
     assert set(draws(logits, top_p=1.0)) == {0, 1, 2, 3}
 
 
+@both
 def test_top_p_applies_to_tempered_distribution() -> None:
     logits = torch.tensor([0.05, 0.5, 0.15, 0.3]).log()
     # temperature 0.5 squares the probabilities: 0.25, 0.09, 0.0225, 0.0025 (÷ 0.365):
@@ -94,11 +115,13 @@ def test_top_p_applies_to_tempered_distribution() -> None:
     assert set(draws(logits, temperature=1.0, top_p=0.6)) == {1, 3}
 
 
+@both
 def test_top_k_then_top_p(logits: torch.Tensor) -> None:
     top2 = set(torch.topk(logits, 2).indices.tolist())
     assert set(draws(logits, temperature=3.0, top_k=2, top_p=0.999)) == top2
 
 
+@both
 def test_frequencies_follow_softmax() -> None:
     # 300 draws from (0.7, 0.2, 0.1): each count within 4 standard deviations of its mean.
     probs = torch.tensor([0.7, 0.2, 0.1])
@@ -108,12 +131,14 @@ def test_frequencies_follow_softmax() -> None:
         assert abs(got.count(tok) - n * p) < 4 * math.sqrt(n * p * (1 - p))
 
 
+@both
 def test_half_precision_logits_and_minus_inf(logits: torch.Tensor) -> None:
     x = logits.clone()
     x[10:] = float("-inf")  # e.g. a masked vocabulary tail
     assert set(draws(x.half(), temperature=2.0)) <= set(range(10))
 
 
+@both
 def test_rows_and_specs_must_match() -> None:
     with pytest.raises(ValueError, match="2 logit rows but 1 sampling specs"):
         sample(torch.zeros(2, 4), [spec()])
@@ -131,6 +156,7 @@ def many(logits: torch.Tensor, n: int = 2000, **kw: object) -> list[int]:
     return sample(logits.expand(n, -1), [spec(seed=s, **kw) for s in range(n)])
 
 
+@both
 def test_top_p_draws_in_proportion_inside_the_nucleus() -> None:
     # (0.4, 0.3, 0.2, 0.1), top_p 0.8: the mass before the last token is 0.9 ≥ 0.8, so the nucleus
     # is the first three, drawn 4 : 3 : 2 (the rejected draws of token 3 are drawn again).
@@ -138,6 +164,7 @@ def test_top_p_draws_in_proportion_inside_the_nucleus() -> None:
     counts_follow(many(logits, top_p=0.8), {0: 4 / 9, 1: 3 / 9, 2: 2 / 9})
 
 
+@both
 def test_top_p_orders_ties_by_token_id() -> None:
     """Four equal tokens: the mass before each is 0, 0.25, 0.5, 0.75, so top_p 0.5 keeps tokens 0
     and 1 (one draw in two is rejected and drawn again) and 0.6 keeps three."""
@@ -148,6 +175,7 @@ def test_top_p_orders_ties_by_token_id() -> None:
     counts_follow(many(torch.tensor([0.4, 0.2, 0.2, 0.2]).log(), top_p=0.7), {0: 0.5, 1: 0.25, 2: 0.25})
 
 
+@both
 def test_top_p_on_a_large_vocabulary_matches_the_sorted_nucleus() -> None:
     """Against the definition by a full sort, over a vocabulary of several draw blocks."""
     x = torch.randn(5000, generator=torch.Generator().manual_seed(4)) * 2
@@ -159,6 +187,7 @@ def test_top_p_on_a_large_vocabulary_matches_the_sorted_nucleus() -> None:
     assert not set(many(x, n=300)) <= nucleus  # the control: without the cut, others show up
 
 
+@both
 def test_draws_across_blocks_follow_the_weights() -> None:
     """The draw finds its block, then its token: mass in three blocks, one of them the last,
     partial one (3000 = 2 × 1024 + 952), in proportion and at the right ids."""
@@ -168,11 +197,13 @@ def test_draws_across_blocks_follow_the_weights() -> None:
     assert set(many(x, n=50, top_k=2)) == {5, 1500}
 
 
+@both
 def test_top_k_keeps_ties_with_the_kth() -> None:
     got = set(many(torch.tensor([3.0, 2.0, 2.0, 1.0, 2.0]), n=300, temperature=5.0, top_k=2))
     assert got == {0, 1, 2, 4}  # the three tied with the 2nd all stay, as in vLLM
 
 
+@both
 def test_nan_logits_fail_by_name() -> None:
     x = torch.zeros(8)
     x[3] = float("nan")
@@ -181,6 +212,7 @@ def test_nan_logits_fail_by_name() -> None:
             sample(x[None], [spec(**kw)])
 
 
+@both
 @pytest.mark.parametrize("cut", [{}, {"top_k": 3}, {"top_p": 0.99}, {"top_k": 3, "top_p": 0.99}])
 def test_temperature_reshapes_the_draws(cut: dict) -> None:
     """T = 2 takes square roots of (0.5, 0.3, 0.2, 1e-12): each path (no cut, top-k, top-p, both)
@@ -238,6 +270,7 @@ def test_sample_hidden_takes_the_full_logits_only_for_rows_that_need_them() -> N
     assert rows[2][0][2] == 1  # greedy: the sampled token is the likeliest
 
 
+@both
 def test_edit_logits_applies_vllms_penalties_then_the_ban() -> None:
     x = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
     e = LogitsEdit(banned=(3, 99), presence=0.5, frequency=0.25, repetition=2.0, output_ids=(0, 1),
@@ -261,3 +294,71 @@ def test_edited_rows_leave_the_argmax_head() -> None:
     specs = [spec(temperature=0.0), SampleSpec(0.0, 1.0, 0, 0, -1, LogitsEdit(banned=(top,))), spec(temperature=0.0)]
     tokens = sample_hidden(head, h, specs)
     assert head.argmax_rows == [2] and tokens[1] == int(logits[1].topk(2).indices[1]) != top
+
+
+def test_uniform_of_a_seed_is_fixed_and_spread() -> None:
+    """The batched sampler's one number a row: the same for a seed, in [0, 1), and spread evenly
+    over neighbouring seeds (each tenth of [0, 1) within 4σ of its 1000 expected among 10000)."""
+    from stages.batched_sampler import uniform
+    us = [uniform(s) for s in range(10000)]
+    assert us == [uniform(s) for s in range(10000)] and all(0.0 <= u < 1.0 for u in us)
+    assert uniform(2 ** 63 + 5) != uniform(5) and 0 <= uniform(-1) < 1  # any int: wrapped to 64 bits
+    for b in range(10):
+        assert abs(sum(b / 10 <= u < (b + 1) / 10 for u in us) - 1000) < 4 * math.sqrt(1000 * 0.9)
+
+
+def test_batched_mixed_rows_match_their_rules() -> None:
+    """One batch of every kind of row: greedy rows (T 0, top_k 1, an edited one) take the argmax of
+    their (edited) logits, and each sampled row's token is the one it draws alone."""
+    from stages.batched_sampler import sample_batched
+    x = torch.randn(6, 40, generator=torch.Generator().manual_seed(8)) * 2
+    ban = int(x[2].argmax())
+    specs = [spec(temperature=0.0), spec(temperature=0.9, top_p=0.8, seed=11),
+             SampleSpec(0.0, 1.0, 0, 0, -1, LogitsEdit(banned=(ban,))), spec(temperature=2.0, top_k=1, seed=3),
+             spec(temperature=1.3, top_k=4, seed=12), SampleSpec(1.0, 1.0, 0, 13, -1, LogitsEdit(banned=(ban,)))]
+    got = sample_batched(x, specs)
+    assert got[0] == int(x[0].argmax()) and got[3] == int(x[3].argmax())
+    assert got[2] == int(x[2].topk(2).indices[1]) != ban
+    for i in (1, 4, 5):
+        assert got[i] == sample_batched(x[i:i + 1], specs[i:i + 1])[0]
+    assert got[4] in set(x[4].topk(4).indices.tolist())
+
+
+def test_batched_draws_at_the_ends_of_the_unit_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """u = 0 takes the first token with weight; u · total rounding up to the total takes the last
+    token with weight, never an id past it (zero weights at both ends of the row)."""
+    x = torch.full((2, 3000), float("-inf"))
+    x[:, 7:12] = 0.0
+    specs = [spec(seed=0), spec(seed=1, top_p=0.9)]
+    for u, want in ((0.0, 7), (1.0, 11)):
+        monkeypatch.setattr(stages.batched_sampler, "uniform", lambda seed, u=u: u)
+        assert stages.batched_sampler.sample_batched(x, specs)[0] == want
+    # top-p 0.9 of five equal tokens keeps all five (0.8 before the fifth): u = 1 takes the fifth
+    assert stages.batched_sampler.sample_batched(x, specs)[1] == 11
+
+
+@pytest.mark.gpu(1)
+def test_batched_sampler_on_cuda_reads_the_device_once() -> None:
+    """On a GPU ``sample`` takes the batched path: the tokens of 64 sampled rows (top-p, top-k and
+    penalties among them) are those the same path draws from the CPU copy of the logits (but for
+    a draw that lands on a boundary the two devices' sums round apart), with a handful of device
+    syncs for the batch, not one or more a row."""
+    import warnings
+    x = torch.randn(64, 49152, generator=torch.Generator().manual_seed(9)) * 3
+    specs = [SampleSpec(0.8, (0.95, 1.0)[i % 2], (0, 50)[i % 3 == 0], i,
+                        -1, LogitsEdit(banned=(1,), repetition=1.2, context_ids=(5, 6)) if i % 5 == 0 else None)
+             for i in range(64)]
+    want = stages.batched_sampler.sample_batched(x, specs)
+    xc = x.cuda()
+    sample(xc, specs)  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = sample(xc, specs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sum(a == b for a, b in zip(got, want)) >= 60
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert 1 <= len(syncs) <= 8, [str(w.message) for w in syncs]
