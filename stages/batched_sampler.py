@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from pp_runtime.batch import SampleSpec
+from pp_runtime.batch import LogprobRow, SampleSpec
 from stages.sampler import check_rows, edit_logits, is_greedy, to_device
 
 _MASK64 = (1 << 64) - 1
@@ -103,6 +103,19 @@ def _cut_top_p(w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     csum = sw.cumsum(1, dtype=torch.float64)
     keep = (csum - sw) < p[:, None] * csum[:, -1:]  # the likeliest always stays: 0 < p · total
     return w.masked_fill(~torch.zeros_like(keep).scatter_(1, order, keep), 0.0)
+
+
+def batched_logprobs(logits: torch.Tensor, tokens: list[int], ns: list[int]) -> list[LogprobRow]:
+    """``sampler.token_logprobs`` of every row of logits (A, V) at once, row a's token tokens[a]
+    and its n ns[a]; the device is read three times for the batch."""
+    lp = logits.float().log_softmax(-1)  # (A, V)
+    chosen = lp.gather(1, _index(tokens, lp.device)[:, None])  # (A, 1)
+    rank = (lp > chosen).sum(1) + 1  # (A,) 1: the likeliest
+    top = max(ns)
+    vals, ids = torch.topk(lp, top, dim=1) if top else (lp[:, :0], lp[:, :0].long())  # (A, top)
+    chosen_l, rank_l, vals_l, ids_l = chosen.squeeze(1).tolist(), rank.tolist(), vals.tolist(), ids.tolist()
+    return [((t, c, r), *((i, v, k) for k, (i, v) in enumerate(zip(ids_l[a][:n], vals_l[a][:n]), 1) if i != t))
+            for a, (t, n, c, r) in enumerate(zip(tokens, ns, chosen_l, rank_l))]
 
 
 def _index(values: list[int], device: torch.device) -> torch.Tensor:

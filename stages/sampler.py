@@ -64,9 +64,15 @@ def sample_hidden(model: torch.nn.Module, h: torch.Tensor, specs: list[SampleSpe
     if all(s.logprobs < 0 for s in specs):
         return out
     rows: list[LogprobRow | None] = [None] * len(specs)
-    for j, (i, s) in enumerate(zip(full, full_specs)):
-        if s.logprobs >= 0:
-            rows[i] = token_logprobs(logits[j], tokens[j], s.logprobs)
+    asked = [j for j, s in enumerate(full_specs) if s.logprobs >= 0]
+    if logits.is_cuda:  # every asking row at once: a few host reads a batch, not a few a row
+        from stages.batched_sampler import batched_logprobs
+        got = batched_logprobs(logits.index_select(0, _ints(asked, logits.device)), [tokens[j] for j in asked],
+                               [full_specs[j].logprobs for j in asked])
+    else:
+        got = [token_logprobs(logits[j], tokens[j], full_specs[j].logprobs) for j in asked]
+    for j, row in zip(asked, got):
+        rows[full[j]] = row
     return out, rows
 
 

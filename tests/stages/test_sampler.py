@@ -337,6 +337,21 @@ def test_batched_draws_at_the_ends_of_the_unit_interval(monkeypatch: pytest.Monk
     assert stages.batched_sampler.sample_batched(x, specs)[1] == 11
 
 
+def test_batched_logprobs_are_the_per_row_ones() -> None:
+    """On a GPU the logprobs rows are made together: the same ids, ranks and values as
+    ``token_logprobs`` row by row, for sampled tokens anywhere in the ranking and any N (0-20)."""
+    from stages.batched_sampler import batched_logprobs
+    x = torch.randn(6, 500, generator=torch.Generator().manual_seed(10)) * 3
+    tokens = [int(x[0].argmax()), 7, int(x[2].topk(3).indices[2]), 499, 0, int(x[5].argmin())]
+    ns = [0, 20, 2, 1, 5, 3]
+    got = batched_logprobs(x, tokens, ns)
+    for a, row in enumerate(got):
+        want = token_logprobs(x[a], tokens[a], ns[a])
+        assert [(t, r) for t, _, r in row] == [(t, r) for t, _, r in want]
+        assert [v for _, v, _ in row] == pytest.approx([v for _, v, _ in want], abs=1e-5)
+    assert got[0][0][2] == 1 and len(got[0]) == 1 and len(got[1]) == 21 and got[5][0][2] == 500
+
+
 @pytest.mark.gpu(1)
 def test_batched_sampler_on_cuda_reads_the_device_once() -> None:
     """On a GPU ``sample`` takes the batched path: the tokens of 64 sampled rows (top-p, top-k and
@@ -362,3 +377,20 @@ def test_batched_sampler_on_cuda_reads_the_device_once() -> None:
     assert sum(a == b for a, b in zip(got, want)) >= 60
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     assert 1 <= len(syncs) <= 8, [str(w.message) for w in syncs]
+
+
+@pytest.mark.gpu(1)
+def test_sample_hidden_on_cuda_gives_the_cpus_logprobs() -> None:
+    """Greedy rows asking for logprobs, beside plain greedy ones, through the batched logprobs on
+    CUDA: the CPU's tokens, ranks and values."""
+    head = TinyHead()
+    h = torch.randn(5, 8, generator=torch.Generator().manual_seed(11))
+    specs = [SampleSpec(0.0, 1.0, 0, 0, n) for n in (-1, 0, 3, -1, 20)]
+    want_tokens, want_rows = sample_hidden(head, h, specs)
+    head.w = head.w.cuda()
+    tokens, rows = sample_hidden(head, h.cuda(), specs)
+    assert tokens == want_tokens and [r is None for r in rows] == [r is None for r in want_rows]
+    for row, want in zip(rows, want_rows):
+        if want is not None:
+            assert [(t, r) for t, _, r in row] == [(t, r) for t, _, r in want]
+            assert [v for _, v, _ in row] == pytest.approx([v for _, v, _ in want], abs=1e-4)
