@@ -65,6 +65,6 @@ timeout 150 python3 benchmarks/cuda_graphs.py 2>&1 | tee -a "$OUT/host.log" || f
 timeout 60 python3 -m stages.batched_sampler 2>&1 | tee -a "$OUT/host.log" || failed+=" batched_sampler"
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/launch/test_gpu.py tests/stages/test_triton_decode.py tests/stages/test_cuda_graphs.py \
     tests/stages/test_triton_elementwise.py tests/stages/test_sampler.py \
-    tests/stages/test_attention.py tests/test_benchmarks_smoke.py 2>&1 | tee "$OUT/pytest_gpu.log" || failed+=" pytest"
+    tests/stages/test_attention.py tests/benchmarks/test_decode_maximal.py tests/benchmarks/test_cuda_benchmarks.py 2>&1 | tee "$OUT/pytest_gpu.log" || failed+=" pytest"
 if [ -n "$failed" ]; then echo "gpu_checks: failed:$failed"; exit 1; fi
 echo "gpu_checks: all steps ran"

@@ -30,6 +30,6 @@ timeout 240 python3 benchmarks/decode_maximal.py --model llama-7b --device cuda 
     --chunk 512,2048 --cuda-decode "paged,$best" --decodes 4,16,32,64 --context 512 --rounds 10 --threads 4 \
     --json "$OUT/dm_tuned.json" 2>&1 | tee "$OUT/dm_tuned.log" || failed+=" decode_maximal"
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/stages/test_triton_decode.py \
-    tests/test_benchmarks_smoke.py -k "decode" 2>&1 | tee "$OUT/pytest_gpu.log" || failed+=" pytest"
+    tests/benchmarks/test_decode_maximal.py tests/benchmarks/test_cuda_benchmarks.py -k "decode" 2>&1 | tee "$OUT/pytest_gpu.log" || failed+=" pytest"
 if [ -n "$failed" ]; then echo "gpu_decode_tuning: failed:$failed"; exit 1; fi
 echo "gpu_decode_tuning: all steps ran"

@@ -125,12 +125,13 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-# The suite's longest files (seconds on the 2-core CI box, one process: 300, 220, 100, 70, 70,
-# 55, 55), run first: `--dist loadfile` hands each xdist worker whole files in collection order,
-# and the benchmark smoke tests, collected last, otherwise ran alone for the final minutes.
-LONGEST_FIRST = ("test_benchmarks_smoke.py", "launch/test_ray_launch.py", "launch/test_torchrun.py",
-                 "stages/test_embedded_model.py", "launch/test_worker_failure.py", "launch/test_signals.py",
-                 "launch/test_ray_cluster.py")
+# The suite's longest files, longest first (seconds in one process on the 2-core CI box: 220,
+# 100, 70, 70, 65, 55, 55, 50, 50, 45): `--dist loadfile` hands each xdist worker whole files in
+# collection order, so these start first and the short files fill in around them at the end.
+LONGEST_FIRST = ("launch/test_ray_launch.py", "launch/test_torchrun.py", "stages/test_embedded_model.py",
+                 "launch/test_worker_failure.py", "benchmarks/test_vs_hf.py", "launch/test_signals.py",
+                 "launch/test_ray_cluster.py", "benchmarks/test_decode_maximal.py", "launch/test_cli.py",
+                 "benchmarks/test_validate_sim.py")
 
 
 def _file_rank(item: pytest.Item) -> int:
