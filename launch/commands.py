@@ -227,8 +227,11 @@ def check_writable(flag: str, path: str | None, is_dir: bool) -> None:
 def _write_workers(run_dir: Path, infos: list[dict]) -> None:
     from pp_runtime.rundir import WORKER_FIELDS
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "workers.json").write_text(json.dumps([{k: w[k] for k in WORKER_FIELDS if k in w} for w in infos],
-                                                     indent=1))
+    # written while the run starts, for whoever watches the run directory (a monitor finding the
+    # workers' pids): through a rename, so a reader never sees it half written
+    tmp = run_dir / "workers.json.tmp"
+    tmp.write_text(json.dumps([{k: w[k] for k in WORKER_FIELDS if k in w} for w in infos], indent=1))
+    tmp.replace(run_dir / "workers.json")
 
 
 def _tokenizer(model: str | None) -> object:

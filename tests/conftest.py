@@ -134,6 +134,13 @@ LONGEST_FIRST = ("launch/test_ray_launch.py", "launch/test_torchrun.py", "stages
                  "benchmarks/test_validate_sim.py")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # keep LONGEST_FIRST's order: xdist otherwise deals files out by their count of tests, most
+    # first, which left the one-test files of long benchmark runs for the end
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def _file_rank(item: pytest.Item) -> int:
     path = item.path.relative_to(Path(__file__).parent).as_posix()
     return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
