@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from pp_runtime.batch import LogprobRow, SampleSpec
-from stages.sampler import check_rows, edit_logits, is_greedy, to_device
+from stages.sampler import check_rows, edit_logits, int_tensor, is_greedy, to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -48,7 +48,7 @@ def sample_batched(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
         if len(rows) == len(specs):
             tokens = _draw_rows(x, specs)
         else:
-            idx = _index(rows, x.device)
+            idx = int_tensor(rows, x.device)
             tokens.index_copy_(0, idx, _draw_rows(x.index_select(0, idx), [specs[i] for i in rows]))
     out = tokens.tolist()
     if -1 in out:  # NaN or inf logits (a model gone wrong): say so, as the per-row sampler does
@@ -74,7 +74,7 @@ def _draw_rows(x: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
         if len(cut) == r:
             w = _cut_top_p(w, params[:, 1])
         else:
-            idx = _index(cut, x.device)
+            idx = int_tensor(cut, x.device)
             w.index_copy_(0, idx, _cut_top_p(w.index_select(0, idx), params[:, 1].index_select(0, idx)))
     cdf = w.cumsum(1, dtype=torch.float64)  # (R, V)
     total = cdf[:, -1]  # (R,)
@@ -90,7 +90,7 @@ def _draw_rows(x: torch.Tensor, specs: list[SampleSpec]) -> torch.Tensor:
 def _cut_top_k(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
     """x (R, V) with every logit below its row's kth largest at -inf (k = 0: no cut); tokens tied
     with the kth stay, as vLLM keeps them."""
-    k = _index(ks, x.device)  # (R,)
+    k = int_tensor(ks, x.device)  # (R,)
     kth = torch.topk(x, max(ks), dim=1).values.gather(1, (k.clamp(min=1) - 1)[:, None])  # (R, 1)
     kth = torch.where(k[:, None] > 0, kth, float("-inf"))
     return x.masked_fill(x < kth, float("-inf"))
@@ -109,17 +109,13 @@ def batched_logprobs(logits: torch.Tensor, tokens: list[int], ns: list[int]) -> 
     """``sampler.token_logprobs`` of every row of logits (A, V) at once, row a's token tokens[a]
     and its n ns[a]; the device is read three times for the batch."""
     lp = logits.float().log_softmax(-1)  # (A, V)
-    chosen = lp.gather(1, _index(tokens, lp.device)[:, None])  # (A, 1)
+    chosen = lp.gather(1, int_tensor(tokens, lp.device)[:, None])  # (A, 1)
     rank = (lp > chosen).sum(1) + 1  # (A,) 1: the likeliest
     top = max(ns)
     vals, ids = torch.topk(lp, top, dim=1) if top else (lp[:, :0], lp[:, :0].long())  # (A, top)
     chosen_l, rank_l, vals_l, ids_l = chosen.squeeze(1).tolist(), rank.tolist(), vals.tolist(), ids.tolist()
     return [((t, c, r), *((i, v, k) for k, (i, v) in enumerate(zip(ids_l[a][:n], vals_l[a][:n]), 1) if i != t))
             for a, (t, n, c, r) in enumerate(zip(tokens, ns, chosen_l, rank_l))]
-
-
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 if __name__ == "__main__":

@@ -51,8 +51,8 @@ def sample_hidden(model: torch.nn.Module, h: torch.Tensor, specs: list[SampleSpe
         return model.argmax_tokens(h).tolist()
     full = [i for i, s in enumerate(specs) if not is_plain_greedy(s)]
     # the head's ids are read after the draws: on a GPU one wait for both
-    head_ids = model.argmax_tokens(h.index_select(0, _ints(head, h.device))) if head else None
-    logits = model.logits(h if not head else h.index_select(0, _ints(full, h.device)))  # (len(full), V)
+    head_ids = model.argmax_tokens(h.index_select(0, int_tensor(head, h.device))) if head else None
+    logits = model.logits(h if not head else h.index_select(0, int_tensor(full, h.device)))  # (len(full), V)
     full_specs = [specs[i] for i in full]
     tokens = sample(logits, full_specs)
     out = [0] * len(specs)
@@ -67,7 +67,7 @@ def sample_hidden(model: torch.nn.Module, h: torch.Tensor, specs: list[SampleSpe
     asked = [j for j, s in enumerate(full_specs) if s.logprobs >= 0]
     if logits.is_cuda:  # every asking row at once: a few host reads a batch, not a few a row
         from stages.batched_sampler import batched_logprobs
-        got = batched_logprobs(logits.index_select(0, _ints(asked, logits.device)), [tokens[j] for j in asked],
+        got = batched_logprobs(logits.index_select(0, int_tensor(asked, logits.device)), [tokens[j] for j in asked],
                                [full_specs[j].logprobs for j in asked])
     else:
         got = [token_logprobs(logits[j], tokens[j], full_specs[j].logprobs) for j in asked]
@@ -118,19 +118,19 @@ def edit_logits(x: torch.Tensor, e: LogitsEdit) -> torch.Tensor:
     """A copy of logits x (V,) with vLLM's penalties and the min_tokens ban applied."""
     x = x.clone()
     if e.repetition != 1 and e.context_ids:
-        ids = _ints(e.context_ids, x.device)
+        ids = int_tensor(e.context_ids, x.device)
         v = x[ids]
         x[ids] = v * torch.where(v > 0, 1 / e.repetition, e.repetition)
     if (e.presence or e.frequency) and e.output_ids:
         counts = to_device(torch.frombuffer(array.array("f", e.output_counts), dtype=torch.float32), x.device)
-        x[_ints(e.output_ids, x.device)] -= e.frequency * counts + e.presence
+        x[int_tensor(e.output_ids, x.device)] -= e.frequency * counts + e.presence
     banned = [t for t in e.banned if t < x.numel()]  # a stop id past the vocabulary is never drawn anyway
     if banned:
-        x[_ints(banned, x.device)] = float("-inf")
+        x[int_tensor(banned, x.device)] = float("-inf")
     return x
 
 
-def _ints(values: tuple[int, ...] | list[int], device: torch.device) -> torch.Tensor:
+def int_tensor(values: tuple[int, ...] | list[int], device: torch.device) -> torch.Tensor:
     """Token ids as an int64 tensor, through an array's buffer: 7 µs for 160 ids here where
     ``torch.tensor`` takes 39 (a penalised row has three such lists a step)."""
     return to_device(torch.frombuffer(array.array("q", values), dtype=torch.int64), device)
