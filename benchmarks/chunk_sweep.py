@@ -27,14 +27,16 @@ import statistics
 
 from pairing import alternating, ratios  # same directory: run as a script
 from pp_runtime.workload import generate_workload
+from pp_runtime.workload_config import WorkloadConfig
 from pp_scaling import add_workload_args, deployments, run_once, smoke_workload, zipf_workload
 
 
-def sweep(llms: dict, items: list, tokens: int, chunks: list[int], rounds: int) -> dict[int, dict[int, list[float]]]:
+def sweep(llms: dict, items: list, tokens: int, chunks: list[int], rounds: int,
+          wl: WorkloadConfig) -> dict[int, dict[int, list[float]]]:
     """tok/s per round for every pp and chunk: {pp: {chunk: [round 0, round 1, ...]}}."""
     out: dict[int, dict[int, list[float]]] = {pp: {c: [] for c in chunks} for pp in llms}
     for k, (pp, c) in alternating(rounds, [(pp, c) for pp in llms for c in chunks]):
-        wall = run_once(llms[pp], items, "sarathi", c)
+        wall = run_once(llms[pp], items, "sarathi", c, sampling=wl)
         out[pp][c].append(tokens / wall)
         print(f"round {k} pp={pp} chunk {c:4d}: {tokens / wall:6.1f} tok/s", flush=True)
     return out
@@ -68,12 +70,12 @@ def main() -> None:
         ap.error(f"--chunks: {chunks[0]} is not a positive chunk")
     with contextlib.ExitStack() as stack:
         llms = deployments(stack, model, chunks[-1], a.max_batch_size, "auto", "highest")
-        items = generate_workload(zipf_workload(a.num_requests, a.min_len, a.max_len),
-                                  llms[1].source.config.vocab_size)
+        wl = zipf_workload(a.num_requests, a.min_len, a.max_len)
+        items = generate_workload(wl, llms[1].source.config.vocab_size)
         tokens = sum(len(it.prompt_token_ids) + it.max_tokens for it in items)
         for pp, llm in llms.items():  # warm: a process's first run faults in the KV cache's pages
-            run_once(llm, items, "sarathi", chunks[-1])
-        r = summarize(sweep(llms, items, tokens, chunks, a.rounds))
+            run_once(llm, items, "sarathi", chunks[-1], sampling=wl)
+        r = summarize(sweep(llms, items, tokens, chunks, a.rounds, wl))
     for pp, by in r["median_tok_s"].items():
         print(f"pp={pp} median tok/s by chunk: " + ", ".join(f"{c}: {t:.1f}" for c, t in by.items())
               + f"; best {r['best_chunk'][pp]}")

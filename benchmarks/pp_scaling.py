@@ -70,7 +70,7 @@ from pathlib import Path
 
 from launch.parser import parse_partition
 from pairing import alternating, ratios  # same directory: run as a script
-from pp_runtime import LLM, SamplingParams
+from pp_runtime import LLM
 from pp_runtime.config import ADMISSIONS, CHUNK_BUDGETS, KV_DTYPES, MATMUL_PRECISIONS
 from pp_runtime.calibration import calibrate, format_costs
 from pp_runtime.workload import generate_workload
@@ -100,13 +100,13 @@ def deployments(stack: contextlib.ExitStack, model: str | None, chunk: int, max_
 
 
 def run_once(llm: LLM, items: list, policy: str, chunk: int, budget: str = "flops", admission: str = "fcfs",
-             costs: Sequence[float] = (), sampling: WorkloadConfig | None = None) -> float:
+             costs: Sequence[float] = (), *, sampling: WorkloadConfig) -> float:
     """One run of ``items``, wall seconds. budget "fit": "flops" with ``costs`` as step_costs;
-    ``sampling``: the workload whose sampling every request takes (greedy without one)."""
+    ``sampling``: the workload whose sampling every request takes."""
     llm.reconfigure(policy=policy, chunk_size=chunk, chunk_budget="flops" if budget == "fit" else budget,
                     admission=admission, step_costs=tuple(costs) if budget == "fit" else ())
-    params = sampling.sampling_params if sampling else lambda n: SamplingParams(max_tokens=n, ignore_eos=True)
-    reqs = [llm.make_request(it.request_id, it.prompt_token_ids, params(it.max_tokens)) for it in items]
+    reqs = [llm.make_request(it.request_id, it.prompt_token_ids, sampling.sampling_params(it.max_tokens))
+            for it in items]
     t = time.perf_counter()
     outs = llm.run(reqs)
     wall = time.perf_counter() - t
@@ -228,7 +228,7 @@ def paired_runs(llms: dict[int, LLM], items: list, tokens: int, runs: list[tuple
         for pp in (1, 2) if k % 2 == 0 else (2, 1):
             llm = llms[pp]
             llm.executor.drain_timings()
-            wall = run_once(llm, items, policy, chunks[pp], budget, admission, r.get("step_costs") or (), wl)
+            wall = run_once(llm, items, policy, chunks[pp], budget, admission, r.get("step_costs") or (), sampling=wl)
             per[label][pp].append(tokens / wall)
             print(f"{label:15s} pp={pp} round {k}: {tokens} tokens in {wall:7.1f} s = {tokens / wall:6.1f} tok/s",
                   flush=True)
