@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from stages import cpu_kernels, triton_elementwise
 from stages.attention import triton_decode
@@ -58,6 +57,14 @@ def byte_view(cache: torch.Tensor) -> torch.Tensor:
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """The cache's blocks ``blocks`` (n,) as (n, BS, H_kv, D), in the cache's dtype."""
     return byte_view(cache).index_select(0, blocks).view(cache.dtype)
+
+
+def _causal_lower_right(n: int, ctx: int) -> torch.Tensor:
+    """SDPA's bottom-right causal mask for n queries over ctx keys. Imported here, not at the top:
+    torch.nn.attention.bias imports torch._dynamo, ~2 s of every worker's and CLI run's start-up
+    (tests/stages/test_import_time.py), for a mask only later chunks off the CPU kernels need."""
+    from torch.nn.attention.bias import causal_lower_right
+    return causal_lower_right(n, ctx)
 
 
 def decode_lens(meta: AttentionMetadata, device: torch.device | None = None) -> torch.Tensor:
@@ -135,7 +142,7 @@ class TorchAttention:
                 # bottom right, which SDPA's flash kernel takes as such on CUDA. An explicit (n, ctx)
                 # mask rules flash out, and with GQA the memory-efficient kernel too (it wants as
                 # many K/V heads as q's), leaving the math path: the fp32 scores materialised
-                mask, causal = causal_lower_right(n, ctx), False
+                mask, causal = _causal_lower_right(n, ctx), False
             o = F.scaled_dot_product_attention(qi, ki.transpose(0, 1).unsqueeze(0), vi.transpose(0, 1).unsqueeze(0),
                                                attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True)
             out[row:row + n] = o.squeeze(0).transpose(0, 1)
