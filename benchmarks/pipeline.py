@@ -21,6 +21,7 @@ import torch
 
 from pp_runtime import LLM, SamplingParams
 from pp_scaling import control_plane as control_plane_figures  # same directory: run as a script
+from stages.model_source import resolve_model
 
 
 def ttft(llm: LLM, prompt: list[int], reps: int) -> float:
@@ -54,12 +55,12 @@ def main() -> None:
     plen = 200 if a.smoke else a.prompt_len
     # prefault_kv: the KV pages written at start-up, so no measured prompt pays for faulting them in;
     # no prefix caching: each TTFT rep runs the same prompt again
-    common = dict(model=model, chunk_size=a.chunk, memory_budget_gb=1.0, prefault_kv=True,
+    # (smoke: a tenth of the budget, ample for llama-tiny's prompts, and a tenth of the pages to fault in)
+    common = dict(model=model, chunk_size=a.chunk, memory_budget_gb=0.1 if a.smoke else 1.0, prefault_kv=True,
                   max_model_len=2048 if model is None else None,  # another model: its own limit
                   enable_prefix_caching=False)
     g = torch.Generator().manual_seed(0)
-    with LLM(**common) as probe:
-        vocab = probe.source.config.vocab_size
+    vocab = resolve_model(model).config.vocab_size
     prompt = torch.randint(3, vocab, (plen,), generator=g).tolist()
     r: dict = {}
     for threads in (1, 2):
