@@ -113,7 +113,7 @@ def measure(model: str | None, chunks: list[int], decodes: list[int], context: i
                         w.model.backend.paged_cuda = way != "gathered"
                         w.model.backend.decode_tuning = decode_tuning(way)
                     triton_elementwise.enabled = ew != "eager"
-                    out.append({"chunk": c, "chunk_context": context if chunk_cached else 0, "cuda_decode": way,
+                    out.append({"chunk": c, "cuda_decode": way,
                                 "elementwise": ew, **labels,
                                 **_measure_chunk(w, c, decodes, context, rounds, mm["flop_s"], profile, chunk_cached)})
     finally:
@@ -188,7 +188,8 @@ def _measure_chunk(w: StageWorker, chunk: int, decodes: list[int], context: int,
     fill_cache(w)
     vocab = w.spec.source.config.vocab_size
     gen = random.Random(0)
-    points = {"chunk": Point("prefill", chunk, 0, context if chunk_cached else 0)}
+    chunk_context = context if chunk_cached else 0  # the chunk's own cached tokens (0: a fresh prompt)
+    points = {"chunk": Point("prefill", chunk, 0, chunk_context)}
     for b in decodes:
         points[f"mixed{b}"] = Point("mixed", chunk, b, context, chunk_cached)
         points[f"decode{b}"] = Point("decode", 0, b, context)
@@ -224,7 +225,7 @@ def _measure_chunk(w: StageWorker, chunk: int, decodes: list[int], context: int,
     flops = {k: plan_flops(cfg, chunks) for k, chunks in plans.items()}
     achieved = {k: flops[k] / statistics.median(times[k]) for k in plans}
     top = f"mixed{max(decodes)}"
-    out: dict = {"flops": flops, "achieved_flop_s": achieved,
+    out: dict = {"chunk_context": chunk_context, "flops": flops, "achieved_flop_s": achieved,
                  "host_issue_fraction": {k: statistics.median(host[k]) / statistics.median(times[k]) for k in plans},
                  "decode_maximal": {"batch": top, "flop_s": achieved[top], "fraction_of_matmul": achieved[top] / rate},
                  "chunk_ms": statistics.median(times["chunk"]) * 1e3, "by_batch": {},
