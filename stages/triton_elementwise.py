@@ -42,10 +42,9 @@ import torch.nn.functional as F
 
 from stages.attention.triton_decode import triton_missing
 
-try:  # the kernels' bodies name triton.language at module level: Triton's JIT reads the module's globals
-    import triton.language as tl
-except Exception:  # no triton (CPU-only installs): takes() is False and no kernel is built
-    tl = None
+# triton.language, bound by _kernels() as it compiles: the kernels' bodies name it at module level (Triton's
+# JIT reads this module's globals), and importing it here cost every worker's start ~0.2 s on CPUs
+tl = None
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CACHE_DTYPES = DTYPES + (torch.float8_e4m3fn,)  # the K/V write also narrows to fp8 (CacheConfig.kv_dtype)
@@ -227,7 +226,9 @@ def _probe(dtype: torch.dtype, device: torch.device) -> str | None:
 @functools.cache
 def _kernels() -> dict[str, object]:
     """Compiled on first use: ``triton.jit`` reads TRITON_INTERPRET here (the tests set it first)."""
+    global tl
     import triton
+    import triton.language as tl
     return {"norm": triton.jit(_norm_kernel), "rope": triton.jit(_rope_kernel),
             "silu_mul": triton.jit(_silu_mul_kernel), "write_kv": triton.jit(_write_kv_kernel, do_not_specialize=["keep"])}
 

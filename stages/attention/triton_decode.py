@@ -22,10 +22,9 @@ import torch
 
 from stages import triton_elementwise
 
-try:  # the kernel's body names triton.language at module level: Triton's JIT reads the module's globals
-    import triton.language as tl
-except Exception:  # no triton (CPU-only installs): usable() is False and the kernel is never built
-    tl = None
+# triton.language, bound by _kernel() as it compiles: the kernel's body names it at module level (Triton's
+# JIT reads this module's globals), and importing it here cost every worker's start ~0.2 s on CPUs
+tl = None
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CACHE_DTYPES = DTYPES + (torch.float8_e4m3fn,)  # K/V widened to fp32 as they are loaded
@@ -160,7 +159,9 @@ def _sm_count(device: torch.device) -> int:
 @functools.cache
 def _kernel(fn: object) -> object:
     """Compiled on first use: ``triton.jit`` reads TRITON_INTERPRET here (the tests set it first)."""
+    global tl
     import triton
+    import triton.language as tl
     return triton.jit(fn)
 
 

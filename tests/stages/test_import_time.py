@@ -10,8 +10,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-# torch._dynamo: torch.compile's tracer, ~2 s; transformers: ~2 s, wanted only for a GGUF's tokenizer
-NOT_AT_START = ("torch._dynamo", "transformers", "matplotlib")
+# torch._dynamo: torch.compile's tracer, ~2 s; transformers: ~2 s, wanted only for a GGUF's tokenizer;
+# triton: ~0.2 s, wanted only as a CUDA kernel compiles
+NOT_AT_START = ("torch._dynamo", "transformers", "matplotlib", "triton")
 
 
 # what each kind of process imports as it starts: a stage worker, a Ray actor, a torchrun rank, the CLI
