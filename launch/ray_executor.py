@@ -41,7 +41,7 @@ from launch.ray_cluster import acquire_ray, release_ray
 from launch.stage_actor import StageActor
 from launch.worker_health import WorkerHealth
 from pp_runtime.batch import MicroBatch, Sampled
-from pp_runtime.comm import Topology
+from pp_runtime.topology import Topology
 from pp_runtime.control import Connection
 from pp_runtime.config import EngineConfig
 from pp_runtime.workers import worker_timeout_s
@@ -65,7 +65,7 @@ def _release(actors: list, pg: object) -> None:
 class RayExecutor(WorkerHealth):
     def __init__(self, cfg: EngineConfig, source: object, timeout_s: float | None = None,
                  verbose: bool = False) -> None:
-        from stages.worker import WorkerSpec
+        from stages.worker_spec import WorkerSpec  # plain Python: the driver does not import torch
         self.cfg, self.timeout_s = cfg, worker_timeout_s() if timeout_s is None else timeout_s
         self.topo = Topology(cfg.parallel.pp, cfg.parallel.tp)
         acquire_ray(self.topo.world_size, verbose)

@@ -14,7 +14,7 @@ import time
 
 import ray
 
-from pp_runtime.comm import P2P, Topology, init_distributed
+from pp_runtime.topology import Topology
 from pp_runtime.control import Connection, Listener
 
 
@@ -57,6 +57,8 @@ class StageActor:
 
     def setup(self, spec: object, backend: str, init_method: str) -> dict:
         import torch
+
+        from pp_runtime.comm import P2P, init_distributed  # torch: in the worker, not the driver
         from stages.layers import TPContext
         from stages.worker import StageWorker
         if init_method.startswith("tcp://127."):

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from pp_runtime.batch import MicroBatch, Sampled
-from pp_runtime.comm import P2P, ControlChannel, Topology, init_distributed
+from pp_runtime.comm import P2P, ControlChannel, init_distributed
+from pp_runtime.topology import Topology
 from pp_runtime.config import EngineConfig
 from pp_runtime.executor import WorkerError
 from pp_runtime.workers import worker_timeout_s
@@ -43,7 +44,8 @@ def _build_worker(cfg: EngineConfig, source: object, topo: Topology,
                   timeout_s: float) -> tuple[object, ControlChannel]:
     """Join the world (env:// from torchrun), create the TP and control groups, load the shard."""
     from stages.layers import TPContext
-    from stages.worker import StageWorker, WorkerSpec
+    from stages.worker import StageWorker
+    from stages.worker_spec import WorkerSpec
     rank = int(os.environ["RANK"])
     if int(os.environ["WORLD_SIZE"]) != topo.world_size:
         raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes but pp×tp = {topo.world_size}")

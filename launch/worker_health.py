@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ray
 
-from pp_runtime.comm import Topology
+from pp_runtime.topology import Topology
 from pp_runtime.executor import WorkerError
 
 

@@ -1,4 +1,4 @@
-"""Process-group topology and point-to-point activation transfer between stages.
+"""Process groups and point-to-point activation transfer between stages (ranks: topology.py).
 
 world = pp × tp workers, rank = stage · tp + tp_rank. TP rank r of stage s sends its output
 to TP rank r of stage s + 1 (every TP rank holds the full hidden state after the row-parallel
@@ -10,30 +10,12 @@ from __future__ import annotations
 import collections
 import datetime
 import pickle
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Topology:
-    pp: int
-    tp: int
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.tp
-
-    def rank(self, stage: int, tp_rank: int) -> int:
-        return stage * self.tp + tp_rank
-
-    def coords(self, rank: int) -> tuple[int, int]:
-        return divmod(rank, self.tp)
-
-    def tp_ranks(self, stage: int) -> list[int]:
-        return [self.rank(stage, r) for r in range(self.tp)]
+from pp_runtime.topology import Topology
 
 
 def init_distributed(topo: Topology, rank: int, backend: str, init_method: str,

@@ -37,7 +37,8 @@ class LocalExecutor:
     def __init__(self, cfg: EngineConfig, source: object) -> None:
         from pp_runtime.comm import LocalLink  # torch: only when stages really run in this process
         from stages.layers import TPContext
-        from stages.worker import StageWorker, WorkerSpec
+        from stages.worker import StageWorker
+        from stages.worker_spec import WorkerSpec
         if cfg.parallel.tp != 1:
             raise ValueError("the local launcher runs tp=1 only; use --launcher ray or torchrun for tp > 1")
         links = LocalLink.chain(cfg.parallel.pp)

@@ -50,7 +50,8 @@ from stages.cpu_info import cpu_name
 from stages.layers import TPContext
 from stages.op_timing import OpTimer, instrument
 from stages.model_source import DEFAULT_MODEL, resolve_model
-from stages.worker import StageWorker, WorkerSpec
+from stages.worker import StageWorker
+from stages.worker_spec import WorkerSpec
 
 
 # ---- worker ---------------------------------------------------------------------------------

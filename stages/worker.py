@@ -12,23 +12,20 @@ import ctypes
 import logging
 import os
 import time
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from pp_runtime.batch import MicroBatch, Sampled
-from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
 from stages import cpu_kernels, triton_elementwise
 from stages.attention import build_metadata
 from stages.attention.metadata import AttentionMetadata
 from stages.cuda_graphs import DecodeGraphs, graphs_wanted
 from stages.layers import TPContext, pack_linears, set_matmul_precision
 from stages.model import StageModel
-from stages.model_source import ModelSource
 from stages.op_timing import OpTimer, instrument
 from stages.sampler import sample_hidden
 from stages.weights import load_weights
+from stages.worker_spec import MemoryProfile, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -64,25 +61,6 @@ def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     same_width = {4: np.int32, 2: np.int16, 1: np.int8}[dtype.itemsize]  # all-zero bits are 0.0
     t = torch.from_numpy(np.zeros(shape, dtype=same_width))
     return (t.zero_() if prefault else t).view(dtype)  # zeroed as ints: torch fills no fp8 tensor
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    source: ModelSource
-    stage: int
-    tp_rank: int
-    parallel: ParallelConfig
-    cache: CacheConfig
-    device: DeviceConfig
-
-
-@dataclass(frozen=True)
-class MemoryProfile:
-    """What the driver needs to size the shared block pool and the paper's B."""
-
-    budget_bytes: int  # M_G
-    weight_bytes: int  # M_S
-    kv_bytes_per_token: int  # m_kv for this worker's layers and heads
 
 
 class StageWorker:

@@ -10,12 +10,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 SHARED = """
-import gc, ray
+import gc, ray, sys
 from pp_runtime import LLM, SamplingParams
 make = lambda: LLM(model="llama-tiny", launcher="ray", memory_budget_gb=0.05, threads=1)
 p = SamplingParams(max_tokens=4)
 a, b = make(), make()
 want = a.generate([[3, 4, 5]], p)[0].token_ids
+assert "torch" not in sys.modules, "the driver imported torch: it never touches a tensor"
 a.shutdown()  # a started Ray; b's workers live in it
 assert ray.is_initialized()
 assert b.generate([[3, 4, 5]], p)[0].token_ids == want and not b.broken

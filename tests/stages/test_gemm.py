@@ -13,7 +13,8 @@ from stages.layers import TPContext, embedding_rows, linear, pack_linears, set_m
 from stages.model import StageModel
 from stages.model_source import resolve_model
 from stages.weights import load_weights
-from stages.worker import StageWorker, WorkerSpec
+from stages.worker import StageWorker
+from stages.worker_spec import WorkerSpec
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")
 

@@ -13,7 +13,8 @@ from stages import cpu_kernels, greedy, quant
 from stages.layers import TPContext
 from stages.model_source import resolve_model
 from stages.sampler import sample, sample_hidden
-from stages.worker import StageWorker, WorkerSpec
+from stages.worker import StageWorker
+from stages.worker_spec import WorkerSpec
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")

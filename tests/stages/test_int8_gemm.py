@@ -14,7 +14,8 @@ from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
 from stages import cpu_kernels, quant
 from stages.layers import RowParallelLinear, TPContext
 from stages.model_source import resolve_model
-from stages.worker import StageWorker, WorkerSpec
+from stages.worker import StageWorker
+from stages.worker_spec import WorkerSpec
 from tests.stages.test_quant import LAYERS, QTYPES, VARIANTS, quantized, write_gguf
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")

@@ -21,7 +21,8 @@ from stages.model_source import resolve_model
 from pp_runtime.profile_stats import OPS
 from stages.op_timing import OpTimer, instrument
 from stages.profile import fill_cache
-from stages.worker import StageWorker, WorkerSpec
+from stages.worker import StageWorker
+from stages.worker_spec import WorkerSpec
 from tests.conftest import ARCHS
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")

@@ -13,7 +13,8 @@ from stages import cpu_kernels
 from stages.attention import build_metadata
 from stages.layers import TPContext
 from stages.model_source import resolve_model
-from stages.worker import StageWorker, WorkerSpec
+from stages.worker import StageWorker
+from stages.worker_spec import WorkerSpec
 from tests.conftest import ARCHS, hf_causal_lm, mixed_prompts
 
 BLOCK = 4

@@ -19,7 +19,8 @@ from stages.layers import TPContext
 from stages.model import StageModel
 from stages.model_source import resolve_model
 from stages.weights import load_weights
-from stages.worker import StageWorker, WorkerSpec
+from stages.worker import StageWorker
+from stages.worker_spec import WorkerSpec
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels could not be built here")

@@ -241,7 +241,8 @@ def bf16_worker(folder: Path, device: str, dtype: str = "bfloat16", kv_dtype: st
     from pp_runtime.config import CacheConfig, DeviceConfig, ParallelConfig
     from stages.layers import TPContext
     from stages.model_source import resolve_model
-    from stages.worker import StageWorker, WorkerSpec
+    from stages.worker import StageWorker
+    from stages.worker_spec import WorkerSpec
     from tests.stages.test_model import BLOCK
     spec = WorkerSpec(resolve_model(str(folder)), 0, 0, ParallelConfig(1), CacheConfig(BLOCK, 1 << 26, kv_dtype),
                       DeviceConfig(device, dtype, "torch"))
