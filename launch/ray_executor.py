@@ -41,9 +41,9 @@ from launch.ray_cluster import acquire_ray, release_ray
 from launch.stage_actor import StageActor
 from launch.worker_health import WorkerHealth
 from pp_runtime.batch import MicroBatch, Sampled
-from pp_runtime.topology import Topology
 from pp_runtime.control import Connection
 from pp_runtime.config import EngineConfig
+from pp_runtime.topology import Topology
 from pp_runtime.workers import worker_timeout_s
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

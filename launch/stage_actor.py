@@ -14,8 +14,8 @@ import time
 
 import ray
 
-from pp_runtime.topology import Topology
 from pp_runtime.control import Connection, Listener
+from pp_runtime.topology import Topology
 
 
 def _unnice() -> None:

@@ -34,9 +34,9 @@ import torch.distributed as dist
 
 from pp_runtime.batch import MicroBatch, Sampled
 from pp_runtime.comm import P2P, ControlChannel, init_distributed
-from pp_runtime.topology import Topology
 from pp_runtime.config import EngineConfig
 from pp_runtime.executor import WorkerError
+from pp_runtime.topology import Topology
 from pp_runtime.workers import worker_timeout_s
 
 

@@ -12,6 +12,7 @@ import ctypes
 import logging
 import os
 import time
+
 import numpy as np
 import torch
 
