@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from pp_runtime.batch import LogprobRow, SampleSpec
-from stages.sampler import check_rows, edit_logits, int_tensor, is_greedy, to_device
+from stages.sampler import check_rows, edit_logits, int_tensor, is_greedy, logprob_row, to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -114,7 +114,7 @@ def batched_logprobs(logits: torch.Tensor, tokens: list[int], ns: list[int]) -> 
     top = max(ns)
     vals, ids = torch.topk(lp, top, dim=1) if top else (lp[:, :0], lp[:, :0].long())  # (A, top)
     chosen_l, rank_l, vals_l, ids_l = chosen.squeeze(1).tolist(), rank.tolist(), vals.tolist(), ids.tolist()
-    return [((t, c, r), *((i, v, k) for k, (i, v) in enumerate(zip(ids_l[a][:n], vals_l[a][:n]), 1) if i != t))
+    return [logprob_row(t, c, r, ids_l[a][:n], vals_l[a][:n])
             for a, (t, n, c, r) in enumerate(zip(tokens, ns, chosen_l, rank_l))]
 
 

@@ -81,12 +81,14 @@ def token_logprobs(logits: torch.Tensor, token: int, n: int) -> LogprobRow:
     not already given, likeliest first. Log-probabilities of the raw logits, as vLLM reports them
     (not of the tempered or cut distribution the token was drawn from); rank 1 is the likeliest."""
     lp = logits.float().log_softmax(-1)  # (V,)
-    chosen = float(lp[token])
-    out = [(token, chosen, int((lp > lp[token]).sum()) + 1)]
-    if n:
-        vals, ids = torch.topk(lp, n)
-        out += [(int(t), float(v), r) for r, (t, v) in enumerate(zip(ids.tolist(), vals.tolist()), 1) if t != token]
-    return tuple(out)
+    vals, ids = torch.topk(lp, n) if n else (lp[:0], lp[:0].long())  # (n,)
+    return logprob_row(token, float(lp[token]), int((lp > lp[token]).sum()) + 1, ids.tolist(), vals.tolist())
+
+
+def logprob_row(token: int, logprob: float, rank: int, ids: list[int], vals: list[float]) -> LogprobRow:
+    """One token's row as both logprob paths give it: the sampled token's (id, logprob, rank)
+    first, then the likeliest (``ids``/``vals``, likeliest first) but the sampled one, ranked from 1."""
+    return ((token, logprob, rank), *((i, v, r) for r, (i, v) in enumerate(zip(ids, vals), 1) if i != token))
 
 
 def sample(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
