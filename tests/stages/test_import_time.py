@@ -17,10 +17,10 @@ REPO = Path(__file__).resolve().parents[2]
 # torch._dynamo: torch.compile's tracer, ~2 s; transformers: ~2 s, wanted only for a GGUF's tokenizer;
 # triton: ~0.2 s, wanted only as a CUDA kernel compiles
 NOT_AT_START = ("torch._dynamo", "transformers", "matplotlib", "triton")
+DRIVER = NOT_AT_START + ("torch",)
 # in import order: a Ray driver's modules first (no torch), then the workers' (torch, none of the above)
-STARTS = (("launch.cli", NOT_AT_START + ("torch",)), ("launch.commands", NOT_AT_START + ("torch",)),
-          ("pp_runtime.llm", NOT_AT_START + ("torch",)), ("launch.ray_executor", NOT_AT_START + ("torch",)),
-          ("stages.worker", NOT_AT_START), ("launch.torchrun_main", NOT_AT_START))
+STARTS = (("launch.cli", DRIVER), ("launch.commands", DRIVER), ("pp_runtime.llm", DRIVER),
+          ("launch.ray_executor", DRIVER), ("stages.worker", NOT_AT_START), ("launch.torchrun_main", NOT_AT_START))
 CHECK = f"""
 import importlib, sys
 for name, unwanted in {STARTS!r}:
