@@ -49,7 +49,7 @@ void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, 
       }
     }
   }
-  PP_WRITE(false)
+  PP_WRITE
 #else
   dequant<U4>(panel, 0, K, w);
   tile<M, false>(x, w, w, K, c, ldc, false, bias);
@@ -60,6 +60,8 @@ void qtile(const float* x, const uint8_t* panel, int64_t K, float* w, float* c, 
 #undef PP_ROWS
 #undef PP_OUT
 #undef PP_ACCS
+#undef PP_IN
+#undef PP_RESUME
 #undef PP_STEP
 #undef PP_WRITE
 #endif

@@ -2,7 +2,10 @@
 // panels) (+)= a K slab of x's rows, packed k-major, times the same slab of 16-wide weight panels,
 // M <= MR rows. Every output sums its k terms one FMA at a time in k order, in every tile here, so
 // each path that ends in them (fp32 panels: gemm.cpp, block-quantized ones: gemm_quant.cpp) gives
-// the same bits. A header, in an anonymous namespace, because the loops of those files call the
+// the same bits. A slab after the first (acc) starts its accumulators from c, the sums so far,
+// instead of adding its own sum to c at the end: one chain of FMAs over the whole K either way, so
+// a row's product has the same bits whether its batch's rows cut K into slabs (13+ rows) or not
+// (a seeded sample then draws the same token in any batch; before, 13+ rows differed at ~1e-5). A header, in an anonymous namespace, because the loops of those files call the
 // tiles and must keep inlining them (the module's files are linked without LTO); gemm_common.h
 // includes it.
 #pragma once
@@ -19,12 +22,12 @@ namespace {
 
 constexpr int MR = 6;         // rows per register tile
 
-// c[i][0..16) (+)= t[i] (+ bias) for the m rows of one tile
-inline void store_tile(const float* t, int m, float* c, int64_t ldc, bool acc, const float* bias) {
+// c[i][0..16) = t[i] (+ bias) for the m rows of one tile
+inline void store_tile(const float* t, int m, float* c, int64_t ldc, const float* bias) {
   for (int i = 0; i < m; ++i) {
     float* ci = c + i * ldc;
     const float* ti = t + i * NR;
-    for (int j = 0; j < NR; ++j) ci[j] = ti[j] + (acc ? ci[j] : 0.f) + (bias ? bias[j] : 0.f);
+    for (int j = 0; j < NR; ++j) ci[j] = ti[j] + (bias ? bias[j] : 0.f);
   }
 }
 
@@ -42,50 +45,55 @@ inline void store_tile(const float* t, int m, float* c, int64_t ldc, bool acc, c
     _mm256_store_ps(t[i], c##i##0);                                     \
     _mm256_store_ps(t[i] + 8, c##i##1);                                 \
   }
-// The 6 x 16 register tile as three steps both tiles below share: its 12 accumulators; one k
-// step (two 8-wide loads of the weight row at bk, then PP_ROWS: a broadcast of each x row from a
-// and its FMAs into b0, b1); and its write-out to c (acc: add to what is there).
+#define PP_IN(i)                                                        \
+  if constexpr (M > i) {                                                \
+    c##i##0 = _mm256_loadu_ps(c + i * ldc);                             \
+    c##i##1 = _mm256_loadu_ps(c + i * ldc + 8);                         \
+  }
+// The 6 x 16 register tile as three steps both tiles below share: its 12 accumulators (PP_RESUME:
+// from the sums so far in c); one k step (two 8-wide loads of the weight row at bk, then PP_ROWS: a
+// broadcast of each x row from a and its FMAs into b0, b1); and its write-out to c.
 #define PP_ACCS                                                                                    \
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, \
          c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+#define PP_RESUME PP_IN(0) PP_IN(1) PP_IN(2) PP_IN(3) PP_IN(4) PP_IN(5)
 #define PP_ROWS PP_ROW(0) PP_ROW(1) PP_ROW(2) PP_ROW(3) PP_ROW(4) PP_ROW(5)
 #define PP_STEP(bk)                                                                                \
   {                                                                                                \
     const __m256 b0 = _mm256_loadu_ps(bk), b1 = _mm256_loadu_ps((bk) + 8);                        \
     PP_ROWS                                                                                        \
   }
-#define PP_WRITE(acc)                                                                              \
+#define PP_WRITE                                                                                   \
   {                                                                                                \
     alignas(32) float t[MR][NR];                                                                   \
     PP_OUT(0) PP_OUT(1) PP_OUT(2) PP_OUT(3) PP_OUT(4) PP_OUT(5)                                    \
-    write_tile(t, M, c, ldc, acc, bias);                                                           \
+    write_tile(t, M, c, ldc, bias);                                                                \
   }
 
-// c (m x 16) (+)= t (+ bias): a tile's accumulators, stored to its rows of the output
-inline void write_tile(const float (*t)[NR], int m, float* c, int64_t ldc, bool acc, const float* bias) {
+// c (m x 16) = t (+ bias): a tile's accumulators, stored to its rows of the output
+inline void write_tile(const float (*t)[NR], int m, float* c, int64_t ldc, const float* bias) {
   if (bias) {
-    store_tile(&t[0][0], m, c, ldc, acc, bias);
+    store_tile(&t[0][0], m, c, ldc, bias);
     return;
   }
   for (int i = 0; i < m; ++i) {
     float* ci = c + i * ldc;
-    __m256 v0 = _mm256_load_ps(t[i]), v1 = _mm256_load_ps(t[i] + 8);
-    if (acc) {
-      v0 = _mm256_add_ps(v0, _mm256_loadu_ps(ci));
-      v1 = _mm256_add_ps(v1, _mm256_loadu_ps(ci + 8));
-    }
-    _mm256_storeu_ps(ci, v0);
-    _mm256_storeu_ps(ci + 8, v1);
+    _mm256_storeu_ps(ci, _mm256_load_ps(t[i]));
+    _mm256_storeu_ps(ci + 8, _mm256_load_ps(t[i] + 8));
   }
 }
 
-// c (M x 16, row stride ldc) (+)= a (kc x M, packed k-major) · b (kc x 16 panel slab). PF: prefetch
+// c (M x 16, row stride ldc) (+)= a (kc x M, packed k-major) · b (kc x 16 panel slab), acc: the sums
+// so far in c go on (the accumulators start from them). bias: added once the sums are whole. PF: prefetch
 // the next slab (pf) into L2 — only the first tile of a row block does, the others would ask for
 // the same lines again (a prefetch per 12 FMAs in every tile cost 20-30% in a hot-cache loop).
 template <int M, bool PF>
 void tile(const float* a, const float* b, const float* pf, int64_t kc, float* c, int64_t ldc,
           bool acc, const float* bias) {
   PP_ACCS
+  if (acc) {  // the sums so far go on (see the top of this file)
+    PP_RESUME
+  }
 #pragma GCC unroll 4
   for (int64_t k = 0; k < kc; ++k) {
     // the next slab into L2 while this one is in use: for a few rows the panels stream from
@@ -93,19 +101,23 @@ void tile(const float* a, const float* b, const float* pf, int64_t kc, float* c,
     if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(pf + k * NR), PF_HINT);
     PP_STEP(b + k * NR)
   }
-  PP_WRITE(acc)
+  PP_WRITE
 }
 // The PP_ macros stay defined for qtile (the block-quantized few-row tile, gemm_quant.cpp),
 // which #undefs them after it.
 #else
+// The plain loops, kept in k order: the module builds with -ffast-math, under which GCC reassociated
+// the 1-row tile's sums (vectorized over k), and one row alone came out other bits than in two.
 template <int M, bool PF>
-void tile(const float* a, const float* b, const float*, int64_t kc, float* c, int64_t ldc,
-          bool acc, const float* bias) {
+__attribute__((optimize("no-associative-math"))) void tile(const float* a, const float* b, const float*, int64_t kc,
+                                                           float* c, int64_t ldc, bool acc, const float* bias) {
   float t[MR][NR] = {};
+  for (int i = 0; i < M && acc; ++i)
+    for (int j = 0; j < NR; ++j) t[i][j] = c[i * ldc + j];
   for (int64_t k = 0; k < kc; ++k)
     for (int i = 0; i < M; ++i)
       for (int j = 0; j < NR; ++j) t[i][j] += a[k * M + i] * b[k * NR + j];
-  store_tile(&t[0][0], M, c, ldc, acc, bias);
+  store_tile(&t[0][0], M, c, ldc, bias);
 }
 #endif
 
@@ -127,6 +139,11 @@ constexpr TileFn kTiles[2][MR + 1] = {{nullptr, tile<1, false>, tile<2, false>, 
     c##i##0 = _mm512_fmadd_ps(x, w0, c##i##0);                          \
     c##i##1 = _mm512_fmadd_ps(x, w1, c##i##1);                          \
   }
+#define PZ_IN(i)                                                        \
+  if constexpr (M > i) {                                                \
+    c##i##0 = _mm512_loadu_ps(c + i * ldc);                             \
+    c##i##1 = _mm512_loadu_ps(c + i * ldc + NR);                        \
+  }
 #define PZ_OUT(i)                                                       \
   if constexpr (M > i) {                                                \
     _mm512_store_ps(t[i], c##i##0);                                     \
@@ -137,6 +154,9 @@ void tile_pair(const float* a, const float* b0, const float* b1, const float* pf
                float* c, int64_t ldc, bool acc, const float* bias) {
   __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
          c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  if (acc) {  // the sums so far go on (see the top of this file)
+    PZ_IN(0) PZ_IN(1) PZ_IN(2) PZ_IN(3) PZ_IN(4) PZ_IN(5)
+  }
 #pragma GCC unroll 4
   for (int64_t k = 0; k < kc; ++k) {
     if constexpr (PF) {
@@ -152,13 +172,13 @@ void tile_pair(const float* a, const float* b0, const float* b1, const float* pf
     float* ci = c + i * ldc;
     for (int h = 0; h < 2 * NR; h += NR) {
       __m512 v = _mm512_load_ps(t[i] + h);
-      if (acc) v = _mm512_add_ps(v, _mm512_loadu_ps(ci + h));
       if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + h));
       _mm512_storeu_ps(ci + h, v);
     }
   }
 }
 #undef PZ_ROW
+#undef PZ_IN
 #undef PZ_OUT
 
 using PairFn = void (*)(const float*, const float*, const float*, const float*, int64_t, int64_t, float*, int64_t,

@@ -35,6 +35,27 @@ def test_packed_linear_matches_f_linear(isa: str, threads: int, m: int, n: int, 
     torch.testing.assert_close(cpu_kernels.packed_linear(x, packed, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("weights", ["fp32", "q4_1"])
+def test_a_rows_product_does_not_depend_on_its_batch(isa: str, threads: int, weights: str) -> None:
+    """Batch invariance: a row's product has the same bits whatever rows share its call. Up to 12
+    rows (two tiles) K is one slab; from 13 it is cut into slabs, each of which resumes the sums so
+    far, so every output is one chain of FMAs over K either way. Before, 13+ rows summed each slab
+    on its own and differed at ~1e-5, and a seeded sample could draw another token in a bigger
+    batch (K = 600: slabs of 304 + 296; with a bias, added once the sums are whole)."""
+    from stages import quant
+    from tests.stages.test_quant import quantized
+    g = torch.Generator().manual_seed(5)
+    x, b = torch.randn(300, 608, generator=g), torch.randn(48, generator=g)
+    if weights == "fp32":
+        w = cpu_kernels.pack_weight(torch.randn(48, 608, generator=g))
+    else:
+        w = quant.to_panels(quantized(48, 608, quant.Q4_1)[0], quant.Q4_1)
+    for bias in (None, b):
+        alone = torch.cat([cpu_kernels.panel_linear(x[r:r + 1], w, bias) for r in range(300)])
+        for m in (2, 12, 13, 40, 300):
+            assert torch.equal(cpu_kernels.panel_linear(x[:m], w, bias), alone[:m]), f"{m} rows"
+
+
 bf16_only = pytest.mark.skipif(not cpu_kernels.bf16_products(), reason="no AVX512-BF16 in this build")
 
 
