@@ -52,9 +52,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         except RunInterrupted as e:  # write what finished (and what did not), then leave as interrupted
             outs, interrupted = e.outputs, e
         if lines is None:
-            for o in outs:
-                if o.finish_reason != "error" and o.text is None:  # else cut at a stop string already
-                    o.text = tok.decode_output(o.token_ids)
+            for o in outs:  # each sample's text, but where cut at a stop string already
+                o.fill_texts(tok.decode_output)
         else:  # a JSONL "prompt" text gets its output's text back, as LLM.generate gives it
             outs = [llm.with_text(o, x.prompt) for o, x in zip(outs, lines)]
         rows = [o.to_json() for o in outs]
@@ -90,8 +89,8 @@ def _emit_results(a: argparse.Namespace, outs: list, rows: list[dict], texts: bo
             raise ValueError(f"--output {a.output}: could not write ({e.strerror or e}); "
                              "the results went to stdout") from None
     elif texts and not a.output:
-        for o in outs:
-            print(o.text if o.error is None else f"{o.finish_reason}: {o.error}")
+        for c in (c for o in outs for c in o.outputs):  # with --n, each sample in turn
+            print(c.text if c.error is None else f"{c.finish_reason}: {c.error}")
     else:
         for r in rows:
             print(json.dumps(r))
@@ -194,13 +193,13 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 
 def sampling_defaults(a: argparse.Namespace) -> object:
-    """SamplingParams from --max-tokens/--temperature/--top-p/--top-k/--logprobs/--min-tokens and the
+    """SamplingParams from --n/--max-tokens/--temperature/--top-p/--top-k/--logprobs/--min-tokens and the
     penalties; errors name the flag."""
     from pp_runtime import SamplingParams
     if not math.isfinite(a.temperature):  # inf would sample uniformly, whatever the model says
         raise ValueError(f"--temperature must be a finite number ≥ 0, got {a.temperature}")
     try:
-        return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+        return SamplingParams(n=a.n, max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                               logprobs=a.logprobs, min_tokens=a.min_tokens, presence_penalty=a.presence_penalty,
                               frequency_penalty=a.frequency_penalty, repetition_penalty=a.repetition_penalty)
     except ValueError as e:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pp_runtime.request import Logprob, RequestOutput, SamplingParams
+from pp_runtime.outputs import CompletionOutput, RequestOutput
+from pp_runtime.request import Logprob, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 
 
 def __getattr__(name: str) -> Any:

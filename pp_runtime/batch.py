@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass, field
 
+# Temperatures below this are greedy, as in vLLM: dividing by them only turns ties and
+# near-ties into coin flips, and such a request would lose greedy's same-tokens-everywhere promise.
+SAMPLING_EPS = 1e-5
+
 
 @dataclass(frozen=True)
 class LogitsEdit:

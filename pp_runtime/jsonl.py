@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pp_runtime.request import SamplingParams
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "stop",
+SAMPLING_FIELDS = ("n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "stop",
                    "include_stop_str_in_output", "logprobs", "min_tokens", "presence_penalty", "frequency_penalty",
                    "repetition_penalty")
 KNOWN_FIELDS = frozenset(("id", "prompt_token_ids", "prompt") + SAMPLING_FIELDS)

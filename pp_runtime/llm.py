@@ -30,8 +30,10 @@ from pp_runtime.engine_args import build_engine_config
 from pp_runtime.executor import WorkerError
 from pp_runtime.kv_cache import BlockManager
 from pp_runtime.memory_plan import plan_memory
+from pp_runtime.outputs import RequestOutput
+from pp_runtime.parallel_sampling import fan_out, group_outputs, per_sample
 from pp_runtime.prompt_validation import as_prompts, as_token_list, check_arrivals, per_prompt_params, validate_prompt
-from pp_runtime.request import Request, RequestOutput, SamplingParams
+from pp_runtime.request import Request, SamplingParams
 from pp_runtime.run_outputs import RunInterrupted, RunRecord, StreamOutput
 from pp_runtime.scheduler import Scheduler
 from pp_runtime.workers import keep_sigterm_handler, kill_workers, make_executor
@@ -196,13 +198,24 @@ class LLM:
         error = error or validate_prompt(ids, self.source.config.vocab_size)
         if error is None and req.params.stop:
             try:
-                from pp_runtime.tokenizer import StopStrings
-                req.stop_check = StopStrings(self.tokenizer, req.params.stop, req.params.include_stop_str_in_output)
+                req.stop_check = self._stop_check(req.params)
             except ValueError as e:
                 error = f"stop strings need the model's tokenizer ({e})"
         if error:
             req.finish("error", error)
         return req
+
+    def _stop_check(self, params: SamplingParams) -> Callable[..., bool]:
+        from pp_runtime.tokenizer import StopStrings
+        return StopStrings(self.tokenizer, params.stop, params.include_stop_str_in_output)
+
+    def _fork(self, req: Request, index: int, params: SamplingParams) -> Request:
+        """Sample ``index`` of ``req``'s prompt (parallel_sampling.fan_out), a sequence of its own."""
+        seq_id, self._next_seq = self._next_seq, self._next_seq + 1
+        twin = Request(req.request_id, seq_id, req.prompt_token_ids, params, index=index)
+        if params.stop:  # its own: a stop check holds the text so far
+            twin.stop_check = self._stop_check(params)
+        return twin
 
     def generate(self, prompts: Sequence[list[int] | str],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -218,9 +231,9 @@ class LLM:
         """``out`` with the text of its tokens where its prompt was text (and it did not fail), and
         none where it was token ids (a stop string's cut text is not kept for those either)."""
         if not isinstance(prompt, str):  # token ids in, token ids out, however the request ended
-            out.text = None
-        elif out.finish_reason != "error" and out.text is None:  # else cut at a stop string already
-            out.text = self.tokenizer.decode_output(out.token_ids)
+            out.clear_texts()
+        else:  # each sample's, but where cut at a stop string already (a failed one needs no tokenizer)
+            out.fill_texts(lambda ids: self.tokenizer.decode_output(ids))
         return out
 
     def generate_stream(self, prompts: Sequence[list[int] | str],
@@ -230,11 +243,12 @@ class LLM:
         every token so far, and for a text prompt its text so far) for each request that got
         tokens, then a final one (``finished`` True,
         equal to ``generate``'s) for each request that finished; every request ends with exactly one
-        final output. ``abort(request_id)`` inside the loop (or from another thread) cancels a
+        final output (with SamplingParams.n > 1, each of its samples: ``outputs[0].index`` says which). ``abort(request_id)`` inside the loop (or from another thread) cancels a
         request; leaving the loop early cancels the rest once the stream is closed or the next run
         starts."""
         prompts = as_prompts(prompts)
-        reqs = self._requests(prompts, params, ids)
+        reqs = fan_out(self._requests(prompts, params, ids), self._fork)
+        prompts = per_sample(prompts, reqs)
         prompt_of = {r.seq_id: p for r, p in zip(reqs, prompts)}
         # a text prompt's partial outputs carry the text so far, decoded incrementally
         texts = {r.seq_id: self.tokenizer.text_stream() for r, p in zip(reqs, prompts) if isinstance(p, str)}
@@ -250,7 +264,8 @@ class LLM:
                         sent[req.seq_id] = len(req.output_token_ids)
                         out = StreamOutput.partial(req)
                         if req.seq_id in texts:
-                            out.text = _held_back(texts[req.seq_id].update(out.token_ids), req.params)
+                            out.text = out.outputs[0].text = _held_back(texts[req.seq_id].update(out.token_ids),
+                                                                        req.params)
                         yield out
                 for req in finished:
                     done.add(req.seq_id)
@@ -277,12 +292,15 @@ class LLM:
     def run(self, reqs: list[Request], progress: bool = False,
             on_finish: Callable[[Request], None] | None = None,
             arrivals: Sequence[float] | None = None) -> list[RequestOutput]:
-        """Run prepared requests; ``arrivals`` (seconds from start, one per request) spreads them
-        over time, else all arrive at once. ``on_finish`` sees every request as it finishes (those
-        finished with an error before the run first). The run's record stays in ``self.last_run``.
+        """Run prepared requests (one output each, its n samples in ``outputs``); ``arrivals`` (seconds
+        from start, one per request) spreads them over time, else all arrive at once. ``on_finish``
+        sees every sequence (a request's, or each of its samples) as it finishes (those finished with
+        an error before the run first). The run's record stays in ``self.last_run``.
         A KeyboardInterrupt comes out as ``RunInterrupted``, carrying every request's output."""
         if arrivals is not None:
             arrivals = check_arrivals(arrivals, len(reqs))
+        reqs = fan_out(reqs, self._fork)  # n > 1: one sequence a sample
+        arrivals = None if arrivals is None else per_sample(arrivals, reqs)
         with self._start_lock:
             self._check_one_caller()
             outer, self._run_thread = self._run_thread, threading.get_ident()  # outer: a run() in on_finish
@@ -324,7 +342,7 @@ class LLM:
             # an on_finish that raised leaves the run here: drained now (the rest cancelled, their
             # blocks freed), not held until the next call (a no-op for a run that ended)
             steps.close()
-        return [RequestOutput.from_request(r) for r in reqs]
+        return group_outputs(reqs)
 
     def _requests(self, prompts: Sequence[list[int] | str],
                   params: SamplingParams | Sequence[SamplingParams] | None,

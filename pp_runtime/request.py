@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pp_runtime.batch import LogitsEdit
+from pp_runtime.batch import SAMPLING_EPS, LogitsEdit
 from pp_runtime.field_checks import is_int, is_number
 
 
@@ -20,13 +20,17 @@ from pp_runtime.field_checks import is_int, is_number
 SEED_RANGE = (-(1 << 63), 1 << 64)
 # The most top alternatives ``logprobs`` asks for, per token (vLLM's default max_logprobs)
 MAX_LOGPROBS = 20
+# The most samples ``n`` asks for of one prompt: each is a sequence of its own, so a typo like
+# n=10**9 would fill the driver's memory with requests instead of naming the problem
+MAX_N = 1024
 
 
 @dataclass(frozen=True, kw_only=True)  # by name: SamplingParams(2) read as n=2 in older vLLM
 class SamplingParams:
     """How to pick each new token. temperature 0 (or under 1e-5, as vLLM) means greedy; seed makes
-    sampling reproducible."""
+    sampling reproducible; n > 1 samples the prompt n times (pp_runtime/parallel_sampling.py)."""
 
+    n: int = 1
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
@@ -55,6 +59,8 @@ class SamplingParams:
         other spelling of "off") 0, stop_token_ids None no stops, and a list of them a tuple;
         stop: one string or a list of them."""
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}] (samples of the prompt), got {self.n!r}")
         if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not is_number(self.temperature) or self.temperature < 0:
@@ -73,6 +79,9 @@ class SamplingParams:
         stops = tuple(stops)
         if not all(is_int(t) and t >= 0 for t in stops):
             raise ValueError(f"stop_token_ids must be integers ≥ 0 (token ids), got {list(stops)!r}")
+        if self.n > 1 and self.temperature < SAMPLING_EPS:  # n copies of one greedy output: as vLLM, an error
+            raise ValueError(f"n must be 1 when sampling is greedy (temperature 0), got n={self.n}")
+        set_("n", int(self.n))
         set_("max_tokens", int(self.max_tokens))
         set_("temperature", float(self.temperature))
         set_("top_p", float(self.top_p))
@@ -134,6 +143,7 @@ class Request:
     seq_id: int  # compact integer id used on the wire and in the block manager
     prompt_token_ids: list[int]
     params: SamplingParams
+    index: int = 0  # which of its prompt's samples this sequence is (parallel_sampling.py; vLLM's)
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     phase: Phase = Phase.WAITING
@@ -228,43 +238,3 @@ class Request:
         self.finish_reason = reason
         self.error = error
         self.finish_time = time.perf_counter()
-
-
-@dataclass
-class RequestOutput:
-    """What a caller gets back for one request (DESIGN.md §3.3 output line)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str
-    error: str | None = None
-    ttft_s: float | None = None
-    latency_s: float | None = None
-    text: str | None = None
-    num_cached_tokens: int = 0  # of its prompt, found in the prefix cache (vLLM's field)
-    # with SamplingParams.logprobs: one {token id: Logprob} per token of token_ids, the sampled first
-    logprobs: list[dict[int, Logprob]] | None = None
-
-    @classmethod
-    def from_request(cls, req: Request) -> "RequestOutput":
-        ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
-        lat = None if req.finish_time is None else req.finish_time - req.arrival_time
-        return cls(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids),
-                   req.finish_reason or "error", req.error, ttft, lat, req.text, num_cached_tokens=req.num_cached_tokens,
-                   logprobs=logprobs_of(req))
-
-    def to_json(self) -> dict:
-        out = {"id": self.request_id, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-               "error": self.error, "ttft_s": self.ttft_s, "latency_s": self.latency_s}
-        if self.text is not None:
-            out["text"] = self.text
-        if self.logprobs is not None:  # per token: [{"token_id", "logprob", "rank"}, ...], the sampled first
-            out["logprobs"] = [[{"token_id": t, "logprob": lp.logprob, "rank": lp.rank} for t, lp in d.items()]
-                               for d in self.logprobs]
-        return out
-
-
-def logprobs_of(req: Request) -> list[dict[int, Logprob]] | None:
-    """A copy of the request's per-token logprobs, or None when it asked for none."""
-    return None if req.params.logprobs is None else list(req.output_logprobs)

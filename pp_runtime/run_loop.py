@@ -15,7 +15,8 @@ import sys
 from typing import TYPE_CHECKING, Iterator
 
 from pp_runtime.executor import WorkerError
-from pp_runtime.request import Request, RequestOutput
+from pp_runtime.parallel_sampling import group_outputs
+from pp_runtime.request import Request
 from pp_runtime.run_outputs import RunInterrupted
 from pp_runtime.workers import kill_workers
 
@@ -63,7 +64,7 @@ def interrupted(llm: LLM, reqs: list[Request]) -> RunInterrupted:
     else:  # a worker elsewhere may hold half a plan, waiting for activations that never come
         llm.broken = "a run was interrupted"
         kill_workers(llm.executor)
-    return RunInterrupted([RequestOutput.from_request(r) for r in reqs], llm.engine.scheduler.cfg.policy, workers)
+    return RunInterrupted(group_outputs(reqs), llm.engine.scheduler.cfg.policy, workers)
 
 
 def drain(llm: LLM, reqs: list[Request]) -> None:

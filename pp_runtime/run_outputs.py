@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pp_runtime.engine import Engine
-from pp_runtime.request import Request, RequestOutput, logprobs_of
+from pp_runtime.outputs import CompletionOutput, RequestOutput, logprobs_of
+from pp_runtime.request import Request
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -32,17 +33,19 @@ class RunInterrupted(KeyboardInterrupt):
 
 @dataclass
 class StreamOutput(RequestOutput):
-    """One item of ``LLM.generate_stream``: a request's tokens so far. ``finished`` False: a partial
-    output (finish_reason None, more tokens to come); True: the request's last item, equal to what
-    ``generate`` returns for it."""
+    """One item of ``LLM.generate_stream``: one sample's tokens so far (with n > 1 each sample
+    streams on its own; ``outputs[0].index`` says which). ``finished`` False: a partial output
+    (finish_reason None, more tokens to come); True: the sample's last item, equal to what
+    ``generate`` returns for it (with n = 1: for the request)."""
 
     finish_reason: str | None = None
     finished: bool = False
 
     @classmethod
     def partial(cls, req: Request) -> "StreamOutput":
-        return cls(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), None,
-                   num_cached_tokens=req.num_cached_tokens, logprobs=logprobs_of(req))
+        tokens, logprobs = list(req.output_token_ids), logprobs_of(req)
+        return cls(req.request_id, list(req.prompt_token_ids), tokens, None, num_cached_tokens=req.num_cached_tokens,
+                   logprobs=logprobs, outputs=[CompletionOutput(req.index, tokens, None, logprobs=logprobs)])
 
     @classmethod
     def final(cls, req: Request) -> "StreamOutput":

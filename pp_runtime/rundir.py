@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pp_runtime.request import RequestOutput
+from pp_runtime.parallel_sampling import group_outputs
 from pp_runtime.timing import TimingRecord, build_records, chrome_trace, summarize
 
 WORKER_FIELDS = ("stage", "tp_rank", "pid", "node", "device", "hostname", "layers", "weight_bytes",
@@ -55,7 +55,7 @@ def write_run_dir(path: str, llm: object, extra: dict | None = None) -> dict:
                                          "preemptions": sum(r.num_preemptions for r in run.requests)} | (extra or {})
     summary = summarize(records, run.start_wall, run.end_wall, run.requests, settings)
     _jsonl(out / "stage_timings.jsonl", [r.to_json() for r in records])
-    _jsonl(out / "results.jsonl", [RequestOutput.from_request(r).to_json() for r in run.requests])
+    _jsonl(out / "results.jsonl", [o.to_json() for o in group_outputs(run.requests)])
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "trace.json").write_text(json.dumps(chrome_trace(records, run.start_wall)))
     (out / "workers.json").write_text(json.dumps(

@@ -20,12 +20,9 @@ import array
 
 import torch
 
-from pp_runtime.batch import LogitsEdit, LogprobRow, Sampled, SampleSpec
+from pp_runtime.batch import SAMPLING_EPS, LogitsEdit, LogprobRow, Sampled, SampleSpec
 
 
-# Temperatures below this are greedy, as in vLLM: dividing by them only turns ties and
-# near-ties into coin flips, and such a request would lose greedy's same-tokens-everywhere promise.
-SAMPLING_EPS = 1e-5
 # Weights per block of ``_draw``'s first level: 48 blocks for a 49152-token vocabulary.
 DRAW_BLOCK = 1024
 

@@ -16,7 +16,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from pp_runtime.request import RequestOutput
+from pp_runtime.outputs import RequestOutput
 from pp_runtime.sim.simulator import SimResult
 from pp_runtime.timing import TimingRecord, chrome_trace, percentile, summarize
 

@@ -504,6 +504,36 @@ def test_text_prompts_use_the_folder_tokenizer(tok_model: Path, tmp_path: Path,
     assert [json.loads(x) for x in (tmp_path / "run" / "results.jsonl").read_text().splitlines()] == rows
 
 
+def test_n_samples_each_prompt(tok_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--n (and a JSONL line's "n"): every sample comes out, --prompt texts one line each, a JSONL
+    row's "outputs" in sample order (its own fields the first's, sample i seeded seed + i); a
+    greedy n > 1 is a usage error for the flag and an error line for a JSONL line."""
+    sampled = SamplingParams(n=3, temperature=0.8, max_tokens=5)
+    with LLM(model=str(tok_model), memory_budget_gb=0.05, threads=1) as llm:
+        texts = [c.text for c in llm.generate(["hello world w7"], sampled)[0].outputs]
+        seeded = [llm.generate([[1, 252, 253, 7]], SamplingParams(temperature=0.8, max_tokens=5, seed=s))[0]
+                  for s in (9, 10)]
+    assert len(set(texts)) == 3
+    base = ["generate", "--model", str(tok_model), "--max-tokens", "5", "--quiet", *FAST]
+    rc, out, err = run_main([*base, "--n", "3", "--temperature", "0.8", "--prompt", "hello world w7"], capsys)
+    assert rc == 0 and out.splitlines() == texts, err
+    rc, out, err = run_main([*base, "--n", "2", "--prompt", "hello"], capsys)
+    assert_usage_error(rc, err, "--n must be 1 when sampling is greedy (temperature 0), got n=2")
+
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": "s", "prompt_token_ids": [1, 252, 253, 7], "n": 2, "temperature": 0.8,
+                               "seed": 9}) + "\n" +
+                   json.dumps({"id": "g", "prompt_token_ids": [1, 252], "n": 2}) + "\n")
+    rc, out, err = run_main([*base, "--input", str(inp), "--run-dir", str(tmp_path / "run")], capsys)
+    rows = [json.loads(x) for x in out.splitlines()]
+    assert rc == 0 and [[o["index"] for o in rows[0]["outputs"]]] == [[0, 1]]
+    assert [o["token_ids"] for o in rows[0]["outputs"]] == [o.token_ids for o in seeded]
+    assert rows[0]["token_ids"] == seeded[0].token_ids and rows[0]["finish_reason"] == seeded[0].finish_reason
+    assert rows[1]["finish_reason"] == "error" and "outputs" not in rows[1]
+    assert rows[1]["error"] == "line 2: n must be 1 when sampling is greedy (temperature 0), got n=2"
+    assert [json.loads(x) for x in (tmp_path / "run" / "results.jsonl").read_text().splitlines()] == rows
+
+
 def test_chat_template_helpers(tok_model: Path) -> None:
     """transformers' template helpers exist: raise_exception (an error line for --chat) and tojson."""
     from pp_runtime.tokenizer import load_tokenizer

@@ -43,6 +43,12 @@ def test_logprobs_field() -> None:
     assert (p.min_tokens, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (3, 0.5, -1.0, 1.2)
 
 
+def test_n_field() -> None:
+    assert parse_line(line(prompt_token_ids=[4], n=4, temperature=0.7), 1).params.n == 4
+    assert parse_line(line(prompt_token_ids=[4], n=None), 1).params.n == 1  # null: the default
+    assert parse_line(line(prompt_token_ids=[4]), 1, SamplingParams(n=2, temperature=1.0)).params.n == 2
+
+
 def test_text_prompt() -> None:
     p = parse_line(line(id="t", prompt="hello there"), 1)
     assert p.error is None and p.prompt == "hello there"
@@ -75,6 +81,9 @@ def test_text_prompt() -> None:
     (dict(min_tokens=17), "min_tokens must be an integer in [0, max_tokens=16], got 17"),
     (dict(frequency_penalty=-2.5), "frequency_penalty must be a number in [-2, 2], got -2.5"),
     (dict(repetition_penalty=-1), "repetition_penalty must be a number > 0 (1: off), got -1"),
+    (dict(n=0, temperature=1), "n must be an integer in [1, 1024] (samples of the prompt), got 0"),
+    (dict(n="2", temperature=1), "n must be an integer in [1, 1024] (samples of the prompt), got '2'"),
+    (dict(n=3), "n must be 1 when sampling is greedy (temperature 0), got n=3"),
 ])
 def test_bad_sampling_values(fields: dict, message: str) -> None:
     p = parse_line(line(id="bad", prompt_token_ids=[1], **fields), 4)
@@ -143,10 +152,10 @@ def test_infinite_temperature() -> None:
 
 
 def test_unknown_fields_only_warn(capsys: pytest.CaptureFixture) -> None:
-    p = parse_line(line(id="u", prompt_token_ids=[1], colour="blue", n=2), 5)
+    p = parse_line(line(id="u", prompt_token_ids=[1], colour="blue", best_of=2), 5)
     assert p.error is None and p.params == SamplingParams()
     err = capsys.readouterr().err
-    assert "warning: line 5 (u): ignoring unknown fields colour, n" in err
+    assert "warning: line 5 (u): ignoring unknown fields best_of, colour" in err
 
 
 def test_both_prompt_fields_warn_and_the_ids_win(capsys: pytest.CaptureFixture) -> None:

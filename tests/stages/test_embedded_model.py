@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,18 @@ def test_stop_strings_end_the_output_there(llm: LLM) -> None:
     by_ids = llm.generate([ids, ids], [params(stop=[stop]), params(stop=["never in this text"])])
     assert by_ids[0].token_ids == out.token_ids and by_ids[1].token_ids == full.token_ids
     assert [o.finish_reason for o in by_ids] == ["stop", "length"] and by_ids[0].text is by_ids[1].text is None
+
+
+def test_each_sample_has_its_text_and_its_own_stop_check(llm: LLM) -> None:
+    """n = 4 of a text prompt with stop strings: each sample is decoded and cut on its own, as the
+    same request with n = 1 and seed + i is (a stop check holds its sample's text so far)."""
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=24, ignore_eos=True, stop=[" the", "."])
+    out = llm.generate(TEXTS[0], params)[0]
+    alone = [llm.generate(TEXTS[0], replace(params, n=1, seed=s))[0] for s in range(3, 7)]
+    assert [(c.token_ids, c.text, c.finish_reason) for c in out.outputs] == \
+        [(o.token_ids, o.text, o.finish_reason) for o in alone]
+    assert out.text == out.outputs[0].text and out.outputs[0].text != out.outputs[1].text
+    assert "stop" in {c.finish_reason for c in out.outputs}
 
 
 def test_cli_chat_answers_paris(llm: LLM, capsys: pytest.CaptureFixture) -> None:
