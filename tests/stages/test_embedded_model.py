@@ -202,6 +202,19 @@ def test_stop_strings_end_the_output_there(llm: LLM) -> None:
     assert [o.finish_reason for o in by_ids] == ["stop", "length"] and by_ids[0].text is by_ids[1].text is None
 
 
+def test_a_seeded_sample_does_not_depend_on_its_batch(llm: LLM) -> None:
+    """The same seeded request alone and among 15 others (16 rows and more a step, where the GEMM
+    cuts K into slabs): the same log-probabilities to the bit, so the same tokens. On this model's
+    K = 576 a product of 13+ rows once summed its slabs apart and drew another token."""
+    g = torch.Generator().manual_seed(0)
+    target = torch.randint(3, 49152, (300,), generator=g).tolist()
+    others = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in torch.randint(5, 200, (15,), generator=g)]
+    params = SamplingParams(temperature=1.0, seed=6, max_tokens=12, ignore_eos=True, logprobs=1)
+    alone = llm.generate([target], params)[0]
+    among = llm.generate(others + [target], [replace(params, seed=s) for s in range(15)] + [params])[15]
+    assert among.token_ids == alone.token_ids and among.logprobs == alone.logprobs
+
+
 def test_each_sample_has_its_text_and_its_own_stop_check(llm: LLM) -> None:
     """n = 4 of a text prompt with stop strings: each sample is decoded and cut on its own, as the
     same request with n = 1 and seed + i is (a stop check holds its sample's text so far)."""
