@@ -208,7 +208,8 @@ def test_a_seeded_sample_does_not_depend_on_its_batch(llm: LLM) -> None:
     K = 576 a product of 13+ rows once summed its slabs apart and drew another token."""
     g = torch.Generator().manual_seed(0)
     target = torch.randint(3, 49152, (300,), generator=g).tolist()
-    others = [torch.randint(3, 49152, (int(n),), generator=g).tolist() for n in torch.randint(5, 200, (15,), generator=g)]
+    lengths = torch.randint(5, 200, (15,), generator=g).tolist()
+    others = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]
     params = SamplingParams(temperature=1.0, seed=6, max_tokens=12, ignore_eos=True, logprobs=1)
     alone = llm.generate([target], params)[0]
     among = llm.generate(others + [target], [replace(params, seed=s) for s in range(15)] + [params])[15]
