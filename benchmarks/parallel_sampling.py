@@ -8,8 +8,9 @@ paired rounds, one process.
 
 Workload: --num prompts of --prompt-len seeded random tokens, each sampled --n times (temperature
 0.8, seeded, --new-tokens each, ignore_eos), all arriving at once. Per side: total tokens/s
-((prompt + generated tokens of every sample) / wall), TTFT p50, prompt tokens computed; the
-figure is the median of the rounds' ratios. Both sides draw the same tokens (checked): a row's
+((the prompts, once each, + every sample's generated tokens) / wall, as a run directory's
+summary counts them), TTFT p50, prompt tokens computed; the figure is the median of the rounds'
+ratios. Both sides draw the same tokens (checked): a row's
 products do not depend on its batch (stages/csrc/gemm_tiles.h).
 """
 from __future__ import annotations
@@ -36,7 +37,7 @@ def run_side(llm: LLM, prompts: list[list[int]], n: int, new_tokens: int) -> dic
     wall = time.perf_counter() - t
     tokens = [[c.token_ids for c in o.outputs] for o in outs]
     assert all(len(t) == new_tokens for sample in tokens for t in sample)
-    total = n * sum(map(len, prompts)) + n * new_tokens * len(prompts)
+    total = sum(map(len, prompts)) + n * new_tokens * len(prompts)
     return {"wall_s": wall, "tok_s": total / wall, "ttft_p50_s": percentile([o.ttft_s for o in outs], 50),
             "computed_prompt_tokens": sum(mb.prefill_tokens for mb in llm.engine.history), "tokens": tokens}
 

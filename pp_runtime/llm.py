@@ -31,7 +31,7 @@ from pp_runtime.executor import WorkerError
 from pp_runtime.kv_cache import BlockManager
 from pp_runtime.memory_plan import plan_memory
 from pp_runtime.outputs import RequestOutput
-from pp_runtime.parallel_sampling import fan_out, group_outputs, per_sample
+from pp_runtime.parallel_sampling import fan_out, group_outputs, per_sample, requests_of
 from pp_runtime.prompt_validation import as_prompts, as_token_list, check_arrivals, per_prompt_params, validate_prompt
 from pp_runtime.request import Request, SamplingParams
 from pp_runtime.run_outputs import RunInterrupted, RunRecord, StreamOutput
@@ -213,7 +213,9 @@ class LLM:
         """Sample ``index`` of ``req``'s prompt (parallel_sampling.fan_out), a sequence of its own."""
         seq_id, self._next_seq = self._next_seq, self._next_seq + 1
         twin = Request(req.request_id, seq_id, req.prompt_token_ids, params, index=index)
-        if params.stop:  # its own: a stop check holds the text so far
+        if req.finished:  # a bad request: each sample says why
+            twin.finish(req.finish_reason, req.error)
+        elif params.stop:  # its own: a stop check holds the text so far
             twin.stop_check = self._stop_check(params)
         return twin
 
@@ -311,12 +313,19 @@ class LLM:
 
     def _run(self, reqs: list[Request], progress: bool, on_finish: Callable[[Request], None] | None,
              arrivals: Sequence[float] | None) -> list[RequestOutput]:
-        bar = run_loop.progress_bar(len(reqs), progress)
+        groups = requests_of(reqs)
+        bar = run_loop.progress_bar(len(groups), progress)  # requests done, each once its n samples are
+        left: dict[int, set[int]] = {}  # seq id -> its request's samples (seq ids) not finished yet
+        for g in groups:
+            ids = {r.seq_id for r in g}
+            left.update(dict.fromkeys(ids, ids))
         steps = self._start(reqs, arrivals)
 
         def deliver(finished: list[Request]) -> None:
-            bar.update(len(finished))
             for req in finished:
+                ids = left.pop(req.seq_id)
+                ids.discard(req.seq_id)
+                bar.update(not ids)
                 if on_finish:
                     on_finish(req)
         try:

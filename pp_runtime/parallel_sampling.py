@@ -35,28 +35,32 @@ def sample_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 def fan_out(reqs: list[Request], fork: Callable[[Request, int, SamplingParams], Request]) -> list[Request]:
-    """``reqs`` with every unfinished request of n > 1 (its sample 0) followed by its samples
-    1 … n-1, made by ``fork(req, index, sample_params(req.params, index))``; a request finished
-    already (an error) stays one. The order matters twice: FCFS admits the siblings after sample
-    0 (prefix cache hits), and ``group_outputs`` reads each request's samples as a run of indices
-    0, 1, …"""
+    """``reqs`` with every request of n > 1 (its sample 0) followed by its samples 1 … n-1, made by
+    ``fork(req, index, sample_params(req.params, index))`` (a request finished already with an
+    error: samples with the same error, so an output has its n samples however it failed). The
+    order matters twice: FCFS admits the siblings after sample 0 (prefix cache hits), and
+    ``requests_of`` reads each request's samples as a run of indices 0, 1, …"""
     out: list[Request] = []
     for req in reqs:
-        out.append(req)
-        if not req.finished:  # sample 0 keeps its params: seed + 0, and nothing past here reads n
-            out.extend(fork(req, i, sample_params(req.params, i)) for i in range(1, req.params.n))
+        out.append(req)  # sample 0 keeps its params: seed + 0, and nothing past here reads n
+        out.extend(fork(req, i, sample_params(req.params, i)) for i in range(1, req.params.n))
     return out
 
 
-def group_outputs(reqs: list[Request]) -> list[RequestOutput]:
-    """One RequestOutput per request of a fanned-out list: a sample of index 0 starts one."""
+def requests_of(reqs: list[Request]) -> list[list[Request]]:
+    """The requests of a fanned-out list, each as its samples' sequences: index 0 starts one."""
     groups: list[list[Request]] = []
     for req in reqs:
         if req.index == 0 or not groups:
             groups.append([req])
         else:
             groups[-1].append(req)
-    return [RequestOutput.from_samples(g) for g in groups]
+    return groups
+
+
+def group_outputs(reqs: list[Request]) -> list[RequestOutput]:
+    """One RequestOutput per request of a fanned-out list."""
+    return [RequestOutput.from_samples(g) for g in requests_of(reqs)]
 
 
 def per_sample(values: Sequence[T], reqs: list[Request]) -> list[T]:

@@ -26,7 +26,7 @@ class RunInterrupted(KeyboardInterrupt):
     the LLM takes the next call."""
 
     def __init__(self, outputs: list[RequestOutput], scheduler: str, workers: list[dict]) -> None:
-        cancelled = sum(o.finish_reason == "cancelled" for o in outputs)
+        cancelled = sum(any(c.finish_reason == "cancelled" for c in o.outputs) for o in outputs)
         super().__init__(f"{cancelled} of {len(outputs)} requests cancelled")
         self.outputs, self.scheduler, self.workers = outputs, scheduler, workers
 

@@ -19,6 +19,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
+from pp_runtime.parallel_sampling import requests_of
+
 
 @dataclass(frozen=True)
 class TimingRecord:
@@ -114,7 +116,7 @@ def request_bubbles(records: Iterable[TimingRecord], gaps: list[Gap]) -> dict[st
     out: dict[str, float] = {}
     for r in records:
         if r.tp_rank == 0:
-            for rid in r.request_ids:
+            for rid in dict.fromkeys(r.request_ids):  # a request's n samples share a micro-batch once
                 out[rid] = out.get(rid, 0.0) + gap_of[(r.stage, r.mb)]
     return out
 
@@ -147,28 +149,35 @@ def cv(xs: list[float]) -> float:
 
 def summarize(records: list[TimingRecord], run_start: float, run_end: float, requests: list,
               settings: dict) -> dict:
-    """summary.json: every field of DESIGN.md §3.4 plus bubble causes and counts."""
+    """summary.json: every field of DESIGN.md §3.4 plus bubble causes and counts. ``requests``:
+    the run's sequences, a request's n samples after it (parallel_sampling.fan_out); counts, TTFT
+    and bubbles are per request, its prompt counted once, tokens and token gaps per sample."""
     gaps = stage_gaps(records, run_start)
     bubbles = request_bubbles(records, gaps)
-    done = [r for r in requests if r.finish_reason not in ("error", None)]
-    prefill = sum(len(r.prompt_token_ids) for r in done)
+    ok = lambda r: r.finish_reason not in ("error", None)  # noqa: E731
+    done = [r for r in requests if ok(r)]
+    served = [g for g in requests_of(requests) if any(map(ok, g))]
+    prefill = sum(len(g[0].prompt_token_ids) for g in served)
     decode = sum(len(r.output_token_ids) for r in done)
-    cached = sum(r.num_cached_tokens for r in done)
+    cached = sum(r.num_cached_tokens for r in done)  # a sample's prompt found in the cache, of all its samples'
+    looked = sum(len(r.prompt_token_ids) for r in done)
     wall = max(run_end - run_start, 1e-12)
-    ttft = [r.first_token_time - r.arrival_time for r in done if r.first_token_time is not None]
+    ttft = [min(starts) - g[0].arrival_time for g in served
+            if (starts := [r.first_token_time for r in g if r.first_token_time is not None])]
     tbt = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:])]
-    per_req = [bubbles.get(r.request_id, 0.0) for r in done]
+    per_req = [bubbles.get(g[0].request_id, 0.0) for g in served]
     mb_times = [r.t_end - r.t_start for r in records if r.tp_rank == 0]
     causes: dict[str, float] = {}
     for g in gaps:
         causes[g.cause] = causes.get(g.cause, 0.0) + g.seconds
     return {**settings,
-            "num_requests": len(requests), "num_errors": sum(r.finish_reason == "error" for r in requests),
+            "num_requests": sum(r.index == 0 for r in requests),
+            "num_errors": sum(r.finish_reason == "error" for r in requests if r.index == 0),
             "num_microbatches": len({r.mb for r in records}),
             "prefill_tokens": prefill, "decode_tokens": decode, "wall_s": wall,
             "throughput_tok_s": (prefill + decode) / wall, "decode_tok_s": decode / wall,
             # prompt tokens found in the prefix cache (--enable-prefix-caching), not computed
-            "prefix_cache_hit_tokens": cached, "prefix_cache_hit_rate": cached / prefill if prefill else 0.0,
+            "prefix_cache_hit_tokens": cached, "prefix_cache_hit_rate": cached / looked if looked else 0.0,
             "bubble_s_per_request_p50": percentile(per_req, 50), "bubble_s_per_request_p90": percentile(per_req, 90),
             "bubble_fraction_per_stage": bubble_fraction_per_stage(records, gaps, run_start),
             "bubble_s_by_cause": causes,
@@ -193,5 +202,5 @@ def chrome_trace(records: list[TimingRecord], run_start: float) -> dict:
                        "args": {"mb": r.mb, "iter": r.iter, "prefill_tokens": r.prefill_tokens,
                                 "decode_tokens": r.decode_tokens, "kv_tokens": r.kv_tokens,
                                 "wait_input_ms": (r.t_start - r.t_ready) * 1e3,
-                                "requests": len(r.request_ids)}})
+                                "requests": len(set(r.request_ids))}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}

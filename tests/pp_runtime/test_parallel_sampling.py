@@ -4,8 +4,10 @@ and prefix caching; with prefix caching the prompt is prefilled once (the other 
 only its last partial block); a stream gives each sample its own items; abort cancels them all."""
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -72,17 +74,17 @@ def test_fan_out_puts_each_requests_samples_after_it_and_group_outputs_undoes_it
 
     reqs = [fake("a", 0, 3), fake("b", 1), fake("c", 2, 2, error="bad"), fake("d", 3, 2)]
     out = fan_out(reqs, fork)
-    assert [(r.request_id, r.index) for r in out] == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("c", 0), ("d", 0),
-                                                     ("d", 1)]
-    assert made == [("a", 1, 1), ("a", 2, 1), ("d", 1, 1)]  # a failed request is not forked
-    assert per_sample(["A", "B", "C", "D"], out) == ["A", "A", "A", "B", "C", "D", "D"]
+    assert [(r.request_id, r.index) for r in out] == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("c", 0), ("c", 1),
+                                                     ("d", 0), ("d", 1)]
+    assert made == [("a", 1, 1), ("a", 2, 1), ("c", 1, 1), ("d", 1, 1)]  # a failed request too: n outputs
+    assert per_sample(["A", "B", "C", "D"], out) == ["A", "A", "A", "B", "C", "C", "D", "D"]
     for r in out:
         r.output_token_ids = [r.seq_id]
         if not r.finished:
             r.finish("length")
     grouped = group_outputs(out)
     assert [o.request_id for o in grouped] == ["a", "b", "c", "d"]
-    assert [[c.index for c in o.outputs] for o in grouped] == [[0, 1, 2], [0], [0], [0, 1]]
+    assert [[c.index for c in o.outputs] for o in grouped] == [[0, 1, 2], [0], [0, 1], [0, 1]]
     assert grouped[0].token_ids == [0] and [c.token_ids for c in grouped[0].outputs] == [[0], [101], [102]]
     assert grouped[2].finish_reason == "error" and grouped[2].outputs[0].error == "bad"
 
@@ -143,7 +145,7 @@ def test_unseeded_samples_differ_and_a_stream_gives_each_its_items(llm: LLM) -> 
     seen: dict[tuple[str, int], list[int]] = {}
     for it in items:
         key = (it.request_id, it.outputs[0].index)
-        assert key not in finals and it.outputs[0].token_ids == it.token_ids
+        assert key not in finals and len(it.outputs) == 1
         assert it.token_ids[:len(seen.get(key, []))] == seen.get(key, [])
         seen[key] = list(it.token_ids)
         if it.finished:
@@ -164,3 +166,39 @@ def test_abort_cancels_every_sample(llm: LLM) -> None:
             finals[it.request_id, it.outputs[0].index] = it
     assert {k: f.finish_reason for k, f in finals.items()} == {("a", i): "cancelled" for i in range(N)} | \
         {("b", i): "length" for i in range(N)}
+
+
+def test_a_bad_request_has_its_n_samples_each_with_the_error(llm: LLM) -> None:
+    """However it fails (a bad prompt before the run, too long for the model on arrival), a request
+    of n samples comes back with n outputs, each naming the problem."""
+    outs = llm.generate([[3, 999_999], [3] * 125, [3, 4]], params(max_tokens=7))
+    assert [[c.finish_reason for c in o.outputs] for o in outs] == [["error"] * N, ["error"] * N, ["length"] * N]
+    assert all(c.error == outs[0].error and "outside the vocabulary" in c.error for c in outs[0].outputs)
+    assert all(c.error == outs[1].error and "exceeds the model's max length" in c.error for c in outs[1].outputs)
+    assert [len(o.to_json()["outputs"]) for o in outs] == [N, N, N]
+
+
+def test_requests_not_samples_are_counted(llm: LLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The progress bar counts a request once all its samples finished; the run directory's summary
+    counts requests, its results one row each."""
+    from pp_runtime import run_loop
+    from pp_runtime.rundir import write_run_dir
+    seen = {"total": 0, "done": 0}
+
+    class Bar:
+        def __init__(self, total: int) -> None:
+            seen["total"] = total
+
+        def update(self, k: int) -> None:
+            seen["done"] += k
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(run_loop, "progress_bar", lambda total, enabled: Bar(total))
+    llm.generate(prompts(), params(), progress=True)
+    assert seen == {"total": len(prompts()), "done": len(prompts())}
+    summary = write_run_dir(str(tmp_path / "run"), llm)
+    assert summary["num_requests"] == len(prompts()) and summary["prefill_tokens"] == sum(map(len, prompts()))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert [len(r["outputs"]) for r in rows] == [N] * len(prompts())

@@ -69,11 +69,14 @@ def test_clock_offset_estimate_and_correction() -> None:
     assert [(r.stage, r.t_start, r.t_end) for r in records] == [(0, 10.5, 11.0), (1, 11.5, 12.0)]
 
 
+def req(rid: str, arrival: float, times: list[float], n_prompt: int, cached: int = 0, index: int = 0,
+        reason: str = "length") -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, arrival_time=arrival, first_token_time=times[0] if times else None,
+                           token_times=times, prompt_token_ids=[1] * n_prompt, output_token_ids=[2] * len(times),
+                           finish_reason=reason, num_cached_tokens=cached, index=index)
+
+
 def test_summary_has_every_design_field() -> None:
-    def req(rid: str, arrival: float, times: list[float], n_prompt: int, cached: int = 0) -> SimpleNamespace:
-        return SimpleNamespace(request_id=rid, arrival_time=arrival, first_token_time=times[0], token_times=times,
-                               prompt_token_ids=[1] * n_prompt, output_token_ids=[2] * len(times),
-                               finish_reason="length", num_cached_tokens=cached)
     reqs = [req("A", 0.0, [2.0, 6.0, 7.0], 8), req("B", 0.0, [3.0, 5.0], 4, cached=3)]
     s = summarize(two_stage_pipeline(), 0.0, 7.0, reqs, {"scheduler": "sarathi", "pp": 2, "tp": 1,
                                                          "chunk_size": 8, "max_batch_size": 4})
@@ -86,6 +89,25 @@ def test_summary_has_every_design_field() -> None:
     assert s["tbt_s_p50"] == pytest.approx(2.0)  # gaps 4, 1, 2
     assert s["microbatch_time_cv"] == pytest.approx(cv([2, 1, 1, 2, 1, 1]))
     json.dumps(s)
+
+
+def test_a_request_of_n_samples_counts_once() -> None:
+    """SamplingParams.n: A's two samples share micro-batches; A is one request (its prompt once, its
+    first token the earlier sample's, its bubble each shared micro-batch's gap once), while tokens
+    and token gaps are each sample's. C failed with both its samples."""
+    records = [rec(0, 0, 0, 2, ("A", "A"), p=10, kv=10), rec(0, 1, 2, 3, ("B",), p=4, kv=4),
+               rec(0, 2, 5, 6, ("A", "A", "B"), d=3, kv=12)]
+    reqs = [req("A", 0.0, [2.0, 6.0], 8), req("A", 0.0, [3.0, 6.0], 8, cached=0, index=1),
+            req("B", 0.0, [3.0, 6.0], 4), req("C", 0.0, [], 5, reason="error"),
+            req("C", 0.0, [], 5, index=1, reason="error")]
+    s = summarize(records, 0.0, 7.0, reqs, {})
+    assert s["num_requests"] == 3 and s["num_errors"] == 1
+    assert s["prefill_tokens"] == 8 + 4 and s["decode_tokens"] == 6
+    assert request_bubbles(records, stage_gaps(records, 0.0)) == {"A": 2.0, "B": 2.0}
+    assert s["bubble_s_per_request_p50"] == pytest.approx(2.0)
+    assert s["ttft_s_p50"] == pytest.approx(2.5) and s["ttft_s_p99"] == pytest.approx(2.99)  # A 2, B 3
+    assert s["tbt_s_p50"] == pytest.approx(3.0)  # 4, 3, 3
+    assert chrome_trace(records, 0.0)["traceEvents"][-1]["args"]["requests"] == 2
 
 
 def test_percentile_and_cv() -> None:

@@ -224,7 +224,7 @@ def test_each_sample_has_its_text_and_its_own_stop_check(llm: LLM) -> None:
     alone = [llm.generate(TEXTS[0], replace(params, n=1, seed=s))[0] for s in range(3, 7)]
     assert [(c.token_ids, c.text, c.finish_reason) for c in out.outputs] == \
         [(o.token_ids, o.text, o.finish_reason) for o in alone]
-    assert out.text == out.outputs[0].text and out.outputs[0].text != out.outputs[1].text
+    assert out.outputs[0].text != out.outputs[1].text
     assert "stop" in {c.finish_reason for c in out.outputs}
 
 

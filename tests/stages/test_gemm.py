@@ -41,7 +41,7 @@ def test_a_rows_product_does_not_depend_on_its_batch(isa: str, threads: int, wei
     rows (two tiles) K is one slab; from 13 it is cut into slabs, each of which resumes the sums so
     far, so every output is one chain of FMAs over K either way. Before, 13+ rows summed each slab
     on its own and differed at ~1e-5, and a seeded sample could draw another token in a bigger
-    batch (K = 600: slabs of 304 + 296; with a bias, added once the sums are whole)."""
+    batch (K = 608: slabs of 208, 208 and 192; with a bias, added once the sums are whole)."""
     from stages import quant
     from tests.stages.test_quant import quantized
     g = torch.Generator().manual_seed(5)
