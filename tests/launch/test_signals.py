@@ -193,10 +193,12 @@ def test_repeated_sigterm_while_exiting_keeps_exit_code_143(tmp_path: Path) -> N
     """A supervisor that keeps sending SIGTERM until the process is gone (or a second `kill`) must
     not turn the orderly exit into death by signal (-15): the handler stays until the end."""
     inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps(r) + "\n" for r in request_lines()[:8]))
+    inp.write_text("".join(json.dumps(r) + "\n" for r in request_lines()[:40]))
+    # one request at a time: ~10 s of work, so the SIGTERM sent once the bar shows lands mid-run
+    # (8 requests at once took ~1.3 s, and on a loaded box the run once ended before the signal)
     cmd = Command(["generate", "--model", "llama-tiny", "--launcher", "local", "--threads", "1",
-                   "--memory-budget-gb", "0.05", "--input", str(inp), "--output", str(tmp_path / "out.jsonl")],
-                  tmp_path)
+                   "--max-batch-size", "1", "--memory-budget-gb", "0.05", "--input", str(inp),
+                   "--output", str(tmp_path / "out.jsonl")], tmp_path)
     try:
         cmd.wait_for(lambda: any("generate:" in x for x in cmd.lines))  # the progress bar: running
         cmd.signal(signal.SIGTERM, group=False)
@@ -209,4 +211,4 @@ def test_repeated_sigterm_while_exiting_keeps_exit_code_143(tmp_path: Path) -> N
         cmd.kill_leftovers(set())
         cmd.proc.wait(timeout=30)
     rows = [json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()]
-    assert len(rows) == 8 and any(r["finish_reason"] == "cancelled" for r in rows)
+    assert len(rows) == 40 and any(r["finish_reason"] == "cancelled" for r in rows)
