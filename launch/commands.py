@@ -193,15 +193,16 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
 
 def sampling_defaults(a: argparse.Namespace) -> object:
-    """SamplingParams from --n/--max-tokens/--temperature/--top-p/--top-k/--logprobs/--min-tokens and the
-    penalties; errors name the flag."""
+    """SamplingParams from --n/--max-tokens/--temperature/--top-p/--top-k/--logprobs/--min-tokens and
+    the penalties; errors name the flag."""
     from pp_runtime import SamplingParams
     if not math.isfinite(a.temperature):  # inf would sample uniformly, whatever the model says
         raise ValueError(f"--temperature must be a finite number ≥ 0, got {a.temperature}")
     try:
-        return SamplingParams(n=a.n, max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                              logprobs=a.logprobs, min_tokens=a.min_tokens, presence_penalty=a.presence_penalty,
-                              frequency_penalty=a.frequency_penalty, repetition_penalty=a.repetition_penalty)
+        return SamplingParams(n=a.n, max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                              top_k=a.top_k, logprobs=a.logprobs, min_tokens=a.min_tokens,
+                              presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+                              repetition_penalty=a.repetition_penalty)
     except ValueError as e:
         field, _, rest = str(e).partition(" ")  # messages start with the field name
         raise ValueError(f"--{field.replace('_', '-')} {rest}") from None

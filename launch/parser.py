@@ -153,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to --prompt")
     g.add_argument("--max-tokens", type=_positive_int, default=64, help="default max_tokens")
     g.add_argument("--n", type=int, default=1,
-                   help="default n: samples of each prompt (needs --temperature > 0; with --prompt, each printed in turn)")
+                   help="default n: samples of each prompt (needs --temperature > 0; --prompt prints each)")
     g.add_argument("--temperature", type=float, default=0.0, help="default temperature")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)

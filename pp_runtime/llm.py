@@ -245,9 +245,9 @@ class LLM:
         every token so far, and for a text prompt its text so far) for each request that got
         tokens, then a final one (``finished`` True,
         equal to ``generate``'s) for each request that finished; every request ends with exactly one
-        final output (with SamplingParams.n > 1, each of its samples: ``outputs[0].index`` says which). ``abort(request_id)`` inside the loop (or from another thread) cancels a
-        request; leaving the loop early cancels the rest once the stream is closed or the next run
-        starts."""
+        final output (with SamplingParams.n > 1, each of its samples: ``outputs[0].index`` says
+        which). ``abort(request_id)`` inside the loop (or from another thread) cancels a request;
+        leaving the loop early cancels the rest once the stream is closed or the next run starts."""
         prompts = as_prompts(prompts)
         reqs = fan_out(self._requests(prompts, params, ids), self._fork)
         prompts = per_sample(prompts, reqs)

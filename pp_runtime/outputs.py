@@ -42,7 +42,8 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """What a caller gets back for one request (DESIGN.md §3.3 output line). Its fields are its
-    first sample's; ``outputs`` holds every sample (SamplingParams.n of them), as vLLM's does."""
+    first sample's but ttft_s and latency_s, which span every sample; ``outputs`` holds every
+    sample (SamplingParams.n of them), as vLLM's does."""
 
     request_id: str
     prompt_token_ids: list[int]
