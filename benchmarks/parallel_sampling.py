@@ -5,23 +5,29 @@ paired rounds, one process.
     .venv/bin/python benchmarks/parallel_sampling.py                  # embedded SmolLM2, ~2 min
     .venv/bin/python benchmarks/parallel_sampling.py --smoke --model HF_FOLDER   # CI smoke test
     .venv/bin/python benchmarks/parallel_sampling.py --json out.json --plot out.png
+    .venv/bin/python benchmarks/parallel_sampling.py --hf   # and HF generate's num_return_sequences
 
 Workload: --num prompts of --prompt-len seeded random tokens, each sampled --n times (temperature
 0.8, seeded, --new-tokens each, ignore_eos), all arriving at once. Per side: total tokens/s
 ((the prompts, once each, + every sample's generated tokens) / wall, as a run directory's
 summary counts them), TTFT p50, prompt tokens computed; the figure is the median of the rounds'
 ratios. Both sides draw the same tokens (checked): a row's
-products do not depend on its batch (stages/csrc/gemm_tiles.h).
+products do not depend on its batch (stages/csrc/gemm_tiles.h). With --hf, each round also
+runs Hugging Face ``generate`` on the same prompts with num_return_sequences = n (sampled, the same
+temperature, left-padded batch, 2 threads, a fresh process as in vs_hf.py): its total tokens/s,
+counted the same way, beside ours.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
 import torch
-from pairing import alternating, compare_sides, plot_sides  # same directory: run as a script
+from pairing import alternating, compare_sides, plot_sides, ratios  # same directory: run as a script
+from vs_hf import hf_in_fresh_process
 
 from pp_runtime import LLM, SamplingParams
 from pp_runtime.timing import percentile
@@ -52,6 +58,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
+    ap.add_argument("--hf", action="store_true", help="also HF generate with num_return_sequences = n")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one round")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="tokens/s and TTFT of both sides as a PNG")
@@ -69,7 +76,13 @@ def main() -> None:
         for llm in llms.values():  # warm-up
             llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2))
         rounds: dict[str, list[dict]] = {side: [] for side in SIDES}
+        hf: list[float] = []  # HF's total tokens/s, one a round
         for k, side in alternating(a.rounds, SIDES):
+            if a.hf and side == SIDES[k % 2]:  # a round's first side: HF before it, all three back to back
+                wall = hf_in_fresh_process(a.model, prompts, a.new_tokens, tuned=False,
+                                           sampling={"temperature": 0.8, "n": a.n})
+                hf.append((sum(map(len, prompts)) + a.n * a.new_tokens * a.num) / wall)
+                print(f"round {k}  HF: {hf[-1]:.1f} tok/s (num_return_sequences {a.n})", file=sys.stderr)
             r = run_side(llms[side], prompts, a.n, a.new_tokens)
             rounds[side].append(r)
             print(f"round {k} {side:>3}: {r['tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_s']:.3f} s, "
@@ -82,6 +95,11 @@ def main() -> None:
     result = {"settings": {k: v for k, v in vars(a).items() if k not in ("json", "plot")}, "rounds": bare,
               "tok_s_ratio_on_off": speedup, "ttft_p50_ratio_on_off": ttft,
               "computed_prompt_tokens": {side: rounds[side][0]["computed_prompt_tokens"] for side in SIDES}}
+    if hf:  # ours (prefix caching on, the default) against HF, round by round
+        result["hf_tok_s"] = hf
+        result["tok_s_ratio_on_hf"] = statistics.median(ratios([r["tok_s"] for r in rounds["on"]], hf))
+        print(f"against HF generate (num_return_sequences {a.n}): ×{result['tok_s_ratio_on_hf']:.2f} tokens/s "
+              f"(median of {a.rounds} rounds)")
     print(f"n = {a.n}, prompt prefilled once: tokens/s ×{result['tok_s_ratio_on_off']:.2f}, TTFT p50 "
           f"×{result['ttft_p50_ratio_on_off']:.3f} (median of {a.rounds} paired rounds); prompt tokens computed "
           f"{result['computed_prompt_tokens']['off']} → {result['computed_prompt_tokens']['on']}; the same tokens")

@@ -47,11 +47,12 @@ from pairing import alternating, ratios
 
 def hf_sampling(sampling: dict) -> dict:
     """HF generate's arguments for our SamplingParams fields: greedy at temperature 0, else sampled
-    with the same temperature, top_p and top_k (0: off; HF's own default would be 50)."""
+    with the same temperature, top_p and top_k (0: off; HF's own default would be 50), n samples
+    of each prompt as its num_return_sequences."""
     if not sampling.get("temperature"):
         return {"do_sample": False}
     return {"do_sample": True, "temperature": sampling["temperature"], "top_p": sampling.get("top_p", 1.0),
-            "top_k": sampling.get("top_k", 0)}
+            "top_k": sampling.get("top_k", 0), "num_return_sequences": sampling.get("n", 1)}
 
 
 def hf_generate(model_spec: str | None, prompts: list[list[int]], new_tokens: int, dtype: str = "float32",
@@ -67,7 +68,7 @@ def hf_generate(model_spec: str | None, prompts: list[list[int]], new_tokens: in
         out = m.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          pad_token_id=0, **hf_sampling(sampling or {}))
         dt = time.perf_counter() - t
-    assert out.shape[1] == width + new_tokens
+    assert out.shape == (len(prompts) * (sampling or {}).get("n", 1), width + new_tokens)
     return dt
 
 
