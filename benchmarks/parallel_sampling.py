@@ -11,8 +11,8 @@ Workload: --num prompts of --prompt-len seeded random tokens, each sampled --n t
 0.8, seeded, --new-tokens each, ignore_eos), all arriving at once. Per side: total tokens/s
 ((the prompts, once each, + every sample's generated tokens) / wall, as a run directory's
 summary counts them), TTFT p50, prompt tokens computed; the figure is the median of the rounds'
-ratios. Both sides draw the same tokens (checked): a row's
-products do not depend on its batch (stages/csrc/gemm_tiles.h). With --hf, each round also
+ratios. Both sides draw the same tokens (checked): a row's products do not depend on its batch
+(stages/csrc/gemm_tiles.h). With --hf, each round also
 runs Hugging Face ``generate`` on the same prompts with num_return_sequences = n (sampled, the same
 temperature, left-padded batch, 2 threads, a fresh process as in vs_hf.py): its total tokens/s,
 counted the same way, beside ours.
@@ -35,6 +35,11 @@ from pp_runtime.timing import percentile
 SIDES = ("off", "on")
 
 
+def total_tokens(prompts: list[list[int]], n: int, new_tokens: int) -> int:
+    """What a side's tokens/s counts: every prompt once, every sample's generated tokens."""
+    return sum(map(len, prompts)) + n * new_tokens * len(prompts)
+
+
 def run_side(llm: LLM, prompts: list[list[int]], n: int, new_tokens: int) -> dict:
     llm.reset_prefix_cache()
     params = SamplingParams(n=n, temperature=0.8, seed=1, max_tokens=new_tokens, ignore_eos=True)
@@ -43,8 +48,7 @@ def run_side(llm: LLM, prompts: list[list[int]], n: int, new_tokens: int) -> dic
     wall = time.perf_counter() - t
     tokens = [[c.token_ids for c in o.outputs] for o in outs]
     assert all(len(t) == new_tokens for sample in tokens for t in sample)
-    total = sum(map(len, prompts)) + n * new_tokens * len(prompts)
-    return {"wall_s": wall, "tok_s": total / wall, "ttft_p50_s": percentile([o.ttft_s for o in outs], 50),
+    return {"wall_s": wall, "tok_s": total_tokens(prompts, n, new_tokens) / wall, "ttft_p50_s": percentile([o.ttft_s for o in outs], 50),
             "computed_prompt_tokens": sum(mb.prefill_tokens for mb in llm.engine.history), "tokens": tokens}
 
 
@@ -81,7 +85,7 @@ def main() -> None:
             if a.hf and side == SIDES[k % 2]:  # a round's first side: HF before it, all three back to back
                 wall = hf_in_fresh_process(a.model, prompts, a.new_tokens, tuned=False,
                                            sampling={"temperature": 0.8, "n": a.n})
-                hf.append((sum(map(len, prompts)) + a.n * a.new_tokens * a.num) / wall)
+                hf.append(total_tokens(prompts, a.n, a.new_tokens) / wall)
                 print(f"round {k}  HF: {hf[-1]:.1f} tok/s (num_return_sequences {a.n})", file=sys.stderr)
             r = run_side(llms[side], prompts, a.n, a.new_tokens)
             rounds[side].append(r)

@@ -65,7 +65,4 @@ def group_outputs(reqs: list[Request]) -> list[RequestOutput]:
 
 def per_sample(values: Sequence[T], reqs: list[Request]) -> list[T]:
     """``values``, one per request before ``fan_out``, repeated for each sample of ``reqs`` (after it)."""
-    it, out = iter(values), []
-    for req in reqs:
-        out.append(next(it) if req.index == 0 or not out else out[-1])
-    return out
+    return [v for v, samples in zip(values, requests_of(reqs)) for _ in samples]

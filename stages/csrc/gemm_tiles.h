@@ -5,9 +5,9 @@
 // the same bits. A slab after the first (acc) starts its accumulators from c, the sums so far,
 // instead of adding its own sum to c at the end: one chain of FMAs over the whole K either way, so
 // a row's product has the same bits whether its batch's rows cut K into slabs (13+ rows) or not
-// (a seeded sample then draws the same token in any batch; before, 13+ rows differed at ~1e-5). A header, in an anonymous namespace, because the loops of those files call the
-// tiles and must keep inlining them (the module's files are linked without LTO); gemm_common.h
-// includes it.
+// (a seeded sample then draws the same token in any batch; before, 13+ rows differed at ~1e-5).
+// A header, in an anonymous namespace, because the loops of those files call the tiles and must
+// keep inlining them (the module's files are linked without LTO); gemm_common.h includes it.
 #pragma once
 #include <cstdint>
 
@@ -84,8 +84,8 @@ inline void write_tile(const float (*t)[NR], int m, float* c, int64_t ldc, const
 }
 
 // c (M x 16, row stride ldc) (+)= a (kc x M, packed k-major) · b (kc x 16 panel slab), acc: the sums
-// so far in c go on (the accumulators start from them). bias: added once the sums are whole. PF: prefetch
-// the next slab (pf) into L2 — only the first tile of a row block does, the others would ask for
+// so far in c go on (the accumulators start from them). bias: added once the sums are whole. PF:
+// prefetch the next slab (pf) into L2 — only the first tile of a row block does, the others would ask for
 // the same lines again (a prefetch per 12 FMAs in every tile cost 20-30% in a hot-cache loop).
 template <int M, bool PF>
 void tile(const float* a, const float* b, const float* pf, int64_t kc, float* c, int64_t ldc,
