@@ -36,7 +36,6 @@ struct Lanes8 {
   static constexpr int rows_at_once(int g) { return g <= 3 ? 4 : (g <= 6 ? 2 : 1); }
   static constexpr int slice_vectors(int g, int) { return g <= 3 ? 4 : (g <= 6 ? 2 : 1); }
   static constexpr int64_t RV = 4;        // pass 2: rows per slice load / store, in order as in pass 1
-  static constexpr bool kPrefetch = false;  // software prefetch of the next block did not help here
   static V zero() { return _mm256_setzero_ps(); }
   static V loadf(const float* p) { return _mm256_loadu_ps(p); }
   template <typename T> static V load(const T* p) { return load8(p); }
@@ -61,8 +60,7 @@ inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
 }
 
-// 16 lanes, and software prefetch of the next blocks (what heads_tiled asks for): blocks are
-// scattered, and the stream prefetcher starts over at every block (and page) the walk jumps to. Pass 2 goes head by head
+// 16 lanes. Pass 2 goes head by head
 // through a whole block, a head's G × W slice in registers across the block's rows (Lanes8's
 // order, four rows then the next head, measured the same cold and 10% slower hot here).
 // SmolLM2 shapes, 30 layers' caches, scattered 16-token blocks, 1 thread, B = 4 × 256 keys:
@@ -76,7 +74,6 @@ struct Lanes16 {
     return most < dc / 16 ? most : dc / 16;
   }
   static constexpr int64_t RV = std::numeric_limits<int64_t>::max();  // a whole block
-  static constexpr bool kPrefetch = true;
   static V zero() { return _mm512_setzero_ps(); }
   static V loadf(const float* p) { return _mm512_loadu_ps(p); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
@@ -124,12 +121,15 @@ inline void score_rows(const float* qb, const T* kr, int64_t rs, float scale, fl
 // walk sequential within a block: 10.5 GB/s scattered, 20 GB/s when the blocks are in order,
 // 35 GB/s hot in cache.
 //
-// With L::kPrefetch the walk asks for what it reads next one block ahead, across the seams too:
+// The walk asks for what it reads next one block ahead, across the seams too (blocks are scattered,
+// and the stream prefetcher starts over at every block and page the walk jumps to):
 // the next K block in pass 1 (and V's first during K's last), the next V block in pass 2, and
 // during V's last block the next sequence's first K block (next_seq: this task's next sequence,
 // its first row, or -1). The V and seam prefetches gave 0.78-0.91 of the K-only walk's time
 // (SmolLM2 shapes, 30 layers' caches, scattered blocks, 1-2 threads, fp16 and fp32, B = 4-32,
-// 256-1024 keys; docs/BENCHMARKS.md).
+// 256-1024 keys; docs/BENCHMARKS.md). At 8 lanes the prefetch once measured no gain (the first AVX2
+// box); on the 2-core Zen 3 box, paired runs, it took 0.63x the time without on fp16 K/V (B = 32,
+// 16-200 keys), 0.86x at B = 16 × 900 keys fp32, about even at B = 4 × 256 (docs/BENCHMARKS.md).
 template <typename L, typename T, int DC, int GC>
 void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& p, std::vector<float>& acc,
                  std::vector<float>& inv, int64_t next_seq) {
@@ -148,12 +148,12 @@ void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vecto
   for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {
     const int64_t n = std::min(a.BS, len - start);
     // the next block's K rows (V's first block's after the last), the same rows as scored now
-    const T* next = !L::kPrefetch ? nullptr : (start + a.BS < len ? block(a.k, table[blk + 1]) : block(a.v, table[0]));
+    const T* next = start + a.BS < len ? block(a.k, table[blk + 1]) : block(a.v, table[0]);
     // rows in order, every head of a row before the next rows: the walk through the block stays
     // sequential, which the stream prefetcher follows (a head-by-head walk is strided)
     for (int64_t j = 0; j < n;) {
       const bool full = j + R <= n;
-      if (next) prefetch_bytes(next + j * rs, row_bytes(full ? R : 1));
+      prefetch_bytes(next + j * rs, row_bytes(full ? R : 1));
       for (int64_t h = h0; h < h1; ++h) {
         const float* qb = a.q + (b * a.H + h * GC) * DC;
         const T* kr = a.k + (table[blk] * a.BS * a.Hkv + h) * DC + j * rs;
@@ -172,9 +172,9 @@ void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vecto
   std::fill(acc.begin(), acc.end(), 0.f);
   for (int64_t start = 0, blk = 0; start < len; start += a.BS, ++blk) {
     const int64_t n = std::min(a.BS, len - start);
-    if (L::kPrefetch && start + a.BS < len) {  // the next V block, then the next sequence's first K block
+    if (start + a.BS < len) {  // the next V block, then the next sequence's first K block
       prefetch_bytes(block(a.v, table[blk + 1]), row_bytes(n));
-    } else if (L::kPrefetch && next_seq >= 0) {
+    } else if (next_seq >= 0) {
       prefetch_bytes(block(a.k, a.tables[next_seq * a.NBT]), row_bytes(a.BS));
     }
     for (int64_t j0 = 0, nr; j0 < n; j0 += nr) {
