@@ -60,9 +60,9 @@ inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
 }
 
-// 16 lanes. Pass 2 goes head by head
-// through a whole block, a head's G × W slice in registers across the block's rows (Lanes8's
-// order, four rows then the next head, measured the same cold and 10% slower hot here).
+// 16 lanes. Pass 2 goes head by head through a whole block, a head's G × W slice in registers
+// across the block's rows (Lanes8's order, four rows then the next head, measured the same cold and
+// 10% slower hot here).
 // SmolLM2 shapes, 30 layers' caches, scattered 16-token blocks, 1 thread, B = 4 × 256 keys:
 // 0.63-0.71 of the 8-lane walk's time read cold, 0.67-0.70 hot (docs/BENCHMARKS.md).
 struct Lanes16 {
@@ -128,8 +128,8 @@ inline void score_rows(const float* qb, const T* kr, int64_t rs, float scale, fl
 // its first row, or -1). The V and seam prefetches gave 0.78-0.91 of the K-only walk's time
 // (SmolLM2 shapes, 30 layers' caches, scattered blocks, 1-2 threads, fp16 and fp32, B = 4-32,
 // 256-1024 keys; docs/BENCHMARKS.md). At 8 lanes the prefetch once measured no gain (the first AVX2
-// box); on the 2-core Zen 3 box, paired runs, it took 0.63x the time without on fp16 K/V (B = 32,
-// 16-200 keys), 0.86x at B = 16 × 900 keys fp32, about even at B = 4 × 256 (docs/BENCHMARKS.md).
+// box); on the 2-core Zen 3 box, paired runs, it took 0.62-0.63x the time without on fp16 and fp8 K/V
+// (B = 32, 16-200 keys), 0.86x at B = 16 × 900 keys fp32, about even at B = 4 × 256 (docs/BENCHMARKS.md).
 template <typename L, typename T, int DC, int GC>
 void heads_tiled(const Args<T>& a, int64_t b, int64_t h0, int64_t h1, std::vector<float>& p, std::vector<float>& acc,
                  std::vector<float>& inv, int64_t next_seq) {
