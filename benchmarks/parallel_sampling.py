@@ -48,7 +48,8 @@ def run_side(llm: LLM, prompts: list[list[int]], n: int, new_tokens: int) -> dic
     wall = time.perf_counter() - t
     tokens = [[c.token_ids for c in o.outputs] for o in outs]
     assert all(len(t) == new_tokens for sample in tokens for t in sample)
-    return {"wall_s": wall, "tok_s": total_tokens(prompts, n, new_tokens) / wall, "ttft_p50_s": percentile([o.ttft_s for o in outs], 50),
+    return {"wall_s": wall, "tok_s": total_tokens(prompts, n, new_tokens) / wall,
+            "ttft_p50_s": percentile([o.ttft_s for o in outs], 50),
             "computed_prompt_tokens": sum(mb.prefill_tokens for mb in llm.engine.history), "tokens": tokens}
 
 
