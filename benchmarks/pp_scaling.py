@@ -43,6 +43,13 @@ The run ends in a drain: once the last prompt is in, the remaining requests (the
 micro-batches of a few rows whose cost is mostly per micro-batch, and at pp=2 there are twice
 as many of them (docs/BENCHMARKS.md, target 4).
 
+Each round's efficiency also comes as a product of four factors (pp_runtime/pipeline_loss.py):
+pp=1's driver overhead × composition (pp=1's work against pp=2's micro-batches priced at pp=1's
+fitted step costs: more, smaller micro-batches pay more fixed costs) × work speed (those prices
+against what the two stages took: the same work slower on two busy cores) × stage utilization (the
+stages' busy share of pp=2's wall). A round whose work speed is well under 1 ran in a slow spell
+of the box, or with the two stages contending; one whose utilization is, lost it to waits.
+
 By phase (first scheduler, round 0): the prefill phase — until the last micro-batch with a prompt
 chunk leaves the last stage — and the drain after it, when only decodes are left; each against
 pp=1's summed step times of the same kinds, with how many decodes rode on chunks. The drain is
@@ -66,6 +73,7 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 from launch.parser import parse_partition
@@ -73,6 +81,7 @@ from pairing import alternating, ratios  # same directory: run as a script
 from pp_runtime import LLM
 from pp_runtime.config import ADMISSIONS, CHUNK_BUDGETS, KV_DTYPES, MATMUL_PRECISIONS
 from pp_runtime.calibration import calibrate, format_costs
+from pp_runtime.pipeline_loss import Run, loss_factors
 from pp_runtime.workload import generate_workload
 from pp_runtime.workload_config import WorkloadConfig
 
@@ -224,7 +233,9 @@ def paired_runs(llms: dict[int, LLM], items: list, tokens: int, runs: list[tuple
     from the first variant's round 0."""
     r["rounds"] = {}
     per = {label: {1: [], 2: []} for label, *_ in runs}
+    factors: dict[str, list] = {label: [] for label, *_ in runs}
     for k, (label, policy, budget, admission) in alternating(rounds, runs):
+        done = {}
         for pp in (1, 2) if k % 2 == 0 else (2, 1):
             llm = llms[pp]
             llm.executor.drain_timings()
@@ -232,14 +243,20 @@ def paired_runs(llms: dict[int, LLM], items: list, tokens: int, runs: list[tuple
             per[label][pp].append(tokens / wall)
             print(f"{label:15s} pp={pp} round {k}: {tokens} tokens in {wall:7.1f} s = {tokens / wall:6.1f} tok/s",
                   flush=True)
+            timings = llm.executor.drain_timings()
+            done[pp] = Run(wall, list(llm.engine.history), timings)
             if label == runs[0][0] and k == 0:
-                timings = llm.executor.drain_timings()
                 r.setdefault("phases", {})[f"pp{pp}"] = phase_split(llm, timings)
                 if pp == 2:
                     r["control_plane_pp2"] = control_plane(llm, timings)
+        f = loss_factors(done[1], done[2])
+        factors[label].append(None if f is None else asdict(f))
+        print(f"{label:15s} round {k} efficiency " + ("(its factors: too few pp=1 steps to price)" if f is None
+                                                      else f.describe()), flush=True)
     for label, *_ in runs:
         eff = ratios(per[label][2], [2 * t for t in per[label][1]])  # tput2 / (2 tput1) per round
-        r["rounds"][label] = {"pp1_tok_s": per[label][1], "pp2_tok_s": per[label][2], "efficiency": eff}
+        r["rounds"][label] = {"pp1_tok_s": per[label][1], "pp2_tok_s": per[label][2], "efficiency": eff,
+                              "factors": factors[label]}
         for pp in (1, 2):
             r["throughput_tok_s"][f"{label}_pp{pp}"] = statistics.median(per[label][pp])
         r["efficiency"][label] = statistics.median(eff)
@@ -338,6 +355,12 @@ def main() -> None:
     print("pipeline efficiency tput(pp=2) / (2 × tput(pp=1)), median of paired rounds, target >= 0.9 for sarathi: "
           + ", ".join(f"{p} {e:.3f} (rounds: {', '.join(f'{x:.3f}' for x in r['rounds'][p]['efficiency'])})"
                       for p, e in r["efficiency"].items()))
+    for label, rr in r["rounds"].items():  # pp_runtime/pipeline_loss.py: what each factor means
+        fs = [f for f in rr["factors"] if f is not None]
+        if fs:
+            print(f"  {label} factors, median of rounds: " + ", ".join(
+                f"{k.replace('_', ' ')} {statistics.median(f[k] for f in fs):.3f}"
+                for k in ("driver", "composition", "work_speed", "utilization")))
     ph = r["phases"]
     print(f"{runs[0][0]} by phase, round 0 (pp=1: summed step times; pp=2: wall): prefill phase "
           f"{ph['pp1']['prefill_s']:.2f} s at pp=1, {ph['pp2']['prefill_s']:.2f} s at pp=2 = "

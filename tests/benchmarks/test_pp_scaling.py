@@ -30,6 +30,10 @@ def test_pp_scaling_smoke(tmp_path: Path) -> None:
         for st in ph["stages"]:  # every micro-batch ran on every stage, and each is counted once
             assert sum(k["n"] for k in st["kinds"].values()) == ph["microbatches"]
             assert st["idle_s"] >= 0 and all(k["median_ms"] > 0 for k in st["kinds"].values())
+    for rounds in r["rounds"].values():  # each round's efficiency as the product of its factors
+        for eff, f in zip(rounds["efficiency"], rounds["factors"]):
+            assert f is None or f["driver"] * f["composition"] * f["work_speed"] * f["utilization"] == \
+                pytest.approx(f["efficiency"]) == pytest.approx(eff, rel=1e-6)
     c = r["control_plane_pp2"]
     assert c["microbatches"] > 0 and c["mean_step_ms"] > 0 and c["return_ms_per_mb"] >= 0
     m = r["memory_pp2"]
@@ -47,9 +51,11 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
         def __init__(self, pp: int) -> None:
             self.pp = pp
             self.executor = self
+            self.engine = self
+            self.history: list = []  # no micro-batches: too few to price, so no factors
 
         def drain_timings(self) -> list:
-            return []
+            return [[] for _ in range(self.pp)]  # a worker per stage, no step recorded
 
     walls = {1: [10.0, 12.0, 8.0], 2: [6.0, 4.0, 5.0]}  # seconds per round
     calls = []
@@ -73,6 +79,7 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
     # throughputs would be 1.0 instead
     assert r["rounds"]["sarathi"]["efficiency"] == pytest.approx([10 / 12, 1.5, 0.8])
     assert r["efficiency"]["sarathi"] == pytest.approx(10 / 12)
+    assert r["rounds"]["sarathi"]["factors"] == [None, None, None]
     assert r["throughput_tok_s"]["sarathi_pp1"] == pytest.approx(120 / 10)
     assert r["control_plane_pp2"] == {"pp": 2}
     # two variants: every round runs both (in order, then reversed), each pp=1 / pp=2 pair back to back
