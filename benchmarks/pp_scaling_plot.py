@@ -6,7 +6,9 @@
 1. throughput per paired round, each scheduler at pp = 1 and pp = 2, and the ideal 2 × pp = 1;
 2. efficiency per round (pp = 2 over 2 × pp = 1) against the 0.9 target;
 3. round 0 of the first scheduler by phase: the prefill phase and the decode-only drain at pp = 1
-   (summed step times), at pp = 2 (wall) and ideally (half of pp = 1's), with each stage's idle time.
+   (summed step times), at pp = 2 (wall) and ideally (half of pp = 1's), with each stage's idle time;
+4. the first scheduler's efficiency per round as its four factors (pp_runtime/pipeline_loss.py):
+   a factor under 1 is where that round lost.
 """
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ from pp_runtime.figures import new_figure, save
 
 PALETTE = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3")
 PREFILL, DRAIN, IDLE = "#55A868", "#DD8452", "#9E9E9E"
+FACTORS = ("driver", "composition", "work_speed", "utilization")
 
 
 def plot_pp_scaling(r: dict, path: Path, target: float = 0.9) -> str:
     """Draw ``r`` (pp_scaling.py's result, or its JSON) to ``path``; returns the path."""
-    fig = new_figure(14.0, 4.2)
-    tput, eff, phases = fig.subplots(1, 3)
+    fig = new_figure(18.0, 4.2)
+    tput, eff, phases, factors = fig.subplots(1, 4)
     for i, (label, rounds) in enumerate(r["rounds"].items()):
         color = PALETTE[i % len(PALETTE)]
         xs = range(len(rounds["pp1_tok_s"]))
@@ -53,8 +56,26 @@ def plot_pp_scaling(r: dict, path: Path, target: float = 0.9) -> str:
         phases.set(xlabel=f"seconds (pp = 2 idle: {idle})", title=f"{next(iter(r['rounds']))}, round 0, by phase")
         phases.set_xlim(0, 1.25 * max(p + d for _, p, d in rows))
         phases.legend(fontsize=8, loc="center right")
+    plot_factors(factors, *next(iter(r["rounds"].items())))
     w = r["workload"]
     fig.suptitle(f"{w['num_requests']} requests, prompts {w['min_len']}-{w['max_len']}, P:D = {w['pd_ratio']} Zipf; "
                  f"chunk {r['chunk']} (pp = 2: {r['pp2_chunk']}), batch {r['max_batch_size']}, "
                  f"matmul precision {r['matmul_precision']}, KV {r['kv_cache_dtype']}", fontsize=9)
     return save(fig, path)
+
+
+def plot_factors(ax: object, label: str, rounds: dict) -> None:
+    """Grouped bars: each round's four factors (a JSON from before them, or a round too short to
+    price, draws none)."""
+    per = [(k, f) for k, f in enumerate(rounds.get("factors") or []) if f]
+    width = 0.8 / len(FACTORS)
+    for i, name in enumerate(FACTORS):
+        ax.bar([k + (i - 1.5) * width for k, _ in per], [f[name] for _, f in per], width,
+               color=PALETTE[i], label=name.replace("_", " "))
+    for k, f in per:
+        ax.text(k, 1.02, f"{f['efficiency']:.3f}", ha="center", fontsize=8)
+    ax.axhline(1.0, ls="--", color=IDLE)
+    ax.set_xticks([k for k, _ in per])
+    ax.set_ylim(0.5, 1.12)
+    ax.set(xlabel="paired round (efficiency above)", ylabel="factor", title=f"{label}: where each round lost it")
+    ax.legend(fontsize=7, loc="lower right")

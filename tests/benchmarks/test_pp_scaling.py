@@ -101,3 +101,18 @@ def test_pp_scaling_pairs_each_round(monkeypatch: pytest.MonkeyPatch) -> None:
         ("sarathi[tokens]", "sarathi", "tokens", "longest_first"),
         ("sarathi[tokens,fcfs]", "sarathi", "tokens", "fcfs"),
         ("orca", "orca", "flops", "longest_first"), ("orca[fcfs]", "orca", "flops", "fcfs")]
+
+
+@pytest.mark.parametrize("factors", [None, [None, {"efficiency": 0.72, "driver": 1.0, "composition": 0.97,
+                                                   "work_speed": 0.8, "utilization": 0.93}]])
+def test_plot_draws_the_factors_it_has(tmp_path: Path, factors: list | None) -> None:
+    """The figure's fourth panel: the rounds that have factors (a JSON from before them has none)."""
+    plot = load_script("pp_scaling_plot")
+    rounds = {"pp1_tok_s": [100.0, 110.0], "pp2_tok_s": [150.0, 160.0], "efficiency": [0.75, 0.727]}
+    if factors is not None:
+        rounds["factors"] = factors
+    r = {"rounds": {"sarathi": rounds}, "efficiency": {"sarathi": 0.74}, "chunk": 256, "pp2_chunk": 256,
+         "max_batch_size": 32, "matmul_precision": "highest", "kv_cache_dtype": "auto",
+         "workload": {"num_requests": 4, "min_len": 8, "max_len": 16, "pd_ratio": 10}}
+    out = plot.plot_pp_scaling(r, tmp_path / "f.png")
+    assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
