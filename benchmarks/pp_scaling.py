@@ -46,9 +46,10 @@ as many of them (docs/BENCHMARKS.md, target 4).
 Each round's efficiency also comes as a product of four factors (pp_runtime/pipeline_loss.py):
 pp=1's driver overhead × composition (pp=1's work against pp=2's micro-batches priced at pp=1's
 fitted step costs: more, smaller micro-batches pay more fixed costs) × work speed (those prices
-against what the two stages took: the same work slower on two busy cores) × stage utilization (the
-stages' busy share of pp=2's wall). A round whose work speed is well under 1 ran in a slow spell
-of the box, or with the two stages contending; one whose utilization is, lost it to waits.
+against what the two stages took: the same work slower at pp=2, where two busy cores share caches
+and memory, ~3% on the Zen 3 box, and where a slow spell of the box shows) × stage utilization
+(the stages' busy share of pp=2's wall). A round whose utilization is well under 1 lost it to
+waits; one whose work speed is, to slower work (docs/BENCHMARKS.md, 34th session).
 
 By phase (first scheduler, round 0): the prefill phase — until the last micro-batch with a prompt
 chunk leaves the last stage — and the drain after it, when only decodes are left; each against

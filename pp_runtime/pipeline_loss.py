@@ -49,6 +49,9 @@ class Run:
 
 @dataclass(frozen=True)
 class LossFactors:
+    """A pipeline run's efficiency against a one-worker run and the four factors whose product
+    it is (the module's docstring says what each measures)."""
+
     efficiency: float  # T1 / (N · T2)
     driver: float  # T1 / S1
     composition: float  # S1 / Ŝ2
