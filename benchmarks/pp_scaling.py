@@ -82,7 +82,7 @@ from pairing import alternating, ratios  # same directory: run as a script
 from pp_runtime import LLM
 from pp_runtime.config import ADMISSIONS, CHUNK_BUDGETS, KV_DTYPES, MATMUL_PRECISIONS
 from pp_runtime.calibration import calibrate, format_costs
-from pp_runtime.pipeline_loss import Run, loss_factors
+from pp_runtime.pipeline_loss import FACTORS, Run, loss_factors
 from pp_runtime.workload import generate_workload
 from pp_runtime.workload_config import WorkloadConfig
 
@@ -361,7 +361,7 @@ def main() -> None:
         if fs:
             print(f"  {label} factors, median of rounds: " + ", ".join(
                 f"{k.replace('_', ' ')} {statistics.median(f[k] for f in fs):.3f}"
-                for k in ("driver", "composition", "work_speed", "utilization")))
+                for k in FACTORS))
     ph = r["phases"]
     print(f"{runs[0][0]} by phase, round 0 (pp=1: summed step times; pp=2: wall): prefill phase "
           f"{ph['pp1']['prefill_s']:.2f} s at pp=1, {ph['pp2']['prefill_s']:.2f} s at pp=2 = "

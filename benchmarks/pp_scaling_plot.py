@@ -15,10 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from pp_runtime.figures import new_figure, save
+from pp_runtime.pipeline_loss import FACTORS
 
 PALETTE = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3")
 PREFILL, DRAIN, IDLE = "#55A868", "#DD8452", "#9E9E9E"
-FACTORS = ("driver", "composition", "work_speed", "utilization")
 
 
 def plot_pp_scaling(r: dict, path: Path, target: float = 0.9) -> str:
@@ -70,7 +70,7 @@ def plot_factors(ax: object, label: str, rounds: dict) -> None:
     per = [(k, f) for k, f in enumerate(rounds.get("factors") or []) if f]
     width = 0.8 / len(FACTORS)
     for i, name in enumerate(FACTORS):
-        ax.bar([k + (i - 1.5) * width for k, _ in per], [f[name] for _, f in per], width,
+        ax.bar([k + (i - (len(FACTORS) - 1) / 2) * width for k, _ in per], [f[name] for _, f in per], width,
                color=PALETTE[i], label=name.replace("_", " "))
     for k, f in per:
         ax.text(k, 1.02, f"{f['efficiency']:.3f}", ha="center", fontsize=8)

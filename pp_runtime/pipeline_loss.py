@@ -35,6 +35,7 @@ from pp_runtime.batch import MicroBatch
 from pp_runtime.cost_fit import samples_from_run
 
 MIN_STEPS = 8  # pp = 1 micro-batches below which the price fit (5 terms) is noise
+FACTORS = ("driver", "composition", "work_speed", "utilization")  # LossFactors' fields whose product is efficiency
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """A pipeline's efficiency as four factors (pp_runtime/pipeline_loss.py): plain Python."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from pp_runtime.batch import MicroBatch, SampleSpec, SeqChunk
-from pp_runtime.pipeline_loss import MIN_STEPS, Run, busy_seconds, loss_factors
+from pp_runtime.pipeline_loss import FACTORS, MIN_STEPS, Run, busy_seconds, loss_factors
 
 G = SampleSpec(0.0, 1.0, 0, 0)
 A, U, DR, DK = 0.03, 1e-3, 2e-3, 2e-6  # per-step, per prompt token, per decode row, per decode key (s)
@@ -67,6 +68,7 @@ def test_the_factors_multiply_to_the_efficiency(slow: float, driver_s: float) ->
     f = loss_factors(one, many)
     assert f.efficiency == pytest.approx(one.wall_s / (2 * many.wall_s))
     assert f.driver * f.composition * f.work_speed * f.utilization == pytest.approx(f.efficiency)
+    assert math.prod(getattr(f, k) for k in FACTORS) == pytest.approx(f.efficiency)  # what the plot draws
     assert f.work_speed == pytest.approx(1 / slow)  # the fit recovers the model: priced exactly
     assert f.utilization == pytest.approx(0.9)
     assert f.driver == pytest.approx(1 + driver_s * 80 / busy_seconds(one.timings), rel=1e-3)
