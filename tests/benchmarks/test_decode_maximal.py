@@ -26,6 +26,10 @@ def test_decode_maximal_smoke(hf_models: dict, tmp_path: Path) -> None:
     assert r["decode_maximal"]["batch"] == "mixed2"
     assert r["decode_maximal"]["flop_s"] == r["achieved_flop_s"]["mixed2"] > 0
     assert r["flops"]["mixed2"] > r["flops"]["chunk"] > r["flops"]["decode2"] > 0
+    # what the target asks: a piggybacked decode's FLOPs in a quarter of a decode alone's median time
+    needs = (r["flops"]["mixed2"] - r["flops"]["chunk"]) / 2 / (0.25 * row["alone_ms"] / 1e3)
+    assert row["target_needs_flop_s"] == pytest.approx(needs)
+    assert row["target_needs_of_matmul"] == pytest.approx(needs / r["matmul"]["flop_s"])
     # on a CPU the host does the work and the sync is a no-op: issuing a step is all of it
     assert all(0.9 < f <= 1 for f in r["host_issue_fraction"].values())
 
