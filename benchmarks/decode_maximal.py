@@ -28,7 +28,8 @@ interval comes from resampling the rounds (bootstrap). Target: marginal ≤ ¼ o
 Each forward is what ``stages.profile`` times: the layers plus the LM head on sampled rows.
 Beside each B it prints what the target asks of the device: the rate at which a piggybacked
 decode's own FLOPs (the mixed batch's over the chunk's, per decode) would have to run for a quarter
-of a decode alone, as a multiple of the matmul rate below; above 1 no faster code meets it there.
+of a decode alone, as a multiple of the matmul rate below; above 1 the target asks a decode's whole
+work, its memory-bound attention included, to outrun the device's own matmul.
 
 Utilisation: each batch's model FLOPs (``plan_flops``: every token's linear layers, its attention
 over the keys it sees, the LM head on sampled rows) over its median time, against the device's
@@ -247,7 +248,7 @@ def _measure_chunk(w: StageWorker, chunk: int, decodes: list[int], context: int,
         alone_min = min(times[f"decode{b}"]) / b
         # The rate a piggybacked decode's own work (its row of every linear, its attention, its LM-head
         # row) must run at for its marginal cost to be TARGET of a decode alone. Above the device's
-        # matmul rate the target is out of reach there: only a slower decode alone would meet it.
+        # matmul rate the target asks more of that work than the device's own matmul does.
         needs = (flops[f"mixed{b}"] - flops["chunk"]) / b / (TARGET * statistics.median(alone))
         out["by_batch"][b] = {"marginal_ms": statistics.median(marg) * 1e3, "alone_ms": statistics.median(alone) * 1e3,
                               "target_needs_flop_s": needs, "target_needs_of_matmul": needs / rate,
