@@ -243,16 +243,17 @@ def _measure_chunk(w: StageWorker, chunk: int, decodes: list[int], context: int,
     for b in decodes:
         marg = [(m - c) / b for m, c in zip(times[f"mixed{b}"], times["chunk"])]
         alone = [d / b for d in times[f"decode{b}"]]
+        marg_med, alone_med = statistics.median(marg), statistics.median(alone)
         # second estimate, steadier against one-sided noise (a busy neighbour only ever adds time)
         marg_min = (min(times[f"mixed{b}"]) - min(times["chunk"])) / b
         alone_min = min(times[f"decode{b}"]) / b
         # The rate a piggybacked decode's own work (its row of every linear, its attention, its LM-head
         # row) must run at for its marginal cost to be TARGET of a decode alone. Above the device's
         # matmul rate the target asks more of that work than the device's own matmul does.
-        needs = (flops[f"mixed{b}"] - flops["chunk"]) / b / (TARGET * statistics.median(alone))
-        out["by_batch"][b] = {"marginal_ms": statistics.median(marg) * 1e3, "alone_ms": statistics.median(alone) * 1e3,
+        needs = (flops[f"mixed{b}"] - flops["chunk"]) / b / (TARGET * alone_med)
+        out["by_batch"][b] = {"marginal_ms": marg_med * 1e3, "alone_ms": alone_med * 1e3,
                               "target_needs_flop_s": needs, "target_needs_of_matmul": needs / rate,
-                              "ratio": statistics.median(marg) / statistics.median(alone),
+                              "ratio": marg_med / alone_med,
                               "marginal_ms_of_minima": marg_min * 1e3, "alone_ms_min": alone_min * 1e3,
                               "ratio_of_minima": marg_min / alone_min,
                               "mixed_ms": statistics.median(times[f"mixed{b}"]) * 1e3,
